@@ -1,0 +1,179 @@
+"""`gpubot`: the command line (DESIGN.md's public contract).
+
+Every command reads Settings once, and turns a bad setting into one plain line on
+stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import typer
+
+from bot.clock import SystemClock
+from bot.config import ConfigError, Settings, load_settings
+from bot.errors import UserError
+from bot.runtime import build_runtime
+from bot.simulate import simulate
+from bot.terminal import Shell
+from bot.worker import Worker
+
+app = typer.Typer(
+    name="gpubot",
+    help="Share the team's GPUs from Slack or a terminal: reserve, queue runs, see costs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Database schema commands.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except ConfigError as exc:
+        typer.echo(f"gpubot: {exc.text}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _log_to_file(settings: Settings, level: int = logging.INFO) -> Path:
+    """The shell's screen is the user's: logs (with tracebacks) go to a file instead."""
+    settings.home.mkdir(parents=True, exist_ok=True)
+    path = settings.home / "gpubot.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("apscheduler", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return path
+
+
+def _log_to_stderr(level: int = logging.INFO) -> None:
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
+    )
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+
+
+@app.command()
+def shell(
+    user: str = typer.Option(
+        "", "--user", help="Who you are in the shell (default: your login name)."
+    ),
+    no_wait: bool = typer.Option(
+        False, "--no-wait", help="At end of input exit at once, without waiting for runs."
+    ),
+) -> None:
+    """The whole bot in a terminal: on SQLite under $GPUBOT_HOME, with this machine as the GPU host.
+
+    Type what you would type in Slack (`/gpu reserve a100 for 3h`); `@alice /gpu status`
+    runs as alice. Works interactively and piped.
+    """
+    settings = _settings()
+    log_path = _log_to_file(settings)
+    name = (user or os.environ.get("GPUBOT_USER") or _login() or "me").lstrip("@")
+    try:
+        runtime = build_runtime(settings, SystemClock())
+    except UserError as exc:
+        typer.echo(f"gpubot: {exc.text}", err=True)
+        raise typer.Exit(2) from None
+    lock = threading.Lock()
+    sh = Shell(runtime.service, name, sys.stdout, lock)
+    worker = Worker(runtime.service, sh.notifier, settings.tick_seconds)
+    worker.start()
+    if sys.stdin.isatty():
+        hosts = runtime.compute.list_instances()
+        slots = sum(len(h.gpus) for h in hosts)
+        sh.print(
+            f"gpubot shell — you are @{name}; {slots} slot(s) on {len(hosts)} host(s); "
+            f"logs in {log_path}. Try `/gpu help`. Ctrl-D quits."
+        )
+    try:
+        sh.run(_lines())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.stop()
+    # Training runs arrive with the shared queue; until then there is nothing to wait for,
+    # and reservations simply stay in the database.
+    _ = no_wait
+
+
+def _lines() -> Iterator[str]:
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            return
+        yield line
+
+
+def _login() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return ""
+
+
+@app.command()
+def worker() -> None:
+    """The periodic work alone (expiry, warnings, grants, notification delivery)."""
+    settings = _settings()
+    _log_to_stderr()
+    try:
+        runtime = build_runtime(settings, SystemClock())
+    except UserError as exc:
+        typer.echo(f"gpubot: {exc.text}", err=True)
+        raise typer.Exit(2) from None
+    # Slack delivery arrives with the Slack face; until a notifier exists the
+    # notifications wait in the outbox rather than being marked sent unseen.
+    logging.getLogger(__name__).warning(
+        "no Slack notifier in this build: notifications stay queued"
+    )
+    w = Worker(runtime.service, None, settings.tick_seconds)
+    stop = threading.Event()
+
+    def _stop(_sig: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    w.start()
+    logging.getLogger(__name__).info("worker started; tick every %ss", settings.tick_seconds)
+    while not stop.is_set():
+        time.sleep(0.5)
+    w.stop()
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Brings the database schema to the latest revision (the app also does this on start)."""
+    from db.migrate import upgrade
+    from db.session import make_engine
+
+    settings = _settings()
+    engine = make_engine(settings.sqlalchemy_url)
+    head = upgrade(engine)
+    typer.echo(f"database at revision {head} ({engine.url.render_as_string(hide_password=True)})")
+
+
+app.command("simulate")(simulate)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""One `Settings` object, read once: defaults, then the TOML file named by
+`GPUBOT_CONFIG`, then the environment (the environment wins, as a PaaS expects).
+
+Secrets (Slack tokens) come only from the environment and are masked in `repr`
+so that logging a Settings object can never leak them.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from bot.durations import format_duration, parse_duration
+from bot.errors import UserError
+
+PROVIDERS = ("local", "ssh", "aws")
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Where SQLite and other local state live (`$GPUBOT_HOME`, default ./.gpubot).
+    home: Path = Path(".gpubot")
+    # SQLAlchemy URL; empty means SQLite at <home>/gpubot.db.
+    database_url: str = ""
+    # Which compute the bot manages: this machine, static SSH hosts, or EC2.
+    provider: str = "local"
+    # CPU slots the local host offers when it has no NVIDIA GPU.
+    local_slots: int = 1
+    # GPU model a bare `/gpu reserve` asks for; None means any free GPU.
+    default_gpu: str | None = None
+    # Length of a reservation when the user gives none, and the most one may last.
+    default_duration: timedelta = timedelta(hours=2)
+    max_duration: timedelta = timedelta(days=3)
+    # How long before its end a holder is warned by DM.
+    expiry_warning: timedelta = timedelta(minutes=10)
+    # User ids (Slack ids, or names in the shell) allowed to release anyone's GPUs.
+    admins: tuple[str, ...] = ()
+    # Channel for team posts (utilization snapshots, digest, pool notes).
+    channel: str = "gpu"
+    # Seconds between worker ticks (expiry, grants, notification delivery).
+    tick_seconds: float = 15.0
+    # The team's time zone, for the digest and for "today"/"this week".
+    timezone: str = "UTC"
+    # Slack credentials: environment only, never printed.
+    slack_bot_token: str = field(default="", repr=False)
+    slack_signing_secret: str = field(default="", repr=False)
+    slack_app_token: str = field(default="", repr=False)
+    slack_api_url: str = ""
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'gpubot.db'}"
+
+    def is_admin(self, user_key: str) -> bool:
+        return user_key in self.admins
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("slack_") and f.name.endswith(("token", "secret")):
+                value = "<set>" if value else "<unset>"
+            elif isinstance(value, timedelta):
+                value = format_duration(value)
+            shown.append(f"{f.name}={value!r}")
+        return "Settings(" + ", ".join(shown) + ")"
+
+
+_ENV = {
+    "GPUBOT_HOME": "home",
+    "DATABASE_URL": "database_url",
+    "GPUBOT_PROVIDER": "provider",
+    "GPUBOT_LOCAL_SLOTS": "local_slots",
+    "GPUBOT_DEFAULT_GPU": "default_gpu",
+    "GPUBOT_DEFAULT_DURATION": "default_duration",
+    "GPUBOT_MAX_DURATION": "max_duration",
+    "GPUBOT_EXPIRY_WARNING": "expiry_warning",
+    "GPUBOT_ADMINS": "admins",
+    "GPUBOT_CHANNEL": "channel",
+    "GPUBOT_TICK_SECONDS": "tick_seconds",
+    "GPUBOT_TIMEZONE": "timezone",
+    "SLACK_BOT_TOKEN": "slack_bot_token",
+    "SLACK_SIGNING_SECRET": "slack_signing_secret",
+    "SLACK_APP_TOKEN": "slack_app_token",
+    "SLACK_API_URL": "slack_api_url",
+}
+_FILE_ONLY_FORBIDDEN = {"slack_bot_token", "slack_signing_secret", "slack_app_token"}
+
+
+class ConfigError(UserError):
+    """A bad setting: the message names the setting and where it came from."""
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    where = f"{name} (from {source})"
+    if name == "home":
+        return Path(str(raw)).expanduser()
+    if name in {"local_slots"}:
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a whole number, not {raw!r}") from None
+        if not 0 <= value <= 64:
+            raise ConfigError(f"{where} must be between 0 and 64")
+        return value
+    if name == "tick_seconds":
+        try:
+            tick = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number of seconds, not {raw!r}") from None
+        if not 0.05 <= tick <= 3600:
+            raise ConfigError(f"{where} must be between 0.05 and 3600 seconds")
+        return tick
+    if name in {"default_duration", "max_duration", "expiry_warning"}:
+        delta = parse_duration(str(raw))
+        if delta is None:
+            raise ConfigError(f"{where} must be a duration like 2h or 30m, not {raw!r}")
+        return delta
+    if name == "admins":
+        items = raw if isinstance(raw, list) else str(raw).split(",")
+        return tuple(str(i).strip().lstrip("@") for i in items if str(i).strip())
+    if name == "provider":
+        provider = str(raw).strip().lower()
+        if provider not in PROVIDERS:
+            raise ConfigError(f"{where} must be one of {', '.join(PROVIDERS)}, not {raw!r}")
+        return provider
+    if name == "default_gpu":
+        text = str(raw).strip()
+        return text or None
+    if name == "channel":
+        return str(raw).strip().lstrip("#") or "gpu"
+    return str(raw)
+
+
+def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Reads the config once; callers pass the result down instead of reading env again."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    config_path = env.get("GPUBOT_CONFIG", "")
+    if config_path:
+        path = Path(config_path).expanduser()
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"GPUBOT_CONFIG points at {path}, which does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        known = {f.name for f in fields(Settings)}
+        for key, raw in data.items():
+            if key not in known:
+                raise ConfigError(f"{path}: unknown setting {key!r}")
+            if key in _FILE_ONLY_FORBIDDEN:
+                raise ConfigError(f"{path}: {key} is a secret; set it in the environment instead")
+            values[key] = _coerce(key, raw, str(path))
+    for var, name in _ENV.items():
+        if var in env and env[var] != "":
+            values[name] = _coerce(name, env[var], var)
+    for name, raw in overrides.items():
+        values[name] = raw
+    settings = Settings(**values)
+    if settings.default_duration > settings.max_duration:
+        settings = replace(settings, default_duration=settings.max_duration)
+    return settings

@@ -1,0 +1,132 @@
+"""From a line of text to a reply, for every face: parse, call the use case, and
+turn failures into words. A `UserError` becomes a short ephemeral error with the
+verb's usage; anything else is logged with a reference id, and the user sees
+only that id. No input reaches a user as a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import lru_cache
+
+from bot import views
+from bot.commands import (
+    Budget,
+    Cancel,
+    Command,
+    Cost,
+    Extend,
+    Help,
+    Logs,
+    Pool,
+    Prices,
+    Queue,
+    Release,
+    Reserve,
+    Run,
+    Status,
+    Util,
+    parse,
+)
+from bot.errors import UserError, failure_message
+from bot.service import Actor, GpuService
+from provisioning.catalog import Catalog
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def _catalog() -> Catalog:
+    return Catalog.load()
+
+
+def normalize_model(text: str) -> str | None:
+    """User-typed GPU model to the catalog's name; `cpu` names the local CPU slots."""
+    if text.lower() in {"cpu", "cpus"}:
+        return "cpu"
+    return _catalog().normalize_model(text)
+
+
+def known_models() -> tuple[str, ...]:
+    return (*_catalog().models(), "cpu")
+
+
+def parse_text(text: str) -> Command:
+    return parse(text, normalize_model=normalize_model, known_models=known_models())
+
+
+def handle_text(
+    service: GpuService, actor: Actor, text: str, request_key: str | None = None
+) -> views.Reply:
+    try:
+        command = parse_text(text)
+        return execute(service, actor, command, request_key)
+    except UserError as exc:
+        return views.error(exc.text)
+    except Exception as exc:
+        verb = text.strip().removeprefix("/gpu").strip().split(" ", 1)[0][:20]
+        return views.error(failure_message(exc, f"/gpu {verb} by {actor.key}"))
+
+
+_LATER = {
+    Run: "training runs arrive with the shared queue",
+    Queue: "the shared queue is not built yet",
+    Cancel: "the shared queue is not built yet",
+    Logs: "the shared queue is not built yet",
+    Util: "utilization snapshots are not built yet",
+    Cost: "cost metering is not built yet",
+    Budget: "budgets are not built yet",
+    Pool: "the EC2 pool is not built yet",
+}
+
+
+def execute(
+    service: GpuService, actor: Actor, command: Command, request_key: str | None = None
+) -> views.Reply:
+    handler = _HANDLERS.get(type(command))
+    if handler is not None:
+        return handler(service, actor, command, request_key)
+    verb = type(command).__name__.lower()
+    return views.not_yet_view(verb, _LATER.get(type(command), "coming in a later release"))
+
+
+def _help(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Help)
+    return views.Reply(views.help_view(cmd.topic))
+
+
+def _status(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Status)
+    return service.status(actor, cmd)
+
+
+def _reserve(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Reserve)
+    return service.reserve(actor, cmd, request_key=key)
+
+
+def _release(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Release)
+    return service.release(actor, cmd)
+
+
+def _extend(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Extend)
+    return service.extend(actor, cmd)
+
+
+def _prices(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Prices)
+    return views.Reply(views.prices_view(_catalog(), cmd.model))
+
+
+_Handler = Callable[[GpuService, Actor, Command, "str | None"], views.Reply]
+_HANDLERS: dict[type, _Handler] = {
+    Help: _help,
+    Status: _status,
+    Reserve: _reserve,
+    Release: _release,
+    Extend: _extend,
+    Prices: _prices,
+}

@@ -1,0 +1,68 @@
+"""Read models that cross from the service to the views: plain frozen data, built
+from the database inside a transaction and safe to use after it closed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class GpuState:
+    gpu_id: int
+    index: int
+    model: str
+    memory_gb: float
+    # Who holds it now (display name), through which reservation, until when.
+    holder: str | None = None
+    holder_key: str | None = None
+    reservation_id: int | None = None
+    run_id: int | None = None
+    until: datetime | None = None
+
+
+@dataclass(frozen=True)
+class HostState:
+    name: str
+    provider: str
+    state: str
+    address: str
+    ssh_user: str
+    ssh_port: int
+    market: str
+    hourly_usd: float
+    gpus: tuple[GpuState, ...]
+
+    @property
+    def free(self) -> int:
+        return sum(1 for g in self.gpus if g.holder is None)
+
+
+@dataclass(frozen=True)
+class ReservationInfo:
+    id: int
+    user_key: str
+    user_name: str
+    state: str
+    gpu_model: str | None
+    gpu_count: int
+    duration_s: int
+    requested_at: datetime
+    granted_at: datetime | None = None
+    ends_at: datetime | None = None
+    ended_at: datetime | None = None
+    # Filled when active: where and which devices.
+    host: HostState | None = None
+    gpu_indexes: tuple[int, ...] = ()
+    gpu_models: tuple[str, ...] = ()
+    # Filled when waiting: 1-based place in line.
+    position: int | None = None
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    now: datetime
+    hosts: tuple[HostState, ...]
+    waiting: tuple[ReservationInfo, ...]
+    mine: tuple[ReservationInfo, ...]
+    mine_only: bool = False

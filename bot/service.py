@@ -1,0 +1,739 @@
+"""The use cases: the one API that the Slack face, the terminal, the worker and
+the simulator call. Every method is one database transaction, so a crash
+between two lines loses nothing that a reply already promised; the
+notifications a change causes go into the outbox in that same transaction.
+
+Granting is the one contended path. It runs as a "grant pass" over the waiting
+line inside the caller's transaction, serialized by `BEGIN IMMEDIATE` on SQLite
+and by row locks on the GPU rows (`SELECT … FOR UPDATE`) on PostgreSQL; a
+partial unique index (one open usage interval per GPU) is the backstop that
+makes a GPU held twice impossible even if that serialization were wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import func
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from bot import views
+from bot.clock import Clock
+from bot.commands import Extend, Release, Reserve, Status
+from bot.config import Settings
+from bot.domain import GpuState, HostState, ReservationInfo, StatusSnapshot
+from bot.durations import format_duration
+from bot.errors import UserError
+from db.models import (
+    HOST_READY,
+    RES_ACTIVE,
+    RES_CANCELLED,
+    RES_EXPIRED,
+    RES_OPEN_STATES,
+    RES_RELEASED,
+    RES_WAITING,
+    Gpu,
+    Host,
+    Notification,
+    Reservation,
+    UsageInterval,
+    User,
+)
+from db.session import is_postgres, transaction
+from provisioning.base import Instance
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who is asking: their key (Slack id or shell name) and whether they are an admin."""
+
+    key: str
+    name: str
+    admin: bool = False
+
+
+@dataclass(frozen=True)
+class TickReport:
+    expired: int = 0
+    warned: int = 0
+    granted: int = 0
+
+
+@dataclass(frozen=True)
+class OutboxItem:
+    id: int
+    kind: str
+    target: str
+    view: views.View
+    attempts: int
+
+
+class GpuService:
+    def __init__(self, engine: Engine, settings: Settings, clock: Clock) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.clock = clock
+
+    # --- users and hosts ---------------------------------------------------------
+
+    def actor(self, key: str, display_name: str | None = None) -> Actor:
+        """Creates the user on first sight; admins come from config or the user's role."""
+        key = key.strip().lstrip("@")
+        if not key:
+            raise UserError("Who are you? A user name is needed.")
+        with transaction(self.engine) as s:
+            user = self._user(s, key, display_name)
+            return Actor(key=user.key, name=user.display_name, admin=self._is_admin(user))
+
+    def _is_admin(self, user: User) -> bool:
+        return user.role == "admin" or self.settings.is_admin(user.key)
+
+    def _user(self, s: Session, key: str, display_name: str | None = None) -> User:
+        user = s.exec(select(User).where(User.key == key)).first()
+        if user is None:
+            user = User(key=key, display_name=display_name or key, created_at=self.clock.now())
+            try:
+                with s.begin_nested():
+                    s.add(user)
+            except IntegrityError:  # created by a concurrent first request
+                user = s.exec(select(User).where(User.key == key)).one()
+        elif display_name and user.display_name != display_name:
+            user.display_name = display_name
+            s.add(user)
+        return user
+
+    def sync_hosts(self, instances: Iterable[Instance]) -> None:
+        """Makes the host and GPU rows match what the providers report."""
+        now = self.clock.now()
+        with transaction(self.engine) as s:
+            for inst in instances:
+                host = s.exec(select(Host).where(Host.name == inst.name)).first()
+                if host is None:
+                    host = Host(name=inst.name, provider=inst.provider, created_at=now)
+                host.provider = inst.provider
+                host.instance_id = inst.instance_id
+                host.instance_type = inst.instance_type
+                host.market = inst.market
+                host.state = inst.state
+                host.address = inst.address
+                host.ssh_user = inst.ssh_user
+                host.ssh_port = inst.ssh_port
+                host.hourly_usd = inst.hourly_usd
+                host.tags = dict(inst.tags)
+                host.updated_at = now
+                s.add(host)
+                s.flush()
+                assert host.id is not None
+                existing = {g.index: g for g in s.exec(select(Gpu).where(Gpu.host_id == host.id))}
+                reported = {d.index for d in inst.gpus}
+                for dev in inst.gpus:
+                    gpu = existing.get(dev.index) or Gpu(
+                        host_id=host.id, index=dev.index, model=dev.model
+                    )
+                    gpu.model = dev.model
+                    gpu.memory_gb = dev.memory_gb
+                    gpu.present = True
+                    s.add(gpu)
+                for index, gpu in existing.items():
+                    if index not in reported and gpu.present:
+                        gpu.present = False
+                        s.add(gpu)
+
+    # --- reserve -------------------------------------------------------------------
+
+    def reserve(self, actor: Actor, cmd: Reserve, request_key: str | None = None) -> views.Reply:
+        duration = cmd.duration or self.settings.default_duration
+        if duration > self.settings.max_duration:
+            raise UserError(
+                f"A reservation can last at most {format_duration(self.settings.max_duration)}; "
+                f"ask for less, and `/gpu extend` later if you need it.",
+                "/gpu reserve [COUNT] [MODEL] [for DURATION]",
+            )
+        model = cmd.model or self.settings.default_gpu
+        try:
+            with transaction(self.engine) as s:
+                if request_key and (prior := self._by_request_key(s, request_key)) is not None:
+                    return views.Reply(views.already_view(self._info(s, prior), self.clock.now()))
+                self._check_feasible(s, model, cmd.count)
+                user = self._user(s, actor.key, actor.name)
+                now = self.clock.now()
+                res = Reservation(
+                    user_id=user.id,  # type: ignore[arg-type]
+                    gpu_model=model,
+                    gpu_count=cmd.count,
+                    duration_s=int(duration.total_seconds()),
+                    state=RES_WAITING,
+                    requested_at=now,
+                    request_key=request_key,
+                )
+                s.add(res)
+                s.flush()
+                self._grant_pass(s, now, quiet_id=res.id)
+                info = self._info(s, res)
+                if res.state == RES_ACTIVE:
+                    return views.Reply(views.granted_view(info, now))
+                return views.Reply(views.waiting_view(info))
+        except IntegrityError:
+            if not request_key:
+                raise
+            # The same request delivered twice at once: the other copy won the insert.
+            with transaction(self.engine, write=False) as s:
+                prior = self._by_request_key(s, request_key)
+                if prior is None:
+                    raise
+                return views.Reply(views.already_view(self._info(s, prior), self.clock.now()))
+
+    def _by_request_key(self, s: Session, key: str) -> Reservation | None:
+        return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
+
+    def _check_feasible(self, s: Session, model: str | None, count: int) -> None:
+        """Refuses up front what could never be granted, instead of an endless wait."""
+        hosts = self._hosts(s)
+        fits = [
+            h for h in hosts if sum(1 for g in h.gpus if model is None or g.model == model) >= count
+        ]
+        if fits:
+            return
+        have = sorted({f"{g.model}" for h in hosts for g in h.gpus})
+        biggest = max(
+            (sum(1 for g in h.gpus if model is None or g.model == model) for h in hosts), default=0
+        )
+        what = views.gpu_phrase(count, model)
+        if biggest == 0:
+            models = ", ".join(have) if have else "none"
+            raise UserError(
+                f"No host here has {model if model else 'any'} GPUs (this pool has: {models}).",
+                "/gpu reserve [COUNT] [MODEL] [for DURATION]",
+            )
+        raise UserError(
+            f"No single host has {what}; the most on one host is {biggest}.",
+            "/gpu reserve [COUNT] [MODEL] [for DURATION]",
+        )
+
+    # --- the grant pass -------------------------------------------------------------
+
+    def _grant_pass(self, s: Session, now: datetime, quiet_id: int | None = None) -> int:
+        """Grants waiting reservations in order while GPUs allow; returns how many.
+
+        A request that cannot be granted blocks later requests for the same GPUs
+        (first come, first served per model); a later request for another model
+        may go ahead. `quiet_id` is the caller's own request: its reply says the
+        result, so it gets no DM.
+        """
+        if is_postgres(self.engine):
+            # Serializes grant passes: every pass locks the same rows in the same order.
+            s.exec(select(Gpu.id).order_by(col(Gpu.id)).with_for_update()).all()
+        hosts = [
+            h for h in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id)))
+        ]
+        held = set(
+            s.exec(select(UsageInterval.gpu_id).where(col(UsageInterval.ended_at).is_(None))).all()
+        )
+        free: dict[int, list[Gpu]] = {}
+        for h in hosts:
+            assert h.id is not None
+            gpus = s.exec(
+                select(Gpu)
+                .where(Gpu.host_id == h.id, col(Gpu.present).is_(True))
+                .order_by(col(Gpu.index))
+            ).all()
+            free[h.id] = [g for g in gpus if g.id not in held]
+        waiting = s.exec(
+            select(Reservation)
+            .where(Reservation.state == RES_WAITING)
+            .order_by(col(Reservation.requested_at), col(Reservation.id))
+        ).all()
+        blocked_models: set[str | None] = set()
+        granted = 0
+        for res in waiting:
+            if (
+                None in blocked_models
+                or res.gpu_model in blocked_models
+                or (res.gpu_model is None and blocked_models)
+            ):
+                continue
+            choice = self._pick(hosts, free, res.gpu_model, res.gpu_count)
+            if choice is None:
+                blocked_models.add(res.gpu_model)
+                continue
+            host, gpus = choice
+            self._grant(s, res, host, gpus, now)
+            assert host.id is not None
+            free[host.id] = [g for g in free[host.id] if g not in gpus]
+            granted += 1
+            if res.id != quiet_id:
+                info = self._info(s, res)
+                self._notify_dm(
+                    s,
+                    info.user_key,
+                    views.granted_view(info, now, was_waiting=True),
+                    now,
+                    dedupe=f"granted:{res.id}",
+                )
+        return granted
+
+    @staticmethod
+    def _pick(
+        hosts: list[Host], free: dict[int, list[Gpu]], model: str | None, count: int
+    ) -> tuple[Host, list[Gpu]] | None:
+        """Best fit: the host with the fewest matching free GPUs that still fits, so
+        big holes stay open for big requests."""
+        best: tuple[int, Host, list[Gpu]] | None = None
+        for h in hosts:
+            assert h.id is not None
+            by_model: dict[str, list[Gpu]] = {}
+            for g in free[h.id]:
+                by_model.setdefault(g.model, []).append(g)
+            for m, gs in by_model.items():
+                if (
+                    (model is None or m == model)
+                    and len(gs) >= count
+                    and (best is None or len(gs) < best[0])
+                ):
+                    best = (len(gs), h, gs[:count])
+        return None if best is None else (best[1], best[2])
+
+    def _grant(
+        self, s: Session, res: Reservation, host: Host, gpus: list[Gpu], now: datetime
+    ) -> None:
+        assert host.id is not None and res.id is not None
+        per_gpu = host.hourly_usd / max(1, self._gpu_count(s, host.id))
+        res.state = RES_ACTIVE
+        res.granted_at = now
+        res.ends_at = now + timedelta(seconds=res.duration_s)
+        res.host_id = host.id
+        s.add(res)
+        for g in gpus:
+            assert g.id is not None
+            s.add(
+                UsageInterval(
+                    gpu_id=g.id,
+                    host_id=host.id,
+                    user_id=res.user_id,
+                    reservation_id=res.id,
+                    started_at=now,
+                    usd_per_hour=per_gpu,
+                    market=host.market,
+                )
+            )
+        s.flush()
+
+    def _gpu_count(self, s: Session, host_id: int) -> int:
+        n = s.exec(
+            select(func.count())
+            .select_from(Gpu)
+            .where(Gpu.host_id == host_id, col(Gpu.present).is_(True))
+        ).one()
+        return int(n)
+
+    # --- release and extend ---------------------------------------------------------
+
+    def release(self, actor: Actor, cmd: Release) -> views.Reply:
+        with transaction(self.engine) as s:
+            user = self._user(s, actor.key, actor.name)
+            now = self.clock.now()
+            if cmd.reservation_id is not None:
+                res = s.get(Reservation, cmd.reservation_id)
+                if res is None:
+                    raise UserError(
+                        f"There is no reservation #{cmd.reservation_id}.", "/gpu release [ID|all]"
+                    )
+                if res.user_id != user.id and not actor.admin:
+                    raise UserError(
+                        f"Reservation #{res.id} is not yours; only its holder or an admin can release it.",
+                        "/gpu release [ID|all]",
+                    )
+                if res.state not in RES_OPEN_STATES:
+                    raise UserError(
+                        f"Reservation #{res.id} is already {res.state}.", "/gpu release [ID|all]"
+                    )
+                targets = [res]
+            else:
+                targets = list(
+                    s.exec(
+                        select(Reservation)
+                        .where(
+                            Reservation.user_id == user.id,
+                            col(Reservation.state).in_(RES_OPEN_STATES),
+                        )
+                        .order_by(col(Reservation.id))
+                    )
+                )
+                if not targets:
+                    raise UserError(
+                        "You hold no GPUs and are not waiting for any.", "/gpu release [ID|all]"
+                    )
+                if len(targets) > 1 and not cmd.all:
+                    ids = ", ".join(f"#{r.id}" for r in targets)
+                    raise UserError(
+                        f"You have {len(targets)} reservations ({ids}); say which, or `all`.",
+                        "/gpu release [ID|all]",
+                    )
+            done = []
+            for res in targets:
+                self._end(s, res, RES_RELEASED if res.state == RES_ACTIVE else RES_CANCELLED, now)
+                info = self._info(s, res)
+                done.append(info)
+                if res.user_id != user.id:
+                    self._notify_dm(
+                        s,
+                        info.user_key,
+                        views.released_by_admin_dm(info, actor.name),
+                        now,
+                        dedupe=f"admin-release:{res.id}",
+                    )
+            self._grant_pass(s, now)
+            return views.Reply(views.released_view(done, actor.key))
+
+    def _end(self, s: Session, res: Reservation, state: str, at: datetime) -> None:
+        for iv in s.exec(
+            select(UsageInterval).where(
+                UsageInterval.reservation_id == res.id, col(UsageInterval.ended_at).is_(None)
+            )
+        ):
+            iv.ended_at = max(at, iv.started_at)
+            s.add(iv)
+        res.state = state
+        res.ended_at = at
+        s.add(res)
+        s.flush()
+
+    def extend(self, actor: Actor, cmd: Extend) -> views.Reply:
+        usage = "/gpu extend [ID] DURATION"
+        with transaction(self.engine) as s:
+            user = self._user(s, actor.key, actor.name)
+            now = self.clock.now()
+            if cmd.reservation_id is not None:
+                res = s.get(Reservation, cmd.reservation_id)
+                if res is None:
+                    raise UserError(f"There is no reservation #{cmd.reservation_id}.", usage)
+                if res.user_id != user.id and not actor.admin:
+                    raise UserError(f"Reservation #{res.id} is not yours.", usage)
+            else:
+                mine = list(
+                    s.exec(
+                        select(Reservation).where(
+                            Reservation.user_id == user.id,
+                            col(Reservation.state).in_(RES_OPEN_STATES),
+                        )
+                    )
+                )
+                if not mine:
+                    raise UserError("You have no reservation to extend.", usage)
+                if len(mine) > 1:
+                    ids = ", ".join(f"#{r.id}" for r in mine)
+                    raise UserError(f"You have {len(mine)} reservations ({ids}); say which.", usage)
+                res = mine[0]
+            if res.state not in RES_OPEN_STATES:
+                raise UserError(f"Reservation #{res.id} is already {res.state}.", usage)
+            total = timedelta(seconds=res.duration_s) + cmd.duration
+            if total > self.settings.max_duration:
+                left = self.settings.max_duration - timedelta(seconds=res.duration_s)
+                can = f"at most {format_duration(left)} more" if left > timedelta(0) else "no more"
+                raise UserError(
+                    f"A reservation can last at most {format_duration(self.settings.max_duration)}; "
+                    f"#{res.id} can take {can}.",
+                    usage,
+                )
+            res.duration_s = int(total.total_seconds())
+            if res.state == RES_ACTIVE:
+                assert res.granted_at is not None
+                res.ends_at = res.granted_at + total
+                res.warned_at = None
+            s.add(res)
+            s.flush()
+            info = self._info(s, res)
+            if res.state == RES_WAITING:
+                text = f"Reservation #{res.id} is still waiting; it will last {format_duration(total)} once granted."
+                return views.message(text)
+            return views.Reply(views.extended_view(info, now, cmd.duration))
+
+    # --- status -----------------------------------------------------------------------
+
+    def status(self, actor: Actor, cmd: Status) -> views.Reply:
+        with transaction(self.engine, write=False) as s:
+            now = self.clock.now()
+            hosts = self._hosts(s)
+            waiting = self._waiting(s, hosts)
+            user = s.exec(select(User).where(User.key == actor.key)).first()
+            mine: list[ReservationInfo] = []
+            if user is not None:
+                mine_rows = s.exec(
+                    select(Reservation)
+                    .where(
+                        Reservation.user_id == user.id, col(Reservation.state).in_(RES_OPEN_STATES)
+                    )
+                    .order_by(col(Reservation.id))
+                ).all()
+                pos: dict[int | None, int | None] = {r.id: r.position for r in waiting}
+                for r in mine_rows:
+                    info = self._info(s, r, hosts)
+                    if r.state == RES_WAITING:
+                        info = _with_position(info, pos.get(r.id))
+                    mine.append(info)
+            snap = StatusSnapshot(
+                now=now,
+                hosts=tuple(hosts),
+                waiting=tuple(waiting),
+                mine=tuple(mine),
+                mine_only=cmd.mine_only,
+            )
+            return views.Reply(views.status_view(snap))
+
+    def _hosts(self, s: Session) -> list[HostState]:
+        hosts = s.exec(select(Host).where(Host.state != "terminated").order_by(col(Host.id))).all()
+        gpus = s.exec(
+            select(Gpu).where(col(Gpu.present).is_(True)).order_by(col(Gpu.host_id), col(Gpu.index))
+        ).all()
+        open_rows = s.exec(
+            select(UsageInterval, User, Reservation)
+            .join(User, col(User.id) == col(UsageInterval.user_id))
+            .join(
+                Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True
+            )
+            .where(col(UsageInterval.ended_at).is_(None))
+        ).all()
+        holder: dict[int, tuple[UsageInterval, User, Reservation | None]] = {
+            iv.gpu_id: (iv, u, r) for iv, u, r in open_rows
+        }
+        by_host: dict[int, list[GpuState]] = {}
+        for g in gpus:
+            assert g.id is not None
+            h = holder.get(g.id)
+            state = GpuState(gpu_id=g.id, index=g.index, model=g.model, memory_gb=g.memory_gb)
+            if h is not None:
+                iv, u, r = h
+                state = GpuState(
+                    gpu_id=g.id,
+                    index=g.index,
+                    model=g.model,
+                    memory_gb=g.memory_gb,
+                    holder=u.display_name,
+                    holder_key=u.key,
+                    reservation_id=iv.reservation_id,
+                    run_id=iv.run_id,
+                    until=r.ends_at if r is not None else None,
+                )
+            by_host.setdefault(g.host_id, []).append(state)
+        return [
+            HostState(
+                name=h.name,
+                provider=h.provider,
+                state=h.state,
+                address=h.address,
+                ssh_user=h.ssh_user,
+                ssh_port=h.ssh_port,
+                market=h.market,
+                hourly_usd=h.hourly_usd,
+                gpus=tuple(by_host.get(h.id or -1, [])),
+            )
+            for h in hosts
+        ]
+
+    def _waiting(self, s: Session, hosts: list[HostState] | None = None) -> list[ReservationInfo]:
+        rows = s.exec(
+            select(Reservation)
+            .where(Reservation.state == RES_WAITING)
+            .order_by(col(Reservation.requested_at), col(Reservation.id))
+        ).all()
+        return [_with_position(self._info(s, r, hosts), i + 1) for i, r in enumerate(rows)]
+
+    def _info(
+        self, s: Session, res: Reservation, hosts: list[HostState] | None = None
+    ) -> ReservationInfo:
+        user = s.get(User, res.user_id)
+        assert user is not None and res.id is not None
+        host_state: HostState | None = None
+        indexes: tuple[int, ...] = ()
+        models: tuple[str, ...] = ()
+        if res.state == RES_ACTIVE or res.host_id is not None:
+            rows = s.exec(
+                select(Gpu)
+                .join(UsageInterval, col(UsageInterval.gpu_id) == col(Gpu.id))
+                .where(UsageInterval.reservation_id == res.id)
+                .order_by(col(Gpu.index))
+            ).all()
+            seen: dict[int, Gpu] = {g.id: g for g in rows if g.id is not None}
+            indexes = tuple(g.index for g in seen.values())
+            models = tuple(g.model for g in seen.values())
+            host = s.get(Host, res.host_id) if res.host_id is not None else None
+            if host is not None:
+                known = {h.name: h for h in hosts} if hosts is not None else {}
+                host_state = known.get(host.name) or HostState(
+                    name=host.name,
+                    provider=host.provider,
+                    state=host.state,
+                    address=host.address,
+                    ssh_user=host.ssh_user,
+                    ssh_port=host.ssh_port,
+                    market=host.market,
+                    hourly_usd=host.hourly_usd,
+                    gpus=(),
+                )
+        position = None
+        if res.state == RES_WAITING:
+            ahead = s.exec(
+                select(func.count())
+                .select_from(Reservation)
+                .where(
+                    Reservation.state == RES_WAITING,
+                    (col(Reservation.requested_at) < res.requested_at)
+                    | (
+                        (col(Reservation.requested_at) == res.requested_at)
+                        & (col(Reservation.id) < res.id)
+                    ),
+                )
+            ).one()
+            position = int(ahead) + 1
+        return ReservationInfo(
+            id=res.id,
+            user_key=user.key,
+            user_name=user.display_name,
+            state=res.state,
+            gpu_model=res.gpu_model,
+            gpu_count=res.gpu_count,
+            duration_s=res.duration_s,
+            requested_at=res.requested_at,
+            granted_at=res.granted_at,
+            ends_at=res.ends_at,
+            ended_at=res.ended_at,
+            host=host_state,
+            gpu_indexes=indexes,
+            gpu_models=models,
+            position=position,
+        )
+
+    # --- the worker's tick -------------------------------------------------------------
+
+    def tick(self) -> TickReport:
+        """Ends what is due, warns what is near, grants what became free. Idempotent."""
+        with transaction(self.engine) as s:
+            now = self.clock.now()
+            expired = 0
+            for res in s.exec(
+                select(Reservation).where(
+                    Reservation.state == RES_ACTIVE, col(Reservation.ends_at) <= now
+                )
+            ).all():
+                assert res.ends_at is not None
+                self._end(s, res, RES_EXPIRED, res.ends_at)
+                info = self._info(s, res)
+                self._notify_dm(
+                    s, info.user_key, views.expired_view(info), now, dedupe=f"expired:{res.id}"
+                )
+                expired += 1
+            warned = 0
+            lead = self.settings.expiry_warning
+            for res in s.exec(
+                select(Reservation).where(
+                    Reservation.state == RES_ACTIVE,
+                    col(Reservation.warned_at).is_(None),
+                    col(Reservation.ends_at) <= now + lead,
+                )
+            ).all():
+                assert res.ends_at is not None and res.granted_at is not None
+                res.warned_at = now
+                s.add(res)
+                # A reservation shorter than the warning lead needs no warning: its
+                # holder asked for that little time a moment ago.
+                if res.ends_at - res.granted_at <= lead:
+                    continue
+                info = self._info(s, res)
+                self._notify_dm(
+                    s,
+                    info.user_key,
+                    views.expiry_warning_view(info, now),
+                    now,
+                    dedupe=f"warn:{res.id}:{res.ends_at.isoformat()}",
+                )
+                warned += 1
+            granted = self._grant_pass(s, now)
+            return TickReport(expired=expired, warned=warned, granted=granted)
+
+    # --- the outbox ----------------------------------------------------------------------
+
+    def _notify_dm(
+        self, s: Session, user_key: str, view: views.View, now: datetime, dedupe: str | None
+    ) -> None:
+        self._notify(s, "dm", user_key, view, now, dedupe)
+
+    def notify_channel(self, view: views.View, dedupe: str | None = None) -> None:
+        with transaction(self.engine) as s:
+            self._notify(s, "channel", self.settings.channel, view, self.clock.now(), dedupe)
+
+    def _notify(
+        self,
+        s: Session,
+        kind: str,
+        target: str,
+        view: views.View,
+        now: datetime,
+        dedupe: str | None,
+    ) -> None:
+        if dedupe is not None:
+            exists = s.exec(
+                select(Notification.id).where(Notification.dedupe_key == dedupe)
+            ).first()
+            if exists is not None:
+                return
+        s.add(
+            Notification(
+                kind=kind,
+                target=target,
+                text=view.text,
+                view=view.to_dict(),
+                created_at=now,
+                deliver_after=now,
+                dedupe_key=dedupe,
+            )
+        )
+
+    def pending_notifications(self, limit: int = 50) -> list[OutboxItem]:
+        with transaction(self.engine, write=False) as s:
+            now = self.clock.now()
+            rows = s.exec(
+                select(Notification)
+                .where(col(Notification.sent_at).is_(None), col(Notification.deliver_after) <= now)
+                .order_by(col(Notification.id))
+                .limit(limit)
+            ).all()
+            return [
+                OutboxItem(
+                    id=n.id or 0,
+                    kind=n.kind,
+                    target=n.target,
+                    view=views.View.from_dict(n.view),
+                    attempts=n.attempts,
+                )
+                for n in rows
+            ]
+
+    def mark_sent(self, item_id: int) -> None:
+        with transaction(self.engine) as s:
+            n = s.get(Notification, item_id)
+            if n is not None and n.sent_at is None:
+                n.sent_at = self.clock.now()
+                n.attempts += 1
+                s.add(n)
+
+    def mark_failed(self, item_id: int, error: str, retry_after: timedelta) -> None:
+        with transaction(self.engine) as s:
+            n = s.get(Notification, item_id)
+            if n is not None and n.sent_at is None:
+                n.attempts += 1
+                n.last_error = error[:500]
+                n.deliver_after = self.clock.now() + retry_after
+                s.add(n)
+
+
+def _with_position(info: ReservationInfo, position: int | None) -> ReservationInfo:
+    from dataclasses import replace
+
+    return replace(info, position=position)

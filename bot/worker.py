@@ -1,0 +1,104 @@
+"""The periodic work: ending reservations, warning holders, granting the line,
+delivering the outbox. APScheduler 3 runs it on a background thread; job
+functions are module-level so APScheduler could persist and restore them.
+
+Delivery is at-least-once from the outbox's point of view: a notification is
+marked sent only after the notifier returned, and a failure schedules a retry
+(the notifier says how long to wait, e.g. Slack's Retry-After).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from bot.errors import new_ref
+from bot.service import GpuService, OutboxItem
+
+log = logging.getLogger(__name__)
+
+
+class DeliveryRetry(Exception):
+    """A transient failure: try again after `retry_after` (rate limit, network)."""
+
+    def __init__(self, reason: str, retry_after: timedelta = timedelta(seconds=30)) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+class Notifier(Protocol):
+    def send(self, item: OutboxItem) -> None:
+        """Delivers one notification, or raises DeliveryRetry / any error."""
+        ...
+
+
+_deliver_lock = threading.Lock()
+_BACKOFF_CAP = timedelta(minutes=30)
+
+
+def deliver(service: GpuService, notifier: Notifier, limit: int = 50) -> int:
+    """Sends what is due; returns how many went out. Serialized within the process
+    so the command thread and the worker thread never send one item twice."""
+    sent = 0
+    with _deliver_lock:
+        for item in service.pending_notifications(limit):
+            try:
+                notifier.send(item)
+            except DeliveryRetry as exc:
+                service.mark_failed(item.id, str(exc), exc.retry_after)
+                continue
+            except Exception as exc:
+                ref = new_ref()
+                log.error(
+                    "ref=%s notification %s to %s failed", ref, item.id, item.kind, exc_info=exc
+                )
+                backoff = min(_BACKOFF_CAP, timedelta(seconds=15 * 2 ** min(item.attempts, 10)))
+                service.mark_failed(item.id, f"{type(exc).__name__} (ref {ref})", backoff)
+                continue
+            service.mark_sent(item.id)
+            sent += 1
+    return sent
+
+
+def tick_job(service: GpuService, notifier: Notifier | None) -> None:
+    try:
+        report = service.tick()
+        if report.expired or report.warned or report.granted:
+            log.info("tick: %s", report)
+        if notifier is not None:
+            deliver(service, notifier)
+    except Exception as exc:
+        log.error("ref=%s worker tick failed", new_ref(), exc_info=exc)
+
+
+@dataclass
+class Worker:
+    service: GpuService
+    notifier: Notifier | None
+    interval_s: float
+
+    def __post_init__(self) -> None:
+        self._scheduler = BackgroundScheduler(
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+            timezone="UTC",
+        )
+        self._scheduler.add_job(
+            tick_job,
+            "interval",
+            seconds=self.interval_s,
+            args=[self.service, self.notifier],
+            id="tick",
+            replace_existing=True,
+        )
+
+    def start(self) -> None:
+        self._scheduler.start()
+
+    def stop(self) -> None:
+        if self._scheduler.running:
+            self._scheduler.shutdown(wait=True)

@@ -1,0 +1,198 @@
+"""Every table gpubot keeps. The database is the bot's only memory: a process may
+die at any line, so each state change and the notifications it causes are
+written in one transaction (the outbox pattern), and the usage intervals are
+the ground truth that every cost is computed from.
+
+State names are plain strings (listed beside each column) so that a migration is
+never needed to add one; the service owns their meaning.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, Column, Index, Text, UniqueConstraint, text
+from sqlmodel import Field, SQLModel
+
+from db.types import UTCDateTime
+
+# Reservation states.
+RES_WAITING = "waiting"  # in line for GPUs
+RES_ACTIVE = "active"  # holds GPUs until ends_at
+RES_RELEASED = "released"  # given back by its holder or an admin
+RES_EXPIRED = "expired"  # reached ends_at
+RES_CANCELLED = "cancelled"  # released while still waiting
+RES_OPEN_STATES = (RES_WAITING, RES_ACTIVE)
+
+# Host states.
+HOST_READY = "ready"
+HOST_PENDING = "pending"
+HOST_STOPPED = "stopped"
+HOST_TERMINATED = "terminated"
+HOST_UNREACHABLE = "unreachable"
+
+
+def _ts(nullable: bool = False) -> Any:
+    return Field(default=None, sa_type=UTCDateTime, nullable=nullable)
+
+
+class User(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    # Slack user id (U…), or the name typed in the shell; unique per workspace.
+    key: str = Field(unique=True, index=True, max_length=64)
+    display_name: str = Field(max_length=128)
+    # "member" or "admin" (admins also come from config; either suffices).
+    role: str = Field(default="member", max_length=16)
+    # Spend limit per budget_period in USD; None means no limit.
+    budget_usd: float | None = None
+    budget_period: str = Field(default="week", max_length=8)
+    created_at: datetime = _ts()
+
+
+class Host(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    # Unique, human-readable name shown in status ("local", "gpu-box-1", "i-0abc…").
+    name: str = Field(unique=True, index=True, max_length=128)
+    # Which provider manages it: local, ssh, aws, sim.
+    provider: str = Field(max_length=16)
+    # The cloud's id for it (EC2 instance id); None for machines we do not rent.
+    instance_id: str | None = Field(default=None, unique=True, max_length=64)
+    instance_type: str | None = Field(default=None, max_length=64)
+    # "ondemand", "spot", or "owned" (on-prem and this machine: no hourly bill).
+    market: str = Field(default="owned", max_length=16)
+    # ready, pending, stopped, terminated, unreachable.
+    state: str = Field(default=HOST_READY, max_length=16)
+    # Where SSH reaches it (host name or address) and as whom; empty for the local host.
+    address: str = Field(default="", max_length=255)
+    ssh_user: str = Field(default="", max_length=64)
+    ssh_port: int = 22
+    # What the whole host costs per hour while running, in USD (0 for owned).
+    hourly_usd: float = 0.0
+    # Cloud tags as read back (gpubot:managed, gpubot:owner, …).
+    tags: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class Gpu(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("host_id", "index", name="uq_gpu_host_index"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    host_id: int = Field(foreign_key="host.id", index=True)
+    # The device index on its host (what CUDA_VISIBLE_DEVICES names).
+    index: int
+    # Normalized model name ("A100", "H100", …, or "cpu" for a CPU slot).
+    model: str = Field(max_length=32)
+    memory_gb: float = 0.0
+    # False once the host no longer reports it; kept for history.
+    present: bool = True
+
+
+class Reservation(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    user_id: int = Field(foreign_key="user.id", index=True)
+    # What was asked for: a model (None = any) and a count, for how long.
+    gpu_model: str | None = Field(default=None, max_length=32)
+    gpu_count: int = 1
+    duration_s: int
+    # waiting, active, released, expired, cancelled.
+    state: str = Field(default=RES_WAITING, index=True, max_length=16)
+    requested_at: datetime = _ts()
+    granted_at: datetime | None = _ts(nullable=True)
+    ends_at: datetime | None = _ts(nullable=True)
+    ended_at: datetime | None = _ts(nullable=True)
+    # When the "ends in 10 minutes" DM went out, so it goes out once.
+    warned_at: datetime | None = _ts(nullable=True)
+    host_id: int | None = Field(default=None, foreign_key="host.id")
+    # Idempotency key of the request that created it (a retried Slack delivery
+    # carries the same key and must not create a second reservation).
+    request_key: str | None = Field(default=None, unique=True, max_length=128)
+
+
+class TrainingRun(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    user_id: int = Field(foreign_key="user.id", index=True)
+    # What to run: a shell command, or a built-in recipe name.
+    command: str = Field(default="", sa_column=Column(Text, nullable=False))
+    recipe: str | None = Field(default=None, max_length=64)
+    # Where the code comes from: "git:<url>@<ref>", "path:<dir on host>", "staged:<id>".
+    source: str = Field(default="", max_length=1024)
+    gpu_count: int = 1
+    gpu_model: str | None = Field(default=None, max_length=32)
+    # auto, bf16, fp16, fp32 as asked; the runner reports what it chose in metrics.
+    precision: str = Field(default="auto", max_length=8)
+    spot: bool = False
+    max_seconds: int | None = None
+    priority: int = 0
+    # queued, starting, running, succeeded, failed, cancelled, interrupted.
+    state: str = Field(default="queued", index=True, max_length=16)
+    host_id: int | None = Field(default=None, foreign_key="host.id")
+    # Placement details: GPU ids and indexes per host, the remote paths.
+    placement: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    submitted_at: datetime = _ts()
+    started_at: datetime | None = _ts(nullable=True)
+    finished_at: datetime | None = _ts(nullable=True)
+    exit_code: int | None = None
+    # The runner's last status document and final summary (accuracy, loss, …).
+    metrics: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    request_key: str | None = Field(default=None, unique=True, max_length=128)
+
+
+class UsageInterval(SQLModel, table=True):
+    """Who held which GPU from when to when, at what rate: costs come from here only.
+
+    At most one interval per GPU is open (ended_at NULL) at a time; a partial
+    unique index makes the database itself refuse a GPU held twice.
+    """
+
+    __table_args__ = (
+        Index(
+            "uq_usage_open_gpu",
+            "gpu_id",
+            unique=True,
+            sqlite_where=text("ended_at IS NULL"),
+            postgresql_where=text("ended_at IS NULL"),
+        ),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    gpu_id: int = Field(foreign_key="gpu.id", index=True)
+    host_id: int = Field(foreign_key="host.id", index=True)
+    user_id: int = Field(foreign_key="user.id", index=True)
+    reservation_id: int | None = Field(default=None, foreign_key="reservation.id", index=True)
+    run_id: int | None = Field(default=None, foreign_key="trainingrun.id", index=True)
+    started_at: datetime = _ts()
+    ended_at: datetime | None = _ts(nullable=True)
+    # This GPU's share of the host's hourly price when the interval opened, and its market.
+    usd_per_hour: float = 0.0
+    market: str = Field(default="owned", max_length=16)
+
+
+class Notification(SQLModel, table=True):
+    """The outbox: written in the same transaction as the change it reports,
+    delivered later by the worker, marked sent once. A crash between the two
+    loses nothing; `dedupe_key` keeps a retried change from notifying twice."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    # "dm" (target is a user key) or "channel" (target is a channel name or id).
+    kind: str = Field(max_length=16)
+    target: str = Field(max_length=128)
+    # Plain-text fallback, and the message as a view document (bot.views) to render.
+    text: str = Field(sa_column=Column(Text, nullable=False))
+    view: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: datetime = _ts()
+    # Not before this time (rate limits, back-off).
+    deliver_after: datetime = _ts()
+    sent_at: datetime | None = _ts(nullable=True)
+    attempts: int = 0
+    last_error: str | None = Field(default=None, max_length=500)
+    dedupe_key: str | None = Field(default=None, unique=True, max_length=200)
+
+
+class WorkerLock(SQLModel, table=True):
+    """Leader lease for the worker where advisory locks do not exist (SQLite)."""
+
+    name: str = Field(primary_key=True, max_length=64)
+    holder: str = Field(max_length=128)
+    expires_at: datetime = _ts()
