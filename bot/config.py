@@ -31,6 +31,8 @@ class Settings:
     provider: str = "local"
     # CPU slots the local host offers when it has no NVIDIA GPU.
     local_slots: int = 1
+    # "auto": offer this machine's NVIDIA GPUs if it has any; "none": CPU slots only.
+    local_gpus: str = "auto"
     # GPU model a bare `/gpu reserve` asks for; None means any free GPU.
     default_gpu: str | None = None
     # Length of a reservation when the user gives none, and the most one may last.
@@ -76,6 +78,7 @@ _ENV = {
     "DATABASE_URL": "database_url",
     "GPUBOT_PROVIDER": "provider",
     "GPUBOT_LOCAL_SLOTS": "local_slots",
+    "GPUBOT_LOCAL_GPUS": "local_gpus",
     "GPUBOT_DEFAULT_GPU": "default_gpu",
     "GPUBOT_DEFAULT_DURATION": "default_duration",
     "GPUBOT_MAX_DURATION": "max_duration",
@@ -129,6 +132,11 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         if provider not in PROVIDERS:
             raise ConfigError(f"{where} must be one of {', '.join(PROVIDERS)}, not {raw!r}")
         return provider
+    if name == "local_gpus":
+        mode = str(raw).strip().lower()
+        if mode not in {"auto", "none"}:
+            raise ConfigError(f"{where} must be auto or none, not {raw!r}")
+        return mode
     if name == "default_gpu":
         text = str(raw).strip()
         return text or None

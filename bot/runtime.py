@@ -29,6 +29,8 @@ class Runtime:
 
 def make_compute(settings: Settings) -> Compute:
     if settings.provider == "local":
+        if settings.local_gpus == "none":
+            return LocalCompute(slots=settings.local_slots, probe=list)
         return LocalCompute(slots=settings.local_slots)
     raise ConfigError(
         f"GPUBOT_PROVIDER={settings.provider} is not supported by this build yet; "

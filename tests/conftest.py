@@ -36,4 +36,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if postgres is None:
                 postgres = _postgres_reachable()
             if not postgres:
-                item.add_marker(pytest.mark.skip(reason="PostgreSQL not reachable at 127.0.0.1:5432"))
+                item.add_marker(
+                    pytest.mark.skip(reason="PostgreSQL not reachable at 127.0.0.1:5432")
+                )
+
+
+# --- databases -----------------------------------------------------------------
+
+import secrets  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from sqlalchemy import text  # noqa: E402
+from sqlalchemy.engine import Engine  # noqa: E402
+
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture
+def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
+    from db.migrate import upgrade
+    from db.session import make_engine
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'gpubot.db'}")
+    upgrade(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_engine() -> Iterator[Engine]:
+    """A fresh schema per test on the machine's PostgreSQL, dropped afterwards."""
+    if not _postgres_reachable():
+        pytest.skip("PostgreSQL not reachable at 127.0.0.1:5432")
+    from db.migrate import upgrade
+    from db.session import make_engine
+
+    schema = "t_" + secrets.token_hex(6)
+    admin = make_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    engine = make_engine(f"{PG_URL}?options=-csearch_path%3D{schema}")
+    try:
+        upgrade(engine)
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """Both databases: the code must behave the same on the embedded and the production one."""
+    name = "sqlite_engine" if request.param == "sqlite" else "pg_engine"
+    result: Engine = request.getfixturevalue(name)
+    return result

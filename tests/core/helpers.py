@@ -1,0 +1,46 @@
+"""Builders for core tests: a service on a given engine with a virtual clock and
+hosts described as plain provisioning dataclasses (the same ones providers return)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy.engine import Engine
+
+from bot.clock import VirtualClock
+from bot.config import Settings
+from bot.service import Actor, GpuService
+from provisioning.base import GpuDevice, Instance
+
+
+def host(name: str, model: str, count: int, hourly: float = 0.0, address: str = "") -> Instance:
+    return Instance(
+        name=name,
+        provider="ssh",
+        state="ready",
+        gpus=tuple(GpuDevice(index=i, model=model, memory_gb=40.0) for i in range(count)),
+        hourly_usd=hourly,
+        address=address or f"{name}.example",
+        ssh_user="ubuntu",
+        market="ondemand" if hourly else "owned",
+    )
+
+
+def make_service(
+    engine: Engine,
+    hosts: list[Instance],
+    admins: tuple[str, ...] = ("root",),
+    **settings: object,
+) -> tuple[GpuService, VirtualClock]:
+    clock = VirtualClock()
+    cfg = Settings(admins=admins, **settings)  # type: ignore[arg-type]
+    svc = GpuService(engine, cfg, clock)
+    svc.sync_hosts(hosts)
+    return svc, clock
+
+
+def actor(svc: GpuService, name: str) -> Actor:
+    return svc.actor(name)
+
+
+HOUR = timedelta(hours=1)

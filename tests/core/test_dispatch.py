@@ -1,0 +1,54 @@
+"""From text to reply: user errors verbatim, our failures as a reference id only."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from bot.clock import VirtualClock
+from bot.config import Settings
+from bot.dispatch import handle_text
+from bot.service import Actor, GpuService
+from bot.terminal import render
+from db.session import make_engine
+from tests.core.helpers import actor, host, make_service
+
+
+def test_user_errors_reach_the_user_verbatim(sqlite_engine: Engine) -> None:
+    svc, _ = make_service(sqlite_engine, [host("one", "A100", 1)])
+    reply = handle_text(svc, actor(svc, "alice"), "/gpu reserve 2 potato")
+    assert reply.error and reply.ephemeral
+    assert reply.view.text.startswith("I don't know the GPU model `potato`.")
+
+
+def test_an_unexpected_failure_shows_a_reference_and_logs_the_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = make_engine(f"sqlite:///{tmp_path / 'never-migrated.db'}")  # no tables at all
+    svc = GpuService(broken, Settings(), VirtualClock())
+    with caplog.at_level(logging.ERROR, logger="gpubot"):
+        reply = handle_text(svc, Actor("alice", "alice"), "/gpu status")
+    m = re.search(r"failed on our side \(ref ([0-9a-f]{8})\)", reply.view.text)
+    assert m and reply.error
+    assert "Traceback" not in render(reply.view) and "sqlite" not in reply.view.text.lower()
+    record = [r for r in caplog.records if m.group(1) in r.getMessage()]
+    assert record and record[0].exc_info is not None
+
+
+def test_verbs_of_later_issues_say_so_and_change_nothing(sqlite_engine: Engine) -> None:
+    svc, _ = make_service(sqlite_engine, [host("one", "A100", 1)])
+    for line in ["/gpu run --recipe digits", "/gpu queue", "/gpu cost", "/gpu util"]:
+        reply = handle_text(svc, actor(svc, "alice"), line)
+        assert reply.error and "not available in this gpubot build yet" in reply.view.text
+    assert "1 of 1 free" in handle_text(svc, actor(svc, "alice"), "/gpu status").view.text
+
+
+def test_prices_come_from_the_catalog_with_their_source(sqlite_engine: Engine) -> None:
+    svc, _ = make_service(sqlite_engine, [host("one", "A100", 1)])
+    text = render(handle_text(svc, actor(svc, "alice"), "/gpu prices h100").view)
+    assert "p5.48xlarge" in text and "$55.04" in text and "$6.88" in text
+    assert "Source: skypilot-org/skypilot-catalog" in text

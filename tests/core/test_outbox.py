@@ -1,0 +1,73 @@
+"""The outbox: written with the change, delivered by the worker, sent once, retried
+after a transient failure when the notifier says so."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from bot.commands import Release, Reserve
+from bot.service import OutboxItem
+from bot.worker import DeliveryRetry, deliver
+from db.models import Notification
+from tests.core.helpers import actor, host, make_service
+
+
+class Recorder:
+    """A notifier double: records sends, fails the first `fail` of them."""
+
+    def __init__(self, fail: int = 0, transient: bool = True) -> None:
+        self.sent: list[OutboxItem] = []
+        self.fail = fail
+        self.transient = transient
+
+    def send(self, item: OutboxItem) -> None:
+        if self.fail:
+            self.fail -= 1
+            if self.transient:
+                raise DeliveryRetry("rate limited", timedelta(seconds=30))
+            raise ConnectionError("network down")
+        self.sent.append(item)
+
+
+def _one_dm(engine: Engine) -> tuple[object, object]:
+    svc, clock = make_service(engine, [host("one", "A100", 1)])
+    svc.reserve(actor(svc, "alice"), Reserve())
+    svc.reserve(actor(svc, "bob"), Reserve())
+    svc.release(actor(svc, "alice"), Release())
+    return svc, clock
+
+
+def test_each_notification_is_sent_once(engine: Engine) -> None:
+    svc, _ = _one_dm(engine)
+    rec = Recorder()
+    assert deliver(svc, rec) == 1  # type: ignore[arg-type]
+    assert deliver(svc, rec) == 0  # type: ignore[arg-type]
+    assert [(i.kind, i.target) for i in rec.sent] == [("dm", "bob")]
+    assert "Your turn" in rec.sent[0].view.text
+
+
+def test_a_rate_limit_defers_delivery_until_retry_after(engine: Engine) -> None:
+    svc, clock = _one_dm(engine)
+    rec = Recorder(fail=1)
+    assert deliver(svc, rec) == 0  # type: ignore[arg-type]
+    clock.advance(timedelta(seconds=10))  # type: ignore[attr-defined]
+    assert deliver(svc, rec) == 0, "not before Retry-After"  # type: ignore[arg-type]
+    clock.advance(timedelta(seconds=25))  # type: ignore[attr-defined]
+    assert deliver(svc, rec) == 1  # type: ignore[arg-type]
+    with Session(engine) as s:
+        n = s.exec(select(Notification)).one()
+    assert n.attempts == 2 and n.sent_at is not None and n.last_error == "rate limited"
+
+
+def test_an_unexpected_failure_backs_off_and_keeps_the_message(engine: Engine) -> None:
+    svc, clock = _one_dm(engine)
+    rec = Recorder(fail=1, transient=False)
+    assert deliver(svc, rec) == 0  # type: ignore[arg-type]
+    with Session(engine) as s:
+        n = s.exec(select(Notification)).one()
+    assert n.sent_at is None and n.last_error is not None and "ConnectionError" in n.last_error
+    clock.advance(timedelta(minutes=1))  # type: ignore[attr-defined]
+    assert deliver(svc, rec) == 1  # type: ignore[arg-type]

@@ -1,0 +1,93 @@
+"""`gpubot shell` end to end, as a subprocess with piped input: two users, one
+slot, reserve / wait / release / grant with DM / status / expiry; and a kill -9
+that must lose no granted reservation."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from tests.e2e.shell_driver import ROOT, ShellProcess, gpubot_cmd, shell_env
+
+
+def test_two_users_share_one_slot(tmp_path: Path) -> None:
+    sh = ShellProcess(tmp_path)
+    try:
+        sh.send("/gpu reserve for 1h")
+        sh.expect(r"^Reserved: reservation #1, CPU slot 0 on local")
+        sh.expect(r'CUDA_VISIBLE_DEVICES=""')
+        sh.send("@bob /gpu reserve for 3s")
+        sh.expect(r"Reservation #2 is waiting \(you are first in line\)")
+        sh.send("@bob /gpu status")
+        sh.expect(r"0 of 1 free on 1 host; 1 waiting")
+        sh.expect(r"0\s+cpu\s+alice \(#1\)")
+        sh.expect(r"1\s+#2\s+bob")
+        sh.send("@bob /gpu release 1")
+        sh.expect(r"Reservation #1 is not yours")
+        sh.send("/gpu release")
+        sh.expect(r"^Done: #1 released\.")
+        sh.expect(r"^\[dm @bob\] Your turn: granted: reservation #2")
+        # bob's 3 s run out; the worker inside the shell ends it and tells him.
+        sh.expect(r"^\[dm @bob\] Reservation #2 ended", timeout=30)
+        sh.send("/gpu status")
+        sh.expect(r"1 of 1 free on 1 host")
+        sh.send("/gpu frobnicate")
+        sh.expect(r"I don't know `frobnicate`")
+        rc, err = sh.close()
+    finally:
+        if sh.proc.poll() is None:
+            sh.kill()
+    assert rc == 0
+    assert "Traceback" not in "\n".join(sh.seen) + err
+
+
+def test_kill_9_loses_no_granted_reservation(tmp_path: Path) -> None:
+    first = ShellProcess(tmp_path)
+    try:
+        first.send("/gpu reserve for 2h")
+        first.expect(r"^Reserved: reservation #1")
+    finally:
+        first.kill()  # SIGKILL: no clean-up runs
+    proc = subprocess.run(
+        gpubot_cmd("shell", "--user", "bob"),
+        input="/gpu status\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=shell_env(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "alice (#1)" in proc.stdout
+    assert "0 of 1 free" in proc.stdout
+
+
+def test_piped_script_runs_to_the_end_and_exits_zero(tmp_path: Path) -> None:
+    script = "\n".join(
+        [
+            "# comments and blank lines are skipped",
+            "",
+            "/gpu help reserve",
+            "@carol reserve",
+            "@carol /gpu status me",
+            "@carol /gpu extend 30m",
+            "/gpu reserve 2 potato",
+        ]
+    )
+    proc = subprocess.run(
+        gpubot_cmd("shell", "--no-wait"),
+        input=script + "\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=shell_env(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "/gpu reserve 2 a100 for 3h" in out  # help teaches with examples
+    assert "Reserved: reservation #1" in out
+    assert "Reservation #1 extended by 30m" in out
+    assert "I don't know the GPU model `potato`" in out
+    assert "Usage: /gpu reserve [COUNT] [MODEL] [for DURATION]" in out
+    assert "Traceback" not in out + proc.stderr
