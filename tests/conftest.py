@@ -6,6 +6,8 @@ import socket
 
 import pytest
 
+from tests.fakes.fixtures import fake_slack  # noqa: F401  (the fake Slack Web API, for every test)
+
 
 def _cuda_available() -> bool:
     try:
