@@ -15,7 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHES: list[str] = []
+BENCHES: list[str] = ["runner_overhead", "simulate"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,30 @@
+"""The torchrun command lines the runner builds (the runs themselves are in test_runner)."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.ddp import torchrun_command
+
+
+def test_single_host_rendezvous_stays_on_loopback() -> None:
+    cmd = torchrun_command(2, ["training.runner", "--recipe", "digits"], module=True, python="py")
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--rdzv-endpoint=127.0.0.1:0" in cmd
+    assert cmd[-4:] == ["-m", "training.runner", "--recipe", "digits"]
+
+
+def test_multi_host_uses_the_callers_endpoint() -> None:
+    cmd = torchrun_command(
+        8,
+        ["python", "train.py"],
+        nnodes=2,
+        node_rank=1,
+        rdzv_endpoint="10.0.0.5:29400",
+        rdzv_id="job7",
+    )
+    assert "--nnodes=2" in cmd and "--node-rank=1" in cmd
+    assert "--rdzv-endpoint=10.0.0.5:29400" in cmd and "--rdzv-id=job7" in cmd
+    assert cmd[-3:] == ["--no-python", "python", "train.py"]
+    with pytest.raises(ValueError, match="rendezvous"):
+        torchrun_command(8, ["python", "train.py"], nnodes=2)
