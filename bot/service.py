@@ -66,6 +66,9 @@ class TickReport:
     granted: int = 0
 
 
+IN_FLIGHT = "in flight"
+
+
 @dataclass(frozen=True)
 class OutboxItem:
     id: int
@@ -73,6 +76,8 @@ class OutboxItem:
     target: str
     view: views.View
     attempts: int
+    # True when an earlier send started and its outcome is unknown (crash, lost reply).
+    maybe_sent: bool = False
 
 
 class GpuService:
@@ -711,23 +716,37 @@ class GpuService:
                     target=n.target,
                     view=views.View.from_dict(n.view),
                     attempts=n.attempts,
+                    maybe_sent=n.last_error == IN_FLIGHT,
                 )
                 for n in rows
             ]
+
+    def mark_attempt(self, item_id: int) -> None:
+        """Records that a send is about to start, before it starts.
+
+        If the process dies mid-send, the next delivery sees `last_error` still
+        "in flight" and knows the outcome is unknown: a notifier that can check
+        (Slack: look for the message's metadata) must check before sending again.
+        """
+        with transaction(self.engine) as s:
+            n = s.get(Notification, item_id)
+            if n is not None and n.sent_at is None:
+                n.attempts += 1
+                n.last_error = IN_FLIGHT
+                s.add(n)
 
     def mark_sent(self, item_id: int) -> None:
         with transaction(self.engine) as s:
             n = s.get(Notification, item_id)
             if n is not None and n.sent_at is None:
                 n.sent_at = self.clock.now()
-                n.attempts += 1
+                n.last_error = None
                 s.add(n)
 
     def mark_failed(self, item_id: int, error: str, retry_after: timedelta) -> None:
         with transaction(self.engine) as s:
             n = s.get(Notification, item_id)
             if n is not None and n.sent_at is None:
-                n.attempts += 1
                 n.last_error = error[:500]
                 n.deliver_after = self.clock.now() + retry_after
                 s.add(n)

@@ -47,6 +47,7 @@ def deliver(service: GpuService, notifier: Notifier, limit: int = 50) -> int:
     sent = 0
     with _deliver_lock:
         for item in service.pending_notifications(limit):
+            service.mark_attempt(item.id)
             try:
                 notifier.send(item)
             except DeliveryRetry as exc:

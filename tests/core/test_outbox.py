@@ -9,7 +9,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from bot.commands import Release, Reserve
-from bot.service import OutboxItem
+from bot.clock import VirtualClock
+from bot.service import GpuService, OutboxItem
 from bot.worker import DeliveryRetry, deliver
 from db.models import Notification
 from tests.core.helpers import actor, host, make_service
@@ -32,7 +33,7 @@ class Recorder:
         self.sent.append(item)
 
 
-def _one_dm(engine: Engine) -> tuple[object, object]:
+def _one_dm(engine: Engine) -> tuple[GpuService, VirtualClock]:
     svc, clock = make_service(engine, [host("one", "A100", 1)])
     svc.reserve(actor(svc, "alice"), Reserve())
     svc.reserve(actor(svc, "bob"), Reserve())
@@ -43,8 +44,8 @@ def _one_dm(engine: Engine) -> tuple[object, object]:
 def test_each_notification_is_sent_once(engine: Engine) -> None:
     svc, _ = _one_dm(engine)
     rec = Recorder()
-    assert deliver(svc, rec) == 1  # type: ignore[arg-type]
-    assert deliver(svc, rec) == 0  # type: ignore[arg-type]
+    assert deliver(svc, rec) == 1
+    assert deliver(svc, rec) == 0
     assert [(i.kind, i.target) for i in rec.sent] == [("dm", "bob")]
     assert "Your turn" in rec.sent[0].view.text
 
@@ -52,22 +53,35 @@ def test_each_notification_is_sent_once(engine: Engine) -> None:
 def test_a_rate_limit_defers_delivery_until_retry_after(engine: Engine) -> None:
     svc, clock = _one_dm(engine)
     rec = Recorder(fail=1)
-    assert deliver(svc, rec) == 0  # type: ignore[arg-type]
-    clock.advance(timedelta(seconds=10))  # type: ignore[attr-defined]
-    assert deliver(svc, rec) == 0, "not before Retry-After"  # type: ignore[arg-type]
-    clock.advance(timedelta(seconds=25))  # type: ignore[attr-defined]
-    assert deliver(svc, rec) == 1  # type: ignore[arg-type]
+    assert deliver(svc, rec) == 0
     with Session(engine) as s:
         n = s.exec(select(Notification)).one()
-    assert n.attempts == 2 and n.sent_at is not None and n.last_error == "rate limited"
+    assert n.attempts == 1 and n.sent_at is None and n.last_error == "rate limited"
+    clock.advance(timedelta(seconds=10))
+    assert deliver(svc, rec) == 0, "not before Retry-After"
+    clock.advance(timedelta(seconds=25))
+    assert deliver(svc, rec) == 1
+    with Session(engine) as s:
+        n = s.exec(select(Notification)).one()
+    assert n.attempts == 2 and n.sent_at is not None and n.last_error is None
+
+
+def test_a_send_cut_short_by_a_crash_is_flagged_maybe_sent(engine: Engine) -> None:
+    svc, _ = _one_dm(engine)
+    item = svc.pending_notifications()[0]
+    assert not item.maybe_sent
+    svc.mark_attempt(item.id)
+    # ... the process dies here, before mark_sent ...
+    again = svc.pending_notifications()[0]
+    assert again.id == item.id and again.maybe_sent and again.attempts == 1
 
 
 def test_an_unexpected_failure_backs_off_and_keeps_the_message(engine: Engine) -> None:
     svc, clock = _one_dm(engine)
     rec = Recorder(fail=1, transient=False)
-    assert deliver(svc, rec) == 0  # type: ignore[arg-type]
+    assert deliver(svc, rec) == 0
     with Session(engine) as s:
         n = s.exec(select(Notification)).one()
     assert n.sent_at is None and n.last_error is not None and "ConnectionError" in n.last_error
-    clock.advance(timedelta(minutes=1))  # type: ignore[attr-defined]
-    assert deliver(svc, rec) == 1  # type: ignore[arg-type]
+    clock.advance(timedelta(minutes=1))
+    assert deliver(svc, rec) == 1
