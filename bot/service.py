@@ -527,20 +527,7 @@ class GpuService:
                     until=r.ends_at if r is not None else None,
                 )
             by_host.setdefault(g.host_id, []).append(state)
-        return [
-            HostState(
-                name=h.name,
-                provider=h.provider,
-                state=h.state,
-                address=h.address,
-                ssh_user=h.ssh_user,
-                ssh_port=h.ssh_port,
-                market=h.market,
-                hourly_usd=h.hourly_usd,
-                gpus=tuple(by_host.get(h.id or -1, [])),
-            )
-            for h in hosts
-        ]
+        return [_host_state(h, by_host.get(h.id or -1, [])) for h in hosts]
 
     def _waiting(self, s: Session, hosts: list[HostState] | None = None) -> list[ReservationInfo]:
         rows = s.exec(
@@ -571,17 +558,7 @@ class GpuService:
             host = s.get(Host, res.host_id) if res.host_id is not None else None
             if host is not None:
                 known = {h.name: h for h in hosts} if hosts is not None else {}
-                host_state = known.get(host.name) or HostState(
-                    name=host.name,
-                    provider=host.provider,
-                    state=host.state,
-                    address=host.address,
-                    ssh_user=host.ssh_user,
-                    ssh_port=host.ssh_port,
-                    market=host.market,
-                    hourly_usd=host.hourly_usd,
-                    gpus=(),
-                )
+                host_state = known.get(host.name) or _host_state(host, [])
         position = None
         if res.state == RES_WAITING:
             ahead = s.exec(
@@ -750,6 +727,20 @@ class GpuService:
                 n.last_error = error[:500]
                 n.deliver_after = self.clock.now() + retry_after
                 s.add(n)
+
+
+def _host_state(host: Host, gpus: list[GpuState]) -> HostState:
+    return HostState(
+        name=host.name,
+        provider=host.provider,
+        state=host.state,
+        address=host.address,
+        ssh_user=host.ssh_user,
+        ssh_port=host.ssh_port,
+        market=host.market,
+        hourly_usd=host.hourly_usd,
+        gpus=tuple(gpus),
+    )
 
 
 def _with_position(info: ReservationInfo, position: int | None) -> ReservationInfo:

@@ -86,3 +86,16 @@ class ShellProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
+
+
+def run_shell(home: Path, *args: str, script: str) -> subprocess.CompletedProcess[str]:
+    """One piped session: feeds `script`, waits for the exit."""
+    return subprocess.run(
+        gpubot_cmd("shell", *args),
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=shell_env(home),
+    )

@@ -4,10 +4,9 @@ that must lose no granted reservation."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-from tests.e2e.shell_driver import ROOT, ShellProcess, gpubot_cmd, shell_env
+from tests.e2e.shell_driver import ShellProcess, run_shell
 
 
 def test_two_users_share_one_slot(tmp_path: Path) -> None:
@@ -48,15 +47,7 @@ def test_kill_9_loses_no_granted_reservation(tmp_path: Path) -> None:
         first.expect(r"^Reserved: reservation #1")
     finally:
         first.kill()  # SIGKILL: no clean-up runs
-    proc = subprocess.run(
-        gpubot_cmd("shell", "--user", "bob"),
-        input="/gpu status\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=shell_env(tmp_path),
-    )
+    proc = run_shell(tmp_path, "--user", "bob", script="/gpu status\n")
     assert proc.returncode == 0, proc.stderr
     assert "alice (#1)" in proc.stdout
     assert "0 of 1 free" in proc.stdout
@@ -74,15 +65,7 @@ def test_piped_script_runs_to_the_end_and_exits_zero(tmp_path: Path) -> None:
             "/gpu reserve 2 potato",
         ]
     )
-    proc = subprocess.run(
-        gpubot_cmd("shell", "--no-wait"),
-        input=script + "\n",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=shell_env(tmp_path),
-    )
+    proc = run_shell(tmp_path, "--no-wait", script=script + "\n")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "/gpu reserve 2 a100 for 3h" in out  # help teaches with examples
