@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
+
+# No test may ever dial anything but loopback (moto invents 10.x and public addresses):
+# the SSH layer refuses other targets while this is set, in this process and its children.
+os.environ["GPUBOT_SSH_LOOPBACK_ONLY"] = "1"
 
 from tests.fakes.fixtures import fake_slack  # noqa: F401  (the fake Slack Web API, for every test)
 

@@ -8,8 +8,8 @@ from datetime import timedelta
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from bot.commands import Release, Reserve
 from bot.clock import VirtualClock
+from bot.commands import Release, Reserve
 from bot.service import GpuService, OutboxItem
 from bot.worker import DeliveryRetry, deliver
 from db.models import Notification

@@ -1,0 +1,127 @@
+"""Fixtures for the SSH layer: real sshd hosts, and one bench per `SshRunner`.
+
+The contract tests take `bench`, which is parametrized over the real `SshClient`
+(against the sshd on 127.0.0.2) and the `LocalRunner` double, so both are held to
+the same behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import pytest
+
+from provisioning.local_runner import LOCAL_TARGET, LocalRunner
+from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshRunner, SshTarget
+from tests.ssh_hosts import SshdUnavailable, SshHost, SshLab, start_lab
+
+
+@pytest.fixture(autouse=True)
+def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test here may dial an address a fake cloud invented, even by mistake."""
+    monkeypatch.setenv(LOOPBACK_ONLY_ENV, "1")
+
+
+@pytest.fixture(scope="session")
+def ssh_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
+    """Two fake GPU hosts, gpu-a on 127.0.0.2 and gpu-b on 127.0.0.3, for the whole run."""
+    try:
+        lab = start_lab(tmp_path_factory.mktemp("sshd"))
+    except SshdUnavailable as exc:
+        pytest.skip(f"no sshd test hosts: {exc}")
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+def target_for(lab: SshLab, name: str) -> SshTarget:
+    host = lab.hosts[name]
+    return SshTarget(
+        host=host.address, port=host.port, user=lab.user, key_path=str(lab.client_key), name=name
+    )
+
+
+@pytest.fixture
+def ssh_targets(ssh_lab: SshLab) -> dict[str, SshTarget]:
+    return {name: target_for(ssh_lab, name) for name in ssh_lab.hosts}
+
+
+@pytest.fixture
+def ssh_client() -> Iterator[SshClient]:
+    client = SshClient(connect_timeout=5, command_timeout=20)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def droppable_host(ssh_lab: SshLab) -> Iterator[SshHost]:
+    """gpu-b, which a test may stop and start; it is up again for the next test."""
+    host = ssh_lab.hosts["gpu-b"]
+    try:
+        yield host
+    finally:
+        host.start()
+
+
+@dataclass
+class Bench:
+    """One runner, the target it serves, and a fresh directory on that host."""
+
+    kind: str
+    runner: SshRunner
+    target: SshTarget
+    root: str
+    started: list[int] = field(default_factory=list)
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def start(
+        self,
+        command: str,
+        log: str = "out.log",
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> int:
+        pgid = self.runner.start_detached(self.target, command, self.path(log), cwd=cwd, env=env)
+        self.started.append(pgid)
+        return pgid
+
+    def disconnect(self) -> None:
+        self.runner.close(self.target)
+
+
+@pytest.fixture(params=["ssh", "local"])
+def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
+    runner: SshRunner
+    if request.param == "ssh":
+        lab: SshLab = request.getfixturevalue("ssh_lab")
+        host = lab.hosts["gpu-a"]
+        host.root.mkdir(parents=True, exist_ok=True)
+        root = tempfile.mkdtemp(dir=host.root)
+        runner = SshClient(connect_timeout=5, command_timeout=20)
+        target = target_for(lab, "gpu-a")
+    else:
+        root = tempfile.mkdtemp(prefix="gpubot-localhost-")
+        runner = LocalRunner(command_timeout=20)
+        target = LOCAL_TARGET
+    b = Bench(kind=str(request.param), runner=runner, target=target, root=root)
+    try:
+        yield b
+    finally:
+        runner.close()
+        # Both hosts are this machine: what a test started, it ends here by its id.
+        for pgid in b.started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,248 @@
+"""Real OpenSSH servers standing in for GPU hosts in tests.
+
+Each fake host is one `sshd -D` with its own config, host key and log, listening on
+its own loopback address (127.0.0.2, 127.0.0.3, … port 2222), so the SSH layer is
+tested against the daemon it meets in production rather than a double. One client
+key pair is shared by all hosts, as one bot key is in production.
+
+Both hosts are this machine underneath, so tests keep each host's files apart by
+path (see `SshHost.root`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# GPUBOT_SSHD points at another sshd binary (or a missing one, to see the tests skip).
+SSHD = os.environ.get("GPUBOT_SSHD", "/usr/sbin/sshd")
+SSH_KEYGEN = "ssh-keygen"
+DEFAULT_PORT = 2222
+
+
+class SshdUnavailable(Exception):
+    """sshd cannot run here; the message says why, for a pytest skip reason."""
+
+
+def _port_free(address: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As sshd binds: connections of a stopped daemon in TIME_WAIT do not count.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_port(address: str, preferred: int) -> int:
+    """2222 unless taken (another test session on this machine, a stale sshd)."""
+    if _port_free(address, preferred):
+        return preferred
+    for port in range(preferred + 1, preferred + 200):
+        if _port_free(address, port):
+            return port
+    raise SshdUnavailable(f"no free port near {preferred} on {address}")
+
+
+def _keygen(path: Path, comment: str) -> None:
+    subprocess.run(
+        [SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+
+
+def _children_of(pid: int) -> list[int]:
+    """The per-connection sshd processes: they call setsid, so a group kill misses them."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1] == str(pid):
+            found.append(int(entry.name))
+    return found
+
+
+def _ssh_banner(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=0.5) as sock:
+            sock.settimeout(0.5)
+            return sock.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def sshd_available() -> str | None:
+    """None when sshd can run; otherwise the reason it cannot."""
+    if not os.path.exists(SSHD):
+        return f"{SSHD} is missing (run `bash scripts/sshd_hosts.sh` to install openssh-server)"
+    if shutil.which(SSH_KEYGEN) is None:
+        return "ssh-keygen is missing (openssh-client)"
+    if os.geteuid() == 0:
+        try:
+            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        except OSError as exc:
+            return f"cannot create /run/sshd: {exc}"
+    return None
+
+
+@dataclass
+class SshHost:
+    """One fake GPU host: an sshd that can be stopped and started again (an SSH drop)."""
+
+    name: str
+    address: str
+    directory: Path
+    authorized_keys: Path
+    port: int = DEFAULT_PORT
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def root(self) -> Path:
+        """Where tests put this host's remote files, so two hosts never share a path."""
+        return Path(f"/tmp/gpubot-sshtest-{self.address}-{os.getpid()}")
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "sshd.log"
+
+    def _write_config(self) -> Path:
+        host_key = self.directory / "host_ed25519_key"
+        if not host_key.exists():
+            _keygen(host_key, f"host-{self.name}")
+        config = self.directory / "sshd_config"
+        config.write_text(
+            "\n".join(
+                [
+                    f"ListenAddress {self.address}:{self.port}",
+                    f"HostKey {host_key}",
+                    f"PidFile {self.directory / 'sshd.pid'}",
+                    f"AuthorizedKeysFile {self.authorized_keys}",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "PermitRootLogin prohibit-password",
+                    "PrintMotd no",
+                    "UseDNS no",
+                    "MaxStartups 64",
+                    "MaxSessions 64",
+                    "ClientAliveInterval 0",
+                    "Subsystem sftp internal-sftp",
+                    "LogLevel INFO",
+                    "",
+                ]
+            )
+        )
+        return config
+
+    def start(self, timeout: float = 10.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        self.port = _pick_port(self.address, self.port)
+        config = self._write_config()
+        check = subprocess.run(
+            [SSHD, "-t", "-f", str(config)], capture_output=True, text=True, timeout=30
+        )
+        if check.returncode != 0:
+            raise SshdUnavailable(f"sshd rejects its test config: {check.stderr.strip()}")
+        self.process = subprocess.Popen(
+            [SSHD, "-D", "-f", str(config), "-E", str(self.log_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                log = self.log_path.read_text() if self.log_path.exists() else ""
+                self.process = None
+                raise SshdUnavailable(f"sshd for {self.address} exited: {log.strip()[-500:]}")
+            if _ssh_banner(self.address, self.port):
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise SshdUnavailable(f"sshd for {self.address}:{self.port} did not come up")
+
+    def stop(self) -> None:
+        """Kill the daemon and every live connection, as a host crash or reboot would."""
+        proc = self.process
+        if proc is None:
+            return
+        self.process = None
+        for child in _children_of(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while _ssh_banner(self.address, self.port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@dataclass
+class SshLab:
+    """The fake hosts and the one client key that all of them accept."""
+
+    directory: Path
+    client_key: Path
+    hosts: dict[str, SshHost]
+    user: str
+
+    def stop(self) -> None:
+        for host in self.hosts.values():
+            host.stop()
+        for host in self.hosts.values():
+            shutil.rmtree(host.root, ignore_errors=True)
+
+
+def start_lab(directory: Path, addresses: dict[str, str] | None = None) -> SshLab:
+    """Start one sshd per fake host; raises SshdUnavailable with the reason if it cannot."""
+    reason = sshd_available()
+    if reason is not None:
+        raise SshdUnavailable(reason)
+    addresses = addresses or {"gpu-a": "127.0.0.2", "gpu-b": "127.0.0.3"}
+    directory.mkdir(parents=True, exist_ok=True)
+    client_key = directory / "client_ed25519"
+    _keygen(client_key, "gpubot-test-client")
+    authorized = directory / "authorized_keys"
+    authorized.write_text(client_key.with_suffix(".pub").read_text())
+
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    hosts: dict[str, SshHost] = {}
+    lab = SshLab(directory=directory, client_key=client_key, hosts=hosts, user=user)
+    try:
+        for name, address in addresses.items():
+            host_dir = directory / name
+            host_dir.mkdir(exist_ok=True)
+            host = SshHost(
+                name=name, address=address, directory=host_dir, authorized_keys=authorized
+            )
+            hosts[name] = host
+            host.start()
+            host.root.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        lab.stop()
+        raise
+    return lab
