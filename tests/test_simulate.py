@@ -1,0 +1,356 @@
+"""`gpubot simulate` end to end: the CLI contract, the simulated cloud's bill, the policies,
+and every schedule judged by the independent checker."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from bot.simulate import (
+    FIGURE_KEYS,
+    INSTANCES_HEADER,
+    SCHEDULE_HEADER,
+    SimInputError,
+    SimResult,
+    run_simulation,
+    simulate,
+    write_instances,
+    write_schedule,
+)
+from provisioning.catalog import Catalog
+from provisioning.simulated import QuotaExceeded, SimulatedCloud
+from tests.sim_checker import check
+
+DEV_TRACE = Path("/work/shared/traces/trace_dev.csv")
+HEADER = "job_id,user,submit_time,duration_s,gpus,gpu_type"
+
+# A small mixed trace: a sweep of 1-GPU runs, a periodic short job, multi-GPU runs, a
+# multi-host run, an explicit model, and a quiet gap long enough for idle stops.
+SMALL = (
+    "\n".join(
+        [
+            HEADER,
+            *(f"s{k},alice,{10 + k},{3600 + 60 * k},1," for k in range(12)),
+            *(f"p{k},bob,{600 * k},70,1," for k in range(10)),
+            "m1,carol,100,7200,4,",
+            "m2,carol,200,5400,8,a100",
+            "big,dave,300,3000,16,",
+            "g1,erin,50,1800,1,A10G",
+            "late1,alice,40000,600,1,",
+            "late2,bob,40030,900,2,",
+        ]
+    )
+    + "\n"
+)
+
+
+@pytest.fixture()
+def small_trace(tmp_path: Path) -> Path:
+    path = tmp_path / "small.csv"
+    path.write_text(SMALL)
+    return path
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.callback()
+    def _root() -> None:
+        """gpubot (test harness)."""
+
+    app.command("simulate")(simulate)
+    return app
+
+
+def _invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(_app(), ["simulate", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _judge(trace: Path, res: SimResult, d: Path, max_gpus: int = 256) -> dict[str, float]:
+    write_schedule(d / f"s-{res.policy}.csv", res.schedule)
+    write_instances(d / f"i-{res.policy}.csv", res.instances)
+    v = check(
+        trace,
+        d / f"s-{res.policy}.csv",
+        d / f"i-{res.policy}.csv",
+        max_gpus=max_gpus,
+        claimed=res.figures(),
+    )
+    assert v.ok, v.errors
+    return v.figures
+
+
+# ---------------------------------------------------------------- CLI contract
+
+
+def test_cli_writes_files_with_the_contract_headers(small_trace: Path, tmp_path: Path) -> None:
+    sched, insts = tmp_path / "sched.csv", tmp_path / "inst.csv"
+    code, out, err = _invoke(
+        "--trace",
+        str(small_trace),
+        "--policy",
+        "fair",
+        "--json",
+        "--schedule-out",
+        str(sched),
+        "--instances-out",
+        str(insts),
+    )
+    assert code == 0, err
+    figures = json.loads(out)
+    assert tuple(figures) == FIGURE_KEYS
+    assert figures["policy"] == "fair" and figures["jobs"] == 28
+    with sched.open() as fh:
+        assert tuple(next(csv.reader(fh))) == SCHEDULE_HEADER
+    with insts.open() as fh:
+        assert tuple(next(csv.reader(fh))) == INSTANCES_HEADER
+    assert (
+        sched.read_text().splitlines()[0] == "job_id,user,instance_ids,submit_s,start_s,end_s,gpus"
+    )
+    assert (
+        insts.read_text().splitlines()[0]
+        == "instance_id,instance_type,market,launch_s,ready_s,end_s,stopped,usd"
+    )
+    v = check(small_trace, sched, insts, claimed=figures)
+    assert v.ok, v.errors
+    big = next(r for r in csv.DictReader(sched.open()) if r["job_id"] == "big")
+    assert len(big["instance_ids"].split(";")) == 2
+
+
+def test_cli_summary_without_json(small_trace: Path) -> None:
+    code, out, _ = _invoke("--trace", str(small_trace), "--policy", "fifo")
+    assert code == 0
+    assert "cost efficiency" in out and "policy           fifo" in out
+
+
+def test_cli_options_change_the_run(small_trace: Path) -> None:
+    runs = {}
+    for boot in ("120", "900"):
+        code, out, err = _invoke(
+            "--trace",
+            str(small_trace),
+            "--json",
+            "--boot-s",
+            boot,
+            "--setup-s",
+            "0",
+            "--start-s",
+            "30",
+            "--ebs-gb",
+            "100",
+            "--ebs-usd-gb-month",
+            "0.1",
+            "--max-gpus",
+            "64",
+        )
+        assert code == 0, err
+        runs[boot] = json.loads(out)
+    assert runs["900"]["avg_queue_s"] > runs["120"]["avg_queue_s"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--trace", "/nonexistent/trace.csv"], "cannot read trace"),
+        (["--trace", "{bad_header}"], "header must be"),
+        (["--trace", "{bad_number}"], "line 2"),
+        (["--trace", "{bad_type}"], "unknown gpu_type"),
+        (["--trace", "{small}", "--policy", "lottery"], "unknown policy"),
+        (["--trace", "{small}", "--gpu-type", "a200"], "unknown GPU type"),
+        (["--trace", "{small}", "--prices", "/nonexistent/prices.csv"], "cannot read prices"),
+        (["--trace", "{small}", "--prices", "{bad_header}"], "prices file"),
+        (["--trace", "{small}", "--max-gpus", "0"], "--max-gpus"),
+        (["--trace", "{small}", "--boot-s", "-1"], "--boot-s"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(
+    args: list[str], needle: str, small_trace: Path, tmp_path: Path
+) -> None:
+    files = {
+        "small": small_trace,
+        "bad_header": tmp_path / "bh.csv",
+        "bad_number": tmp_path / "bn.csv",
+        "bad_type": tmp_path / "bt.csv",
+    }
+    files["bad_header"].write_text("a,b,c\n1,2,3\n")
+    files["bad_number"].write_text(HEADER + "\nj,u,soon,10,1,\n")
+    files["bad_type"].write_text(HEADER + "\nj,u,0,10,1,TPUv9\n")
+    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in args]
+    code, out, err = _invoke(*argv)
+    assert code != 0
+    assert "Traceback" not in err + out
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert needle in lines[0]
+
+
+def test_a_job_larger_than_the_quota_is_rejected_and_named(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "\nok,u,0,100,1,\nhuge,u,0,100,64,\n")
+    code, out, err = _invoke("--trace", str(trace), "--max-gpus", "32", "--json")
+    assert code == 0
+    assert json.loads(out)["jobs"] == 1
+    assert "rejected huge" in err
+
+
+# ---------------------------------------------------------------- the simulated cloud
+
+
+def test_cloud_bills_per_second_with_a_minimum_and_storage_while_stopped() -> None:
+    cat = Catalog.load()
+    cloud = SimulatedCloud(
+        cat, max_gpus=16, boot_s=100, setup_s=200, start_s=50, ebs_gb=730, ebs_usd_gb_month=3.6
+    )  # storage: 1 USD per GB-hour/730
+    iid = cloud.launch("g5.xlarge")
+    assert cloud.usable_at(iid) == 300
+    cloud.advance_to(10)
+    cloud.terminate(iid)
+    assert cloud.cost(iid) == pytest.approx(60 * 1.006 / 3600)  # the 60 s minimum
+    j = cloud.launch("g5.xlarge")
+    cloud.advance_to(1000)
+    cloud.stop(j)
+    cloud.advance_to(4600)  # one hour stopped: 730 GB * 3.6 / 730 h = 3.6 USD
+    t = cloud.start(j)
+    assert t == 4650
+    cloud.advance_to(4700)
+    cloud.terminate(j)
+    want = (990 + 100) * 1.006 / 3600 + 3.6
+    assert cloud.cost(j) == pytest.approx(want)
+    rec = {r.instance_id: r for r in cloud.records()}[j]
+    assert rec.stopped == ((1000.0, 4600.0),) and rec.end_s == 4700
+
+
+def test_cloud_enforces_the_quota_on_running_gpus_only() -> None:
+    cloud = SimulatedCloud(Catalog.load(), max_gpus=8)
+    a = cloud.launch("p4d.24xlarge")
+    with pytest.raises(QuotaExceeded):
+        cloud.launch("g5.xlarge")
+    cloud.stop(a)
+    b = cloud.launch("g5.xlarge")  # a stopped instance holds no quota
+    with pytest.raises(QuotaExceeded):
+        cloud.start(a)
+    cloud.terminate(b)
+    cloud.start(a)
+    with pytest.raises(ValueError):
+        cloud.advance_to(-1)
+
+
+# ---------------------------------------------------------------- policies, judged
+
+
+@pytest.mark.parametrize("policy", ["fair", "per-job", "fifo"])
+def test_small_trace_is_feasible_under_every_policy(
+    policy: str, small_trace: Path, tmp_path: Path
+) -> None:
+    res = run_simulation(small_trace, policy=policy, max_gpus=32)
+    assert res.jobs == 28 and not res.rejected
+    _judge(small_trace, res, tmp_path, max_gpus=32)
+
+
+def test_per_job_gives_every_job_its_own_instances(small_trace: Path) -> None:
+    res = run_simulation(small_trace, policy="per-job", max_gpus=32)
+    hosts = [i for s in res.schedule for i in s.instance_ids]
+    assert len(hosts) == len(set(hosts)) == len(res.instances)
+
+
+def test_fifo_keeps_a_fixed_fleet_and_serves_in_order(small_trace: Path) -> None:
+    res = run_simulation(small_trace, policy="fifo", max_gpus=32)
+    assert {r.launch_s for r in res.instances} == {0.0}
+    last_end = max(s.end_s for s in res.schedule)
+    assert {r.end_s for r in res.instances} == {last_end}
+    by_submit = sorted(res.schedule, key=lambda s: (s.submit_s, s.job_id))
+    starts = [s.start_s for s in by_submit]
+    assert starts == sorted(starts)
+
+
+def test_fair_beats_the_baselines_on_cost(small_trace: Path) -> None:
+    cost = {
+        p: run_simulation(small_trace, policy=p, max_gpus=32).total_cost_usd
+        for p in ("fair", "per-job", "fifo")
+    }
+    assert cost["fair"] < cost["per-job"] and cost["fair"] < cost["fifo"]
+
+
+def test_fair_stops_idle_instances_and_restarts_them(tmp_path: Path) -> None:
+    trace = tmp_path / "gap.csv"
+    trace.write_text(HEADER + "\na,u,0,600,1,\nb,u,5000,600,1,\n")
+    res = run_simulation(trace, policy="fair")
+    assert len(res.instances) == 1
+    rec = res.instances[0]
+    assert rec.stopped and rec.stopped[0][0] == pytest.approx(420 + 600 + 120)
+    b = next(s for s in res.schedule if s.job_id == "b")
+    assert b.start_s == pytest.approx(5060)  # start_s after the restart, no setup
+    _judge(trace, res, tmp_path)
+
+
+def test_run_simulation_rejects_unknown_policy(small_trace: Path) -> None:
+    with pytest.raises(SimInputError):
+        run_simulation(small_trace, policy="nope")
+
+
+# ---------------------------------------------------------------- the checker can fail
+
+
+def test_checker_catches_tampered_schedules(small_trace: Path, tmp_path: Path) -> None:
+    res = run_simulation(small_trace, policy="fair", max_gpus=32)
+    write_schedule(tmp_path / "s.csv", res.schedule)
+    write_instances(tmp_path / "i.csv", res.instances)
+    rows = list(csv.DictReader((tmp_path / "s.csv").open()))
+    inst_rows = list(csv.DictReader((tmp_path / "i.csv").open()))
+
+    def judged(srows: list[dict[str, str]], irows: list[dict[str, str]]) -> list[str]:
+        for name, data, header in (
+            ("s2.csv", srows, SCHEDULE_HEADER),
+            ("i2.csv", irows, INSTANCES_HEADER),
+        ):
+            with (tmp_path / name).open("w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(header), lineterminator="\n")
+                w.writeheader()
+                w.writerows(data)
+        return check(small_trace, tmp_path / "s2.csv", tmp_path / "i2.csv", max_gpus=32).errors
+
+    assert judged(rows, inst_rows) == []
+    early = [dict(r) for r in rows]
+    early[0]["start_s"] = str(float(early[0]["submit_s"]) - 1)
+    early[0]["end_s"] = str(float(early[0]["end_s"]) - float(early[0]["start_s"]) - 1)
+    assert judged(early, inst_rows)
+    crowd = [dict(r) for r in rows]
+    target = crowd[0]["instance_ids"].split(";")[0]
+    for r in crowd:
+        r["instance_ids"] = target
+    assert any("GPUs in use" in e or "usable" in e for e in judged(crowd, inst_rows))
+    cheap = [dict(r) for r in inst_rows]
+    cheap[0]["usd"] = "0.01"
+    assert any("usd" in e for e in judged(rows, cheap))
+    missing = rows[1:]
+    assert any("never ran" in e for e in judged(missing, inst_rows))
+    short = [dict(r) for r in rows]
+    short[0]["end_s"] = str(float(short[0]["end_s"]) - 5)
+    assert any("not its" in e for e in judged(short, inst_rows))
+
+
+def test_checker_catches_a_quota_breach(small_trace: Path, tmp_path: Path) -> None:
+    res = run_simulation(small_trace, policy="fair", max_gpus=32)
+    write_schedule(tmp_path / "s.csv", res.schedule)
+    write_instances(tmp_path / "i.csv", res.instances)
+    v = check(small_trace, tmp_path / "s.csv", tmp_path / "i.csv", max_gpus=8)
+    assert any("quota" in e for e in v.errors)
+
+
+# ---------------------------------------------------------------- the real trace
+
+
+@pytest.mark.skipif(not DEV_TRACE.exists(), reason="shared trace not present")
+@pytest.mark.parametrize("policy", ["fair", "per-job", "fifo"])
+def test_dev_trace_is_feasible(policy: str, tmp_path: Path) -> None:
+    res = run_simulation(DEV_TRACE, policy=policy, max_gpus=256)
+    assert res.jobs == 851 and not res.rejected
+    figures = _judge(DEV_TRACE, res, tmp_path)
+    if policy == "fair":
+        assert figures["cost_efficiency"] >= 0.85
