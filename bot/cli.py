@@ -102,13 +102,14 @@ def shell(
         )
     try:
         sh.run(_lines())
+        if not no_wait:
+            # Reservations simply stay in the database; runs this shell started are
+            # waited for, so a piped script sees their results.
+            sh.wait_for_runs(min(settings.tick_seconds, 1.0))
     except KeyboardInterrupt:
         pass
     finally:
         worker.stop()
-    # Training runs arrive with the shared queue; until then there is nothing to wait for,
-    # and reservations simply stay in the database.
-    _ = no_wait
 
 
 def _lines() -> Iterator[str]:

@@ -30,6 +30,7 @@ from bot.commands import (
     parse,
 )
 from bot.errors import UserError, failure_message
+from bot.runs import RunService
 from bot.service import Actor, GpuService
 from provisioning.catalog import Catalog
 
@@ -70,10 +71,6 @@ def handle_text(
 
 
 _LATER = {
-    Run: "training runs arrive with the shared queue",
-    Queue: "the shared queue is not built yet",
-    Cancel: "the shared queue is not built yet",
-    Logs: "the shared queue is not built yet",
     Util: "utilization snapshots are not built yet",
     Cost: "cost metering is not built yet",
     Budget: "budgets are not built yet",
@@ -121,6 +118,34 @@ def _prices(service: GpuService, actor: Actor, cmd: Command, key: str | None) ->
     return views.Reply(views.prices_view(_catalog(), cmd.model))
 
 
+def _runs(service: GpuService, what: str) -> RunService:
+    if service.runs is None:
+        raise UserError(
+            f"`/gpu {what}` needs hosts that can run training; none is configured here."
+        )
+    return service.runs
+
+
+def _run(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Run)
+    return _runs(service, "run").submit(actor, cmd, request_key=key)
+
+
+def _queue(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Queue)
+    return _runs(service, "queue").queue(actor, cmd)
+
+
+def _cancel(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Cancel)
+    return _runs(service, "cancel").cancel(actor, cmd)
+
+
+def _logs(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Logs)
+    return _runs(service, "logs").logs(actor, cmd)
+
+
 _Handler = Callable[[GpuService, Actor, Command, "str | None"], views.Reply]
 _HANDLERS: dict[type, _Handler] = {
     Help: _help,
@@ -129,4 +154,8 @@ _HANDLERS: dict[type, _Handler] = {
     Release: _release,
     Extend: _extend,
     Prices: _prices,
+    Run: _run,
+    Queue: _queue,
+    Cancel: _cancel,
+    Logs: _logs,
 }

@@ -12,11 +12,14 @@ from sqlalchemy.engine import Engine
 
 from bot.clock import Clock, SystemClock
 from bot.config import ConfigError, Settings
+from bot.runs import LocalAccess, RunService
 from bot.service import GpuService
 from db.migrate import upgrade
 from db.session import make_engine
 from provisioning.base import Compute
+from provisioning.catalog import Catalog
 from provisioning.hosts import LocalCompute
+from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 
 
 @dataclass
@@ -46,4 +49,10 @@ def build_runtime(
     service = GpuService(engine, settings, clock or SystemClock())
     compute = compute or make_compute(settings)
     service.sync_hosts(compute.list_instances())
+    if isinstance(compute, LocalCompute):
+        service.runs = RunService(
+            service,
+            LocalAccess(LocalRunner(), LOCAL_TARGET, (settings.home / "runs").resolve()),
+            Catalog.load(),
+        )
     return Runtime(settings=settings, engine=engine, service=service, compute=compute)

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func
 from sqlalchemy.engine import Engine
@@ -46,6 +47,9 @@ from db.models import (
 )
 from db.session import is_postgres, transaction
 from provisioning.base import Instance
+
+if TYPE_CHECKING:
+    from bot.runs import RunService
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,8 @@ class GpuService:
         self.engine = engine
         self.settings = settings
         self.clock = clock
+        # Training runs (bot.runs.RunService), set by the runtime when hosts can run them.
+        self.runs: RunService | None = None
 
     # --- users and hosts ---------------------------------------------------------
 

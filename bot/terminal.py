@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterable
 from typing import TextIO
 
@@ -94,6 +95,8 @@ class Shell:
         self.lock = lock
         self.notifier = TerminalNotifier(out, lock)
         self._actors: dict[str, Actor] = {}
+        # Runs submitted from this shell: at end of input it waits for them.
+        self.run_ids: set[int] = set()
 
     def _actor(self, name: str) -> Actor:
         if name not in self._actors:
@@ -118,6 +121,8 @@ class Shell:
                 raise EOFError
             line = "/gpu " + line  # "reserve a100" works as well as "/gpu reserve a100"
         reply = handle_text(self.service, self._actor(user), line)
+        if isinstance(reply.extra.get("run_id"), int):
+            self.run_ids.add(reply.extra["run_id"])
         text = render(reply.view)
         if not reply.ephemeral:
             text = f"[#{self.service.settings.channel}] " + text
@@ -131,4 +136,17 @@ class Shell:
                 self.handle_line(line)
             except EOFError:
                 break
+        deliver(self.service, self.notifier)
+
+    def wait_for_runs(self, poll_s: float) -> None:
+        """Blocks until the runs this shell started have ended (the worker finishes them
+        and delivers their DMs meanwhile); a run left running would outlive the shell."""
+        runs = self.service.runs
+        if runs is None or not self.run_ids:
+            return
+        left = runs.open_runs(self.run_ids)
+        if left:
+            self.print(f"Waiting for {left} run(s) to finish (Ctrl-C to leave them running)...")
+        while runs.open_runs(self.run_ids):
+            time.sleep(poll_s)
         deliver(self.service, self.notifier)

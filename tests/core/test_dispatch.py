@@ -41,9 +41,12 @@ def test_an_unexpected_failure_shows_a_reference_and_logs_the_traceback(
 
 def test_verbs_of_later_issues_say_so_and_change_nothing(sqlite_engine: Engine) -> None:
     svc, _ = make_service(sqlite_engine, [host("one", "A100", 1)])
-    for line in ["/gpu run --recipe digits", "/gpu queue", "/gpu cost", "/gpu util"]:
+    for line in ["/gpu cost", "/gpu util", "/gpu budget", "/gpu pool"]:
         reply = handle_text(svc, actor(svc, "alice"), line)
         assert reply.error and "not available in this gpubot build yet" in reply.view.text
+    for line in ["/gpu run --recipe digits", "/gpu queue"]:  # a service without run hosts
+        reply = handle_text(svc, actor(svc, "alice"), line)
+        assert reply.error and "needs hosts that can run training" in reply.view.text
     assert "1 of 1 free" in handle_text(svc, actor(svc, "alice"), "/gpu status").view.text
 
 

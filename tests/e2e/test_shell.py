@@ -4,6 +4,7 @@ that must lose no granted reservation."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tests.e2e.shell_driver import ShellProcess, run_shell
@@ -74,3 +75,16 @@ def test_piped_script_runs_to_the_end_and_exits_zero(tmp_path: Path) -> None:
     assert "I don't know the GPU model `potato`" in out
     assert "Usage: /gpu reserve [COUNT] [MODEL] [for DURATION]" in out
     assert "Traceback" not in out + proc.stderr
+
+
+def test_a_digits_run_queues_runs_and_dms_its_accuracy(tmp_path: Path) -> None:
+    proc = run_shell(tmp_path, "--user", "alice", script="/gpu run --recipe digits\n/gpu queue\n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "Run #1 queued (next in line): recipe digits on 1 CPU slot" in out
+    assert "[dm @alice] Run #1 started on local, CPU slot 0" in out
+    m = re.search(
+        r"\[dm @alice\] Run #1 \(recipe digits\) finished in \S+: test_accuracy (\d+\.\d+)%", out
+    )
+    assert m, out
+    assert float(m.group(1)) >= 95.0

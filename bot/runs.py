@@ -1,0 +1,735 @@
+"""Training runs: submit, queue, cancel, logs — and the worker's side of them,
+dispatch (place queued runs with the scheduler and start them on their host) and
+poll (read each running run's status file and finish it).
+
+The same `bot.scheduler.decide` that `gpubot simulate` measures places the runs:
+hosts become `FleetInstance`s, the GPUs that reservations hold become allocations
+with known ends, queued runs become `QueuedRun`s. Only `Place` actions can be
+carried out on hosts the team owns; `Launch`/`Start`/`Stop` need a cloud provider
+and are logged and skipped until one is configured.
+
+A run is dispatched exactly once: the move from `queued` to `starting` is a
+conditional update that only one worker can win, and the GPUs it takes are
+claimed by usage intervals in the same transaction (the partial unique index
+refuses a GPU held twice). A process that dies between claiming and starting
+leaves a `starting` run with no process id, which the next poll puts back in line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shlex
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+from sqlalchemy import update
+from sqlmodel import Session, col, select
+
+from bot import views
+from bot.commands import Cancel, Logs, Queue, Run
+from bot.durations import format_duration
+from bot.errors import UserError
+from bot.scheduler import Allocation, FleetInstance, Place, QueuedRun, SchedulerConfig, decide
+from bot.service import Actor, GpuService
+from db.models import (
+    HOST_READY,
+    RES_WAITING,
+    Gpu,
+    Host,
+    Reservation,
+    TrainingRun,
+    UsageInterval,
+    User,
+)
+from db.session import is_postgres, transaction
+from provisioning.catalog import Catalog
+from provisioning.ssh import SshError, SshRunner, SshTarget
+from training.status import TERMINAL_STATES, parse_status
+
+log = logging.getLogger(__name__)
+
+RUN_QUEUED = "queued"
+RUN_STARTING = "starting"
+RUN_RUNNING = "running"
+RUN_CANCELLING = "cancelling"
+RUN_SUCCEEDED = "succeeded"
+RUN_FAILED = "failed"
+RUN_CANCELLED = "cancelled"
+RUN_OPEN_STATES = (RUN_QUEUED, RUN_STARTING, RUN_RUNNING, RUN_CANCELLING)
+RECIPES = ("digits",)
+# A run claimed but not started within this long is presumed orphaned by a crash.
+STARTING_GRACE = timedelta(seconds=90)
+USAGE_RUN = "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] [--spot] [--recipe NAME] -- COMMAND"
+
+
+class HostAccess(Protocol):
+    """How to reach a host's shell: the local runner for this machine, SSH for the rest."""
+
+    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
+        """The runner, its target, and the directory where runs live on that host."""
+        ...
+
+
+@dataclass
+class LocalAccess:
+    """This machine only: runs live under $GPUBOT_HOME/runs."""
+
+    runner: SshRunner
+    target: SshTarget
+    runs_dir: Path
+
+    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
+        return (self.runner, self.target, self.runs_dir) if host_name == "local" else None
+
+
+class RunService:
+    def __init__(self, core: GpuService, access: HostAccess, catalog: Catalog) -> None:
+        self.core = core
+        self.access = access
+        self.catalog = catalog
+        self.config = SchedulerConfig(policy="fair")
+
+    @property
+    def engine(self) -> Any:
+        return self.core.engine
+
+    # --- submit ----------------------------------------------------------------------
+
+    def submit(self, actor: Actor, cmd: Run, request_key: str | None = None) -> views.Reply:
+        if cmd.interactive:
+            raise UserError(
+                "Say what to run: `--recipe digits` or `-- python train.py`.", USAGE_RUN
+            )
+        if cmd.recipe is not None and cmd.recipe not in RECIPES:
+            raise UserError(
+                f"There is no recipe `{cmd.recipe}`; recipes: {', '.join(RECIPES)}.", USAGE_RUN
+            )
+        with transaction(self.engine) as s:
+            if request_key is not None:
+                prior = s.exec(
+                    select(TrainingRun).where(TrainingRun.request_key == request_key)
+                ).first()
+                if prior is not None:
+                    return self._queued_reply(s, prior)
+            model = self._resolve_model(s, cmd.model, cmd.gpus)
+            user = self.core._user(s, actor.key, actor.name)
+            run = TrainingRun(
+                user_id=user.id,  # type: ignore[arg-type]
+                command=shlex.join(cmd.command),
+                recipe=cmd.recipe,
+                gpu_count=cmd.gpus,
+                gpu_model=model,
+                precision=cmd.precision,
+                spot=cmd.spot,
+                max_seconds=int(cmd.max_duration.total_seconds()) if cmd.max_duration else None,
+                state=RUN_QUEUED,
+                submitted_at=self.core.clock.now(),
+                request_key=request_key,
+            )
+            s.add(run)
+            s.flush()
+            return self._queued_reply(s, run)
+
+    def _resolve_model(self, s: Session, model: str | None, gpus: int) -> str:
+        """A run needs one GPU model: the asked one, else the configured default, else
+        the one model the pool has. Refuses what no host could ever run."""
+        counts: dict[str, int] = {}
+        for host in s.exec(select(Host).where(Host.state != "terminated")):
+            per_model: dict[str, int] = {}
+            for g in s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True))):
+                per_model[g.model] = per_model.get(g.model, 0) + 1
+            for m, n in per_model.items():
+                counts[m] = max(counts.get(m, 0), n)
+        wanted = model or self.core.settings.default_gpu
+        if wanted is None:
+            if len(counts) != 1:
+                have = ", ".join(sorted(counts)) or "none"
+                raise UserError(
+                    f"Say which GPU model to run on (`--gpu MODEL`); this pool has: {have}.",
+                    USAGE_RUN,
+                )
+            wanted = next(iter(counts))
+        if wanted not in counts:
+            have = ", ".join(sorted(counts)) or "none"
+            raise UserError(f"No host here has {wanted} GPUs (this pool has: {have}).", USAGE_RUN)
+        if gpus > counts[wanted]:
+            raise UserError(
+                f"No host has {gpus} {wanted} GPUs; the most on one host is {counts[wanted]}. "
+                "Runs across several hosts need a cloud provider.",
+                USAGE_RUN,
+            )
+        return wanted
+
+    def _queued_reply(self, s: Session, run: TrainingRun) -> views.Reply:
+        queue = self._queued(s)
+        position = next((i + 1 for i, r in enumerate(queue) if r.id == run.id), None)
+        what = (run.recipe and f"recipe {run.recipe}") or f"`{_clip(run.command)}`"
+        if run.state == RUN_QUEUED:
+            place = "next in line" if position == 1 else f"position {position}"
+            text = (
+                f"Run #{run.id} queued ({place}): {what} on {views.gpu_phrase(run.gpu_count, run.gpu_model)}, "
+                f"precision {run.precision}. I'll DM you when it starts and when it ends. "
+                f"`/gpu cancel {run.id}` takes it back."
+            )
+        else:
+            text = f"Run #{run.id} ({what}) is {run.state}."
+        return views.Reply(
+            views.View(text=text, blocks=(views.Text(text),)), extra={"run_id": run.id}
+        )
+
+    # --- queue, cancel, logs -----------------------------------------------------------
+
+    def _queued(self, s: Session) -> list[TrainingRun]:
+        return list(
+            s.exec(
+                select(TrainingRun)
+                .where(TrainingRun.state == RUN_QUEUED)
+                .order_by(
+                    col(TrainingRun.priority).desc(),
+                    col(TrainingRun.submitted_at),
+                    col(TrainingRun.id),
+                )
+            )
+        )
+
+    def queue(self, actor: Actor, cmd: Queue) -> views.Reply:
+        with transaction(self.engine, write=False) as s:
+            now = self.core.clock.now()
+            rows = list(
+                s.exec(
+                    select(TrainingRun, User)
+                    .join(User)
+                    .where(col(TrainingRun.state).in_(RUN_OPEN_STATES))
+                    .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
+                )
+            )
+            prices = self._per_gpu_prices(s)
+            table = []
+            waiting = 0
+            for run, user in rows:
+                if cmd.mine_only and user.key != actor.key:
+                    continue
+                if run.state == RUN_QUEUED:
+                    waiting += 1
+                    where = f"#{waiting} in line"
+                else:
+                    where = f"{run.state} on {run.placement.get('host', '?')}"
+                price = prices.get(run.gpu_model or "", 0.0) * run.gpu_count
+                if run.max_seconds:
+                    cost = f"≤ ${price * run.max_seconds / 3600:.2f}" if price else "$0 (owned)"
+                else:
+                    cost = f"${price:.2f}/h" if price else "$0 (owned)"
+                age = format_duration(now - run.submitted_at)
+                table.append(
+                    (
+                        f"#{run.id}",
+                        user.display_name,
+                        _clip(run.recipe or run.command, 40),
+                        views.gpu_phrase(run.gpu_count, run.gpu_model),
+                        where,
+                        age,
+                        cost,
+                    )
+                )
+        if not table:
+            text = (
+                "No runs are queued or running."
+                if not cmd.mine_only
+                else "You have no runs queued or running."
+            )
+            return views.message(text)
+        summary = f"{waiting} waiting, {len(table) - waiting} running"
+        blocks: tuple[views.Block, ...] = (
+            views.Header("Training queue"),
+            views.Context(summary),
+            views.Table(("run", "who", "what", "needs", "where", "age", "est. cost"), tuple(table)),
+        )
+        return views.Reply(views.View(text=summary, blocks=blocks))
+
+    def _per_gpu_prices(self, s: Session) -> dict[str, float]:
+        """Per-GPU hourly price of each model on the hosts we have (0 for owned hosts)."""
+        out: dict[str, float] = {}
+        for host in s.exec(select(Host).where(Host.state != "terminated")):
+            gpus = list(
+                s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
+            )
+            for g in gpus:
+                out[g.model] = max(out.get(g.model, 0.0), host.hourly_usd / max(1, len(gpus)))
+        return out
+
+    def cancel(self, actor: Actor, cmd: Cancel) -> views.Reply:
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, cmd.run_id)
+            if run is None:
+                raise UserError(f"There is no run #{cmd.run_id}.", "/gpu cancel ID")
+            owner = s.get(User, run.user_id)
+            if owner is None or (owner.key != actor.key and not actor.admin):
+                raise UserError(
+                    f"Run #{run.id} is not yours; only its owner or an admin can cancel it.",
+                    "/gpu cancel ID",
+                )
+            if run.state not in RUN_OPEN_STATES:
+                raise UserError(f"Run #{run.id} already {run.state}.", "/gpu cancel ID")
+            if run.state == RUN_QUEUED:
+                run.state = RUN_CANCELLED
+                run.finished_at = self.core.clock.now()
+                s.add(run)
+                return views.message(f"Run #{run.id} cancelled before it started.")
+            run.state = RUN_CANCELLING
+            s.add(run)
+            return views.message(
+                f"Stopping run #{run.id}: it gets SIGTERM, saves a checkpoint, and its GPUs go back."
+            )
+
+    def logs(self, actor: Actor, cmd: Logs) -> views.Reply:
+        with transaction(self.engine, write=False) as s:
+            run = s.get(TrainingRun, cmd.run_id)
+            if run is None:
+                raise UserError(f"There is no run #{cmd.run_id}.", "/gpu logs ID [LINES]")
+            placement = dict(run.placement)
+        if "log" not in placement:
+            return views.message(f"Run #{cmd.run_id} has not started yet, so it has no log.")
+        access = self.access.runner_for(placement["host"])
+        if access is None:
+            raise UserError(
+                f"Host {placement['host']} is not reachable from here.", "/gpu logs ID [LINES]"
+            )
+        runner, target, _ = access
+        try:
+            text = runner.tail(target, placement["log"], cmd.lines)
+        except SshError as exc:
+            raise UserError(f"Could not read the log of run #{cmd.run_id}: {exc}") from None
+        body = text.strip() or "(the log is empty so far)"
+        return views.Reply(
+            views.View(
+                text=f"Last lines of run #{cmd.run_id}",
+                blocks=(
+                    views.Text(f"*Run #{cmd.run_id}*, last {cmd.lines} lines"),
+                    views.Code(body[-2800:]),
+                ),
+            )
+        )
+
+    def open_runs(self, run_ids: set[int] | None = None) -> int:
+        with transaction(self.engine, write=False) as s:
+            q = select(TrainingRun.id).where(col(TrainingRun.state).in_(RUN_OPEN_STATES))
+            ids = set(s.exec(q).all())
+        return len(ids if run_ids is None else ids & run_ids)
+
+    # --- the worker: dispatch -------------------------------------------------------------
+
+    def dispatch(self) -> int:
+        """Places queued runs with the scheduler and starts them; returns how many started."""
+        now = self.core.clock.now()
+        with transaction(self.engine, write=False) as s:
+            queue, fleet, hosts, usage = self._scheduler_inputs(s, now)
+        if not queue:
+            return 0
+        actions = decide(
+            queue, fleet, now.timestamp(), catalog=self.catalog, config=self.config, usage=usage
+        )
+        started = 0
+        for action in actions:
+            if not isinstance(action, Place):
+                log.info("scheduler wants %s; no cloud provider is configured, skipped", action)
+                continue
+            if len(action.instance_ids) != 1 or action.instance_ids[0] not in hosts:
+                log.info("placement %s needs hosts this provider does not have; skipped", action)
+                continue
+            if self._start(int(action.run_id), action.instance_ids[0], action.gpus_per_instance):
+                started += 1
+        return started
+
+    def _scheduler_inputs(
+        self, s: Session, now: datetime
+    ) -> tuple[list[QueuedRun], list[FleetInstance], dict[str, Host], dict[str, float]]:
+        waiting_models = {
+            r.gpu_model for r in s.exec(select(Reservation).where(Reservation.state == RES_WAITING))
+        }
+        queue = []
+        for run, user in s.exec(
+            select(TrainingRun, User)
+            .join(User)
+            .where(TrainingRun.state == RUN_QUEUED)
+            .order_by(col(TrainingRun.id))
+        ):
+            # Someone waiting for a reservation of this model goes first: people at a
+            # keyboard before batch work.
+            if run.gpu_model in waiting_models or None in waiting_models:
+                continue
+            queue.append(
+                QueuedRun(
+                    run_id=str(run.id),
+                    user=user.key,
+                    gpus=run.gpu_count,
+                    gpu_model=run.gpu_model or "",
+                    submit_s=run.submitted_at.timestamp(),
+                    est_duration_s=float(run.max_seconds) if run.max_seconds else None,
+                    priority=run.priority,
+                    spot=run.spot,
+                )
+            )
+        hosts: dict[str, Host] = {}
+        fleet = []
+        open_rows = s.exec(
+            select(UsageInterval, User, Reservation, TrainingRun)
+            .join(User, col(User.id) == col(UsageInterval.user_id))
+            .join(
+                Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True
+            )
+            .join(TrainingRun, col(TrainingRun.id) == col(UsageInterval.run_id), isouter=True)
+            .where(col(UsageInterval.ended_at).is_(None))
+        ).all()
+        for host in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id))):
+            gpus = list(
+                s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
+            )
+            if not gpus:
+                continue
+            hosts[host.name] = host
+            by_holder: dict[str, tuple[str, int, float | None]] = {}
+            for iv, user, res, run in open_rows:
+                if iv.host_id != host.id:
+                    continue
+                if res is not None:
+                    key, end = f"res:{res.id}", res.ends_at.timestamp() if res.ends_at else None
+                else:
+                    started = (
+                        run.started_at if run is not None and run.started_at else iv.started_at
+                    )
+                    limit = run.max_seconds if run is not None else None
+                    key, end = f"{iv.run_id}", (started.timestamp() + limit) if limit else None
+                _, n, _ = by_holder.get(key, (user.key, 0, end))
+                by_holder[key] = (user.key, n + 1, end)
+            models = sorted({g.model for g in gpus})
+            fleet.append(
+                FleetInstance(
+                    instance_id=host.name,
+                    instance_type=host.instance_type or host.provider,
+                    gpu_model=models[0],
+                    gpus=len(gpus),
+                    usd_hr=host.hourly_usd,
+                    market="spot" if host.market == "spot" else "ondemand",
+                    state="running",
+                    ready_at_s=host.created_at.timestamp(),
+                    allocations=tuple(
+                        Allocation(run_id=k, user=u, gpus=n, est_end_s=e)
+                        for k, (u, n, e) in by_holder.items()
+                    ),
+                )
+            )
+        return queue, fleet, hosts, self._usage(s, now)
+
+    def _usage(self, s: Session, now: datetime) -> dict[str, float]:
+        """Each user's GPU-seconds, decayed with the scheduler's half-life (Slurm's fair share)."""
+        horizon = now - timedelta(seconds=self.config.half_life_s * 8)
+        usage: dict[str, float] = {}
+        for iv, user in s.exec(
+            select(UsageInterval, User)
+            .join(User)
+            .where(
+                (col(UsageInterval.ended_at).is_(None)) | (col(UsageInterval.ended_at) > horizon)
+            )
+        ):
+            end = iv.ended_at or now
+            secs = max(0.0, (end - iv.started_at).total_seconds())
+            age = max(0.0, (now - end).total_seconds())
+            usage[user.key] = usage.get(user.key, 0.0) + secs * math.pow(
+                0.5, age / self.config.half_life_s
+            )
+        return usage
+
+    def _start(self, run_id: int, host_name: str, gpus: int) -> bool:
+        """Claims GPUs and the run in one transaction, then starts the process."""
+        access = self.access.runner_for(host_name)
+        if access is None:
+            log.warning("no way to reach host %s; run %s stays queued", host_name, run_id)
+            return False
+        runner, target, runs_dir = access
+        now = self.core.clock.now()
+        with transaction(self.engine) as s:
+            won = s.exec(
+                update(TrainingRun)
+                .where(col(TrainingRun.id) == run_id, col(TrainingRun.state) == RUN_QUEUED)
+                .values(state=RUN_STARTING)
+            )
+            if won.rowcount != 1:
+                return False  # another worker got it, or it was cancelled
+            host = s.exec(select(Host).where(Host.name == host_name)).one()
+            if is_postgres(self.engine):
+                s.exec(
+                    select(Gpu.id)
+                    .where(Gpu.host_id == host.id)
+                    .order_by(col(Gpu.id))
+                    .with_for_update()
+                ).all()
+            held = set(
+                s.exec(
+                    select(UsageInterval.gpu_id).where(col(UsageInterval.ended_at).is_(None))
+                ).all()
+            )
+            run = s.get(TrainingRun, run_id)
+            assert run is not None and host.id is not None
+            free = [
+                g
+                for g in s.exec(
+                    select(Gpu)
+                    .where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
+                    .order_by(col(Gpu.index))
+                )
+                if g.id not in held and g.model == run.gpu_model
+            ][:gpus]
+            if len(free) < gpus:
+                run.state = RUN_QUEUED  # the scheduler's view was stale; try next tick
+                s.add(run)
+                return False
+            n_gpus = len(
+                list(
+                    s.exec(select(Gpu.id).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
+                )
+            )
+            for g in free:
+                assert g.id is not None
+                s.add(
+                    UsageInterval(
+                        gpu_id=g.id,
+                        host_id=host.id,
+                        user_id=run.user_id,
+                        run_id=run.id,
+                        started_at=now,
+                        usd_per_hour=host.hourly_usd / max(1, n_gpus),
+                        market=host.market,
+                    )
+                )
+            run_dir = runs_dir / str(run.id)
+            placement: dict[str, Any] = {
+                "host": host_name,
+                "gpu_indexes": [g.index for g in free],
+                "cpu": all(g.model == "cpu" for g in free),
+                "dir": str(run_dir),
+                "status": str(run_dir / "status.json"),
+                "log": str(run_dir / "run.log"),
+                "checkpoints": str(run_dir / "checkpoints"),
+            }
+            run.placement = placement
+            run.host_id = host.id
+            run.started_at = now
+            s.add(run)
+            command = _runner_command(run, placement)
+        env = {
+            "CUDA_VISIBLE_DEVICES": ""
+            if placement["cpu"]
+            else ",".join(map(str, placement["gpu_indexes"]))
+        }
+        try:
+            runner.run(target, f"mkdir -p {shlex.quote(str(run_dir))}", timeout=30)
+            pgid = runner.start_detached(
+                target, command, str(placement["log"]), cwd=str(run_dir), env=env
+            )
+        except SshError as exc:
+            self._finish(
+                run_id, RUN_FAILED, None, {"error": f"could not start: {exc}"}, log_tail=""
+            )
+            return False
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            assert run is not None
+            run.placement = {**run.placement, "pgid": pgid}
+            if run.state == RUN_STARTING:
+                run.state = RUN_RUNNING
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            where = (
+                f"{host_name}, "
+                + ("CPU slot" if placement["cpu"] else "GPU")
+                + ("s " if len(placement["gpu_indexes"]) != 1 else " ")
+                + ", ".join(map(str, placement["gpu_indexes"]))
+            )
+            text = f"Run #{run_id} started on {where}. `/gpu logs {run_id}` shows its log."
+            self.core._notify_dm(
+                s,
+                owner.key,
+                views.View(text=text, blocks=(views.Text(text),)),
+                self.core.clock.now(),
+                dedupe=f"run-started:{run_id}",
+            )
+        return True
+
+    # --- the worker: poll ------------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Reads every running run's status; finishes those that ended. Returns how many."""
+        with transaction(self.engine, write=False) as s:
+            rows = list(
+                s.exec(
+                    select(TrainingRun).where(
+                        col(TrainingRun.state).in_((RUN_STARTING, RUN_RUNNING, RUN_CANCELLING))
+                    )
+                )
+            )
+        finished = 0
+        now = self.core.clock.now()
+        for run in rows:
+            assert run.id is not None
+            placement = dict(run.placement)
+            if "pgid" not in placement:
+                if run.started_at is not None and now - run.started_at > STARTING_GRACE:
+                    self._requeue_orphan(run.id)
+                continue
+            access = self.access.runner_for(placement["host"])
+            if access is None:
+                continue
+            runner, target, _ = access
+            try:
+                if run.state == RUN_CANCELLING and not placement.get("term_sent"):
+                    runner.kill_group(target, int(placement["pgid"]), "TERM")
+                    self._update_placement(run.id, term_sent=True)
+                raw = runner.read_file(target, placement["status"])
+                alive = runner.is_alive(target, int(placement["pgid"]))
+            except SshError as exc:
+                log.warning("poll of run %s on %s failed: %s", run.id, placement["host"], exc)
+                continue
+            status = parse_status(raw.decode("utf-8", "replace")) if raw else None
+            if status is not None:
+                self._update_metrics(run.id, status)
+            if alive and (status is None or status.state not in TERMINAL_STATES):
+                continue
+            if alive:
+                continue  # final status written; the process is exiting
+            tail = ""
+            with contextlib.suppress(SshError):
+                tail = runner.tail(target, placement["log"], 15)
+            if run.state == RUN_CANCELLING:
+                state = RUN_CANCELLED
+            elif status is not None and status.state == "done":
+                state = RUN_SUCCEEDED
+            else:
+                state = RUN_FAILED
+            summary: dict[str, Any] = {}
+            exit_code = None
+            if status is not None:
+                exit_code = status.exit_code
+                summary = {
+                    "state": status.state,
+                    "precision": status.precision,
+                    "error": status.error,
+                }
+                if status.summary is not None:
+                    summary.update(
+                        final_metrics=status.summary.final_metrics,
+                        final_loss=status.summary.final_loss,
+                        wall_s=status.summary.wall_s,
+                    )
+            elif state == RUN_FAILED:
+                summary = {"error": "the process ended without writing a final status"}
+            self._finish(run.id, state, exit_code, summary, tail)
+            finished += 1
+        return finished
+
+    def _update_placement(self, run_id: int, **changes: Any) -> None:
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is not None:
+                run.placement = {**run.placement, **changes}
+                s.add(run)
+
+    def _update_metrics(self, run_id: int, status: Any) -> None:
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is not None and run.state in RUN_OPEN_STATES:
+                run.metrics = {
+                    **run.metrics,
+                    "state": status.state,
+                    "step": status.step,
+                    "loss": status.loss,
+                    "metrics": status.metrics,
+                    "precision": status.precision,
+                    "samples_per_s": status.samples_per_s,
+                    "eta_s": status.eta_s,
+                }
+                s.add(run)
+
+    def _requeue_orphan(self, run_id: int) -> None:
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is None or run.state != RUN_STARTING or "pgid" in run.placement:
+                return
+            self._close_intervals(s, run_id, self.core.clock.now())
+            run.state = RUN_QUEUED
+            run.placement = {}
+            run.started_at = None
+            s.add(run)
+            log.warning("run %s was claimed but never started (crash?); back in line", run_id)
+
+    def _close_intervals(self, s: Session, run_id: int, at: datetime) -> float:
+        cost = 0.0
+        for iv in s.exec(
+            select(UsageInterval).where(
+                UsageInterval.run_id == run_id, col(UsageInterval.ended_at).is_(None)
+            )
+        ):
+            iv.ended_at = max(at, iv.started_at)
+            s.add(iv)
+        for iv in s.exec(select(UsageInterval).where(UsageInterval.run_id == run_id)):
+            if iv.ended_at is not None:
+                cost += iv.usd_per_hour * (iv.ended_at - iv.started_at).total_seconds() / 3600
+        return cost
+
+    def _finish(
+        self, run_id: int, state: str, exit_code: int | None, summary: dict[str, Any], log_tail: str
+    ) -> None:
+        now = self.core.clock.now()
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is None or run.state not in RUN_OPEN_STATES:
+                return
+            cost = self._close_intervals(s, run_id, now)
+            run.state = state
+            run.finished_at = now
+            run.exit_code = exit_code
+            run.metrics = {**run.metrics, "summary": summary, "cost_usd": round(cost, 4)}
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            self.core._notify_dm(
+                s,
+                owner.key,
+                views.run_finished_view(run, summary, cost, log_tail),
+                now,
+                dedupe=f"run-finished:{run_id}",
+            )
+            self.core._grant_pass(s, now)
+
+
+def _runner_command(run: TrainingRun, placement: dict[str, Any]) -> str:
+    parts = [
+        sys.executable,
+        "-m",
+        "training.runner",
+        "--precision",
+        run.precision,
+        "--status-file",
+        placement["status"],
+        "--checkpoint-dir",
+        placement["checkpoints"],
+        "--run-id",
+        str(run.id),
+    ]
+    if run.max_seconds:
+        parts += ["--max-minutes", f"{run.max_seconds / 60:.2f}"]
+    if run.gpu_count > 1:
+        parts += ["--gpus", str(run.gpu_count)]
+    if run.recipe:
+        parts += ["--recipe", run.recipe]
+        return shlex.join(parts)
+    return shlex.join(parts) + " -- " + run.command
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,196 @@
+"""Training runs through the service on this machine's local runner: submit, dispatch
+with the scheduler, poll the real runner's status file, finish with a DM; cancel;
+a failing command; dispatch exactly once with two workers racing."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from bot.commands import Cancel, Logs, Queue, Reserve, Run
+from bot.errors import UserError
+from bot.runs import LocalAccess, RunService
+from bot.service import GpuService
+from db.models import Notification, TrainingRun, UsageInterval
+from provisioning.base import GpuDevice, Instance
+from provisioning.catalog import Catalog
+from provisioning.local_runner import LOCAL_TARGET, LocalRunner
+from tests.core.helpers import actor, make_service
+
+
+def local_host(slots: int) -> Instance:
+    return Instance(
+        name="local",
+        provider="local",
+        state="ready",
+        gpus=tuple(GpuDevice(index=i, model="cpu") for i in range(slots)),
+    )
+
+
+def runs_for(svc: GpuService, tmp_path: Path) -> RunService:
+    runs = RunService(
+        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
+    )
+    svc.runs = runs
+    return runs
+
+
+def run_until(runs: RunService, done: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "run did not finish in time"
+        runs.poll()
+        runs.dispatch()
+        time.sleep(0.2)
+
+
+def state(engine: Engine, run_id: int) -> TrainingRun:
+    with Session(engine) as s:
+        run = s.get(TrainingRun, run_id)
+        assert run is not None
+        return run
+
+
+def dms_to(engine: Engine, who: str) -> list[str]:
+    with Session(engine) as s:
+        rows = s.exec(
+            select(Notification).where(Notification.target == who).order_by(col(Notification.id))
+        )
+        return [n.text for n in rows]
+
+
+def test_a_user_command_runs_reports_and_finishes_with_a_dm(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    svc, _ = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import training\nfor step in range(3):\n    training.report(step=step, loss=1.0/(step+1))\nprint('hello from train.py')\n"
+    )
+    reply = runs.submit(actor(svc, "alice"), Run(command=(sys.executable, str(script))))
+    rid = reply.extra["run_id"]
+    assert "queued (next in line)" in reply.view.text
+    run_until(runs, lambda: state(sqlite_engine, rid).state == "succeeded")
+    run = state(sqlite_engine, rid)
+    assert run.exit_code == 0 and run.placement["gpu_indexes"] == [0]
+    texts = dms_to(sqlite_engine, "alice")
+    assert texts[0].startswith(f"Run #{rid} started on local, CPU slot 0")
+    assert texts[-1].startswith(f"Run #{rid} (`") and "finished" in texts[-1]
+    logs = runs.logs(actor(svc, "alice"), Logs(rid, 20))
+    assert "hello from train.py" in logs.view.blocks[-1].text  # type: ignore[union-attr]
+    with Session(sqlite_engine) as s:
+        ivs = s.exec(select(UsageInterval).where(UsageInterval.run_id == rid)).all()
+    assert len(ivs) == 1 and ivs[0].ended_at is not None, (
+        "the run's GPU-time is on record and closed"
+    )
+
+
+def test_a_failing_command_tells_the_owner_why(sqlite_engine: Engine, tmp_path: Path) -> None:
+    svc, _ = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    cmd = (sys.executable, "-c", "import sys; print('loading data'); sys.exit('disk full')")
+    rid = runs.submit(actor(svc, "bob"), Run(command=cmd)).extra["run_id"]
+    run_until(runs, lambda: state(sqlite_engine, rid).state == "failed")
+    last = dms_to(sqlite_engine, "bob")[-1]
+    assert f"Run #{rid}" in last and "failed (exit status 1)" in last
+    with Session(sqlite_engine) as s:
+        n = s.exec(
+            select(Notification)
+            .where(Notification.target == "bob")
+            .order_by(col(Notification.id).desc())
+        ).first()
+    assert n is not None and "disk full" in str(n.view)
+
+
+def test_cancel_stops_a_running_run_and_frees_its_slot(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    svc, _ = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    a = actor(svc, "alice")
+    rid = runs.submit(a, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))).extra[
+        "run_id"
+    ]
+    queued = runs.submit(a, Run(recipe="digits")).extra["run_id"]
+    run_until(runs, lambda: state(sqlite_engine, rid).state == "running")
+    assert "1 waiting, 1 running" in runs.queue(a, Queue()).view.text
+    with pytest.raises(UserError, match="not yours"):
+        runs.cancel(actor(svc, "mallory"), Cancel(rid))
+    assert "cancelled before it started" in runs.cancel(a, Cancel(queued)).view.text
+    assert "Stopping run" in runs.cancel(a, Cancel(rid)).view.text
+    run_until(runs, lambda: state(sqlite_engine, rid).state == "cancelled", timeout=60)
+    # The slot is free again: a reservation gets it at once.
+    assert svc.reserve(a, Reserve()).view.text.startswith("Reserved")
+
+
+def test_runs_wait_for_gpus_held_by_a_reservation(sqlite_engine: Engine, tmp_path: Path) -> None:
+    svc, _ = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    svc.reserve(actor(svc, "alice"), Reserve())
+    rid = runs.submit(actor(svc, "bob"), Run(recipe="digits")).extra["run_id"]
+    assert runs.dispatch() == 0 and state(sqlite_engine, rid).state == "queued"
+
+
+def test_impossible_runs_are_refused_up_front(sqlite_engine: Engine, tmp_path: Path) -> None:
+    svc, _ = make_service(sqlite_engine, [local_host(2)])
+    runs = runs_for(svc, tmp_path)
+    with pytest.raises(UserError, match="the most on one host is 2"):
+        runs.submit(actor(svc, "a"), Run(recipe="digits", gpus=3))
+    with pytest.raises(UserError, match="No host here has A100"):
+        runs.submit(actor(svc, "a"), Run(recipe="digits", model="A100"))
+    with pytest.raises(UserError, match="no recipe `mnist`"):
+        runs.submit(actor(svc, "a"), Run(recipe="mnist"))
+
+
+def test_the_same_submission_delivered_twice_queues_once(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    svc, _ = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    first = runs.submit(actor(svc, "a"), Run(recipe="digits"), request_key="slack:t1")
+    again = runs.submit(actor(svc, "a"), Run(recipe="digits"), request_key="slack:t1")
+    assert first.extra["run_id"] == again.extra["run_id"]
+
+
+@pytest.mark.postgres
+def test_two_workers_dispatch_each_run_exactly_once(pg_engine: Engine, tmp_path: Path) -> None:
+    svc, _ = make_service(pg_engine, [local_host(4)])
+    runs_a = runs_for(svc, tmp_path)
+    svc_b = GpuService(pg_engine, svc.settings, svc.clock)
+    runs_b = RunService(
+        svc_b, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
+    )
+    ids = [
+        runs_a.submit(actor(svc, f"u{i}"), Run(command=(sys.executable, "-c", "pass"))).extra[
+            "run_id"
+        ]
+        for i in range(6)
+    ]
+    barrier = threading.Barrier(2)
+    started: list[int] = []
+
+    def worker(r: RunService) -> None:
+        barrier.wait(timeout=30)
+        started.append(r.dispatch())
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (runs_a, runs_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sum(started) == 4, started  # 4 slots, 6 runs: four start, once each
+    with Session(pg_engine) as s:
+        placed = s.exec(
+            select(TrainingRun).where(col(TrainingRun.id).in_(ids), TrainingRun.state != "queued")
+        ).all()
+        ivs = s.exec(select(UsageInterval).where(col(UsageInterval.run_id).is_not(None))).all()
+    assert len(placed) == 4 and len(ivs) == 4 and len({iv.gpu_id for iv in ivs}) == 4
+    run_until(runs_a, lambda: all(state(pg_engine, i).state == "succeeded" for i in ids))
