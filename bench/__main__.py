@@ -15,7 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHES: list[str] = ["runner_overhead", "simulate"]
+BENCHES: list[str] = ["runner_overhead", "simulate", "slack_latency"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,9 @@ from bot.config import ConfigError, Settings, load_settings
 from bot.errors import UserError
 from bot.runtime import build_runtime
 from bot.simulate import simulate
+from bot.slack.cli import manifest as slack_manifest
+from bot.slack.cli import serve as slack_serve
+from bot.slack.notifier import from_settings as slack_notifier_from_settings
 from bot.terminal import Shell
 from bot.worker import Worker
 
@@ -137,12 +140,12 @@ def worker() -> None:
     except UserError as exc:
         typer.echo(f"gpubot: {exc.text}", err=True)
         raise typer.Exit(2) from None
-    # Slack delivery arrives with the Slack face; until a notifier exists the
-    # notifications wait in the outbox rather than being marked sent unseen.
-    logging.getLogger(__name__).warning(
-        "no Slack notifier in this build: notifications stay queued"
-    )
-    w = Worker(runtime.service, None, settings.tick_seconds)
+    notifier = slack_notifier_from_settings(settings)
+    if notifier is None:
+        # Without a bot token notifications wait in the outbox rather than being
+        # marked sent unseen.
+        logging.getLogger(__name__).warning("SLACK_BOT_TOKEN is not set: notifications stay queued")
+    w = Worker(runtime.service, notifier, settings.tick_seconds)
     stop = threading.Event()
 
     def _stop(_sig: int, _frame: FrameType | None) -> None:
@@ -170,6 +173,8 @@ def db_upgrade() -> None:
 
 
 app.command("simulate")(simulate)
+app.command("serve")(slack_serve)
+app.command("manifest")(slack_manifest)
 
 
 def main() -> None:

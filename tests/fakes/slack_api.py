@@ -525,6 +525,8 @@ class Message:
     files: tuple[str, ...] = ()
     deleted: bool = False
     edits: int = 0
+    # chat.postMessage's `metadata` ({event_type, event_payload}), returned by history readers.
+    metadata: JsonDict | None = None
 
 
 @dataclass
@@ -1184,7 +1186,30 @@ class FakeSlack:
             out["attachments"] = msg.attachments
         if msg.thread_ts is not None:
             out["thread_ts"] = msg.thread_ts
+        if msg.metadata is not None:
+            out["metadata"] = msg.metadata
         return out
+
+    def message_json(self, msg: Message) -> JsonDict:
+        """A stored message as the Web API returns it (for conversations.history responders)."""
+        return self._message_json(msg)
+
+    def message_problems(self, payload: JsonDict) -> list[str]:
+        """What Slack would reject in a message body that never passes through the fake:
+        an HTTP ack or Socket Mode ack payload (text, blocks, Block Kit limits)."""
+        try:
+            self._check_message(payload)
+        except _Violation as v:
+            return v.details
+        return []
+
+    def view_problems(self, view: JsonDict, method: str = "views.publish") -> list[str]:
+        """As message_problems, for a modal or Home view (e.g. a response_action update)."""
+        try:
+            self._check_view(method, view)
+        except _Violation as v:
+            return v.details
+        return []
 
     @staticmethod
     def _with_warnings(response: JsonDict, warnings: list[str]) -> JsonDict:
@@ -1223,6 +1248,7 @@ class FakeSlack:
             blocks=p.get("blocks"),
             attachments=p.get("attachments"),
             thread_ts=p.get("thread_ts") or None,
+            metadata=p.get("metadata") if isinstance(p.get("metadata"), dict) else None,
         )
         with self._lock:
             self.messages.append(msg)

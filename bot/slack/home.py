@@ -1,0 +1,86 @@
+"""The App Home tab: your reservations, the team's waiting line, and plainly what is
+not built yet (runs, cost), so an empty section is never mistaken for "none".
+
+It is composed from the core's status view rather than from database reads of its
+own, so Home can never disagree with `/gpu status`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError
+
+from bot import views
+from bot.commands import Status
+from bot.service import Actor, GpuService
+from bot.slack.blocks import VIEW, render_blocks
+
+log = logging.getLogger(__name__)
+
+
+def home_view(service: GpuService, actor: Actor) -> views.View:
+    full = service.status(actor, Status(mine_only=False)).view
+    blocks: list[views.Block] = [views.Header("gpubot")]
+    summary = next((b.text for b in full.blocks if isinstance(b, views.Context)), full.text)
+    blocks.append(views.Context(summary))
+    blocks.append(views.Text("*Your reservations*"))
+    yours = next(
+        (b for b in full.blocks if isinstance(b, views.Text) and b.text.startswith("*Yours*")),
+        None,
+    )
+    if yours is not None:
+        blocks.append(views.Text(yours.text.removeprefix("*Yours*\n")))
+    else:
+        blocks.append(
+            views.Text("You hold no GPUs and are not waiting. `/gpu reserve` asks for one.")
+        )
+    blocks.append(
+        views.Context(
+            "Release or extend with `/gpu release ID` and `/gpu extend ID 1h`, "
+            "or the buttons on the reply you got when it was granted."
+        )
+    )
+    blocks.append(views.Divider())
+    blocks.append(views.Text("*Your runs*\nTraining runs are not built in this gpubot yet."))
+    blocks.append(views.Text("*Your cost*\nCost metering is not built in this gpubot yet."))
+    blocks.append(views.Divider())
+    blocks.append(views.Text("*The team's waiting line*"))
+    waiting_at = next(
+        (
+            i
+            for i, b in enumerate(full.blocks)
+            if isinstance(b, views.Text) and b.text == "*Waiting*"
+        ),
+        None,
+    )
+    table = (
+        full.blocks[waiting_at + 1]
+        if waiting_at is not None and waiting_at + 1 < len(full.blocks)
+        else None
+    )
+    if isinstance(table, views.Table):
+        blocks.append(table)
+    else:
+        blocks.append(views.Text("Nobody is waiting."))
+    blocks.append(views.Context("`/gpu status` shows every host and GPU."))
+    return views.View(text=f"gpubot: {summary}", blocks=tuple(blocks))
+
+
+def publish_home(client: WebClient, service: GpuService, actor: Actor) -> bool:
+    """Publishes the caller's Home; a failure is logged and not raised, since Home is a
+    convenience that must never turn a command that worked into an error."""
+    view = home_view(service, actor)
+    try:
+        client.views_publish(
+            user_id=actor.key,
+            view={"type": "home", "blocks": render_blocks(view, VIEW)},
+        )
+    except SlackApiError as exc:
+        log.warning("views.publish for %s failed: %s", actor.key, exc.response.get("error"))
+        return False
+    except OSError as exc:
+        log.warning("views.publish for %s failed: %s", actor.key, type(exc).__name__)
+        return False
+    return True
