@@ -178,9 +178,10 @@ class RunService:
             )
         else:
             text = f"Run #{run.id} ({what}) is {run.state}."
-        return views.Reply(
-            views.View(text=text, blocks=(views.Text(text),)), extra={"run_id": run.id}
-        )
+        blocks: tuple[views.Block, ...] = (views.Text(text),)
+        if run.state in RUN_OPEN_STATES and run.id is not None:
+            blocks += (views.cancel_run_button(run.id),)
+        return views.Reply(views.View(text=text, blocks=blocks), extra={"run_id": run.id})
 
     # --- queue, cancel, logs -----------------------------------------------------------
 
@@ -555,7 +556,7 @@ class RunService:
             self.core._notify_dm(
                 s,
                 owner.key,
-                views.View(text=text, blocks=(views.Text(text),)),
+                views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
                 self.core.clock.now(),
                 dedupe=f"run-started:{run_id}",
             )

@@ -135,6 +135,13 @@ class Reply:
 
 ACTION_RELEASE = "gpubot_release"
 ACTION_EXTEND = "gpubot_extend_1h"
+ACTION_CANCEL_RUN = "gpubot_cancel_run"
+
+
+def cancel_run_button(run_id: int) -> Actions:
+    return Actions(
+        (Button("Cancel run", ACTION_CANCEL_RUN, str(run_id), "danger", f"/gpu cancel {run_id}"),)
+    )
 
 
 # --- formatting helpers ------------------------------------------------------------
