@@ -46,6 +46,9 @@ class Settings:
     channel: str = "gpu"
     # Seconds between worker ticks (expiry, grants, notification delivery).
     tick_seconds: float = 15.0
+    # How old the shared part of /gpu status may be when another process changed it
+    # (this process's own writes drop it at once); 0 turns the cache off.
+    status_cache_s: float = 1.0
     # The team's time zone, for the digest and for "today"/"this week".
     timezone: str = "UTC"
     # Slack credentials: environment only, never printed.
@@ -86,6 +89,7 @@ _ENV = {
     "GPUBOT_ADMINS": "admins",
     "GPUBOT_CHANNEL": "channel",
     "GPUBOT_TICK_SECONDS": "tick_seconds",
+    "GPUBOT_STATUS_CACHE_SECONDS": "status_cache_s",
     "GPUBOT_TIMEZONE": "timezone",
     "SLACK_BOT_TOKEN": "slack_bot_token",
     "SLACK_SIGNING_SECRET": "slack_signing_secret",
@@ -119,6 +123,14 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         if not 0.05 <= tick <= 3600:
             raise ConfigError(f"{where} must be between 0.05 and 3600 seconds")
         return tick
+    if name == "status_cache_s":
+        try:
+            secs = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number of seconds, not {raw!r}") from None
+        if not 0 <= secs <= 60:
+            raise ConfigError(f"{where} must be between 0 and 60 seconds")
+        return secs
     if name in {"default_duration", "max_duration", "expiry_warning"}:
         delta = parse_duration(str(raw))
         if delta is None:

@@ -11,6 +11,7 @@ row locks (`FOR UPDATE`) serialize the grant path instead.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,6 +62,26 @@ def _tune_sqlite(engine: Engine) -> None:
             conn.exec_driver_sql("BEGIN")
 
 
+_generation = 0
+_generation_lock = threading.Lock()
+
+
+def write_generation() -> int:
+    """Counts write transactions committed by this process.
+
+    A reader may cache what it computed at generation g for as long as the
+    generation stays g (and, for other processes' writes, a short time limit):
+    `bot.service` does this for the shared part of `/gpu status`.
+    """
+    return _generation
+
+
+def _bump_generation() -> None:
+    global _generation
+    with _generation_lock:
+        _generation += 1
+
+
 def is_postgres(engine: Engine) -> bool:
     return engine.dialect.name == "postgresql"
 
@@ -80,3 +101,6 @@ def transaction(engine: Engine, write: bool = True) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+        finally:
+            if write:
+                _bump_generation()

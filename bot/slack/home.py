@@ -1,5 +1,5 @@
-"""The App Home tab: your reservations, the team's waiting line, and plainly what is
-not built yet (runs, cost), so an empty section is never mistaken for "none".
+"""The App Home tab: your reservations and runs, the team's waiting line, and plainly
+what is not built yet (cost), so an empty section is never mistaken for "none".
 
 It is composed from the core's status view rather than from database reads of its
 own, so Home can never disagree with `/gpu status`.
@@ -13,7 +13,7 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError
 
 from bot import views
-from bot.commands import Status
+from bot.commands import Queue, Status
 from bot.service import Actor, GpuService
 from bot.slack.blocks import VIEW, render_blocks
 
@@ -43,7 +43,8 @@ def home_view(service: GpuService, actor: Actor) -> views.View:
         )
     )
     blocks.append(views.Divider())
-    blocks.append(views.Text("*Your runs*\nTraining runs are not built in this gpubot yet."))
+    blocks.append(views.Text("*Your runs*"))
+    blocks.extend(_runs_blocks(service, actor))
     blocks.append(views.Text("*Your cost*\nCost metering is not built in this gpubot yet."))
     blocks.append(views.Divider())
     blocks.append(views.Text("*The team's waiting line*"))
@@ -66,6 +67,17 @@ def home_view(service: GpuService, actor: Actor) -> views.View:
         blocks.append(views.Text("Nobody is waiting."))
     blocks.append(views.Context("`/gpu status` shows every host and GPU."))
     return views.View(text=f"gpubot: {summary}", blocks=tuple(blocks))
+
+
+def _runs_blocks(service: GpuService, actor: Actor) -> list[views.Block]:
+    """The caller's queued and running runs, as `/gpu queue me` shows them."""
+    if service.runs is None:
+        return [views.Text("This gpubot has no hosts that can run training.")]
+    mine = service.runs.queue(actor, Queue(mine_only=True)).view
+    tables = [b for b in mine.blocks if isinstance(b, views.Table)]
+    if not tables:
+        return [views.Text("No runs queued or running. `/gpu run --recipe digits` tries one.")]
+    return [*tables, views.Context("`/gpu cancel ID` stops one; `/gpu logs ID` shows its log.")]
 
 
 def publish_home(client: WebClient, service: GpuService, actor: Actor) -> bool:

@@ -231,3 +231,22 @@ def test_sync_hosts_is_idempotent_and_marks_vanished_gpus(engine: Engine) -> Non
     svc.sync_hosts([host("one", "A100", 1)])
     view = svc.status(actor(svc, "alice"), Status()).view
     assert view.text == "1 of 1 free on 1 host"
+
+
+def test_status_is_never_staler_than_the_cache_limit(sqlite_engine: Engine) -> None:
+    """Writes of this process drop the cache at once; others' writes (made here through
+    a raw connection, as another replica would) show within status_cache_s."""
+    import time
+
+    from sqlalchemy import text
+
+    svc, _ = make_service(sqlite_engine, [host("one", "A100", 2)], status_cache_s=0.3)
+    alice = actor(svc, "alice")
+    assert svc.status(alice, Status()).view.text == "2 of 2 free on 1 host"
+    svc.reserve(alice, Reserve())
+    assert svc.status(alice, Status()).view.text == "1 of 2 free on 1 host"
+    with sqlite_engine.begin() as conn:
+        conn.execute(text("UPDATE gpu SET present = 0 WHERE \"index\" = 1"))
+    assert svc.status(alice, Status()).view.text == "1 of 2 free on 1 host"  # cached
+    time.sleep(0.35)
+    assert svc.status(alice, Status()).view.text == "0 of 1 free on 1 host"

@@ -324,3 +324,27 @@ def test_grant_dm_follows_the_release_when_the_worker_runs_here(stack: SlackStac
     msg = wait_for(lambda: stack.fake.messages_in(dm))[0]
     assert "Your turn: granted" in (msg.text or "")
     assert any(b["type"] == "actions" for b in msg.blocks or [])  # Release / Extend on the DM
+
+
+def test_a_queued_run_shows_on_home_and_its_cancel_button_works(
+    stack: SlackStack, tmp_path: Any
+) -> None:
+    from bot.runs import LocalAccess, RunService
+    from provisioning.catalog import Catalog
+    from provisioning.local_runner import LOCAL_TARGET, LocalRunner
+
+    stack.service.runs = RunService(
+        stack.service, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path), Catalog.load()
+    )
+    body = stack.client.command("run --recipe digits").json()
+    assert "Run #1 queued (next in line): recipe digits" in body["text"]
+    assert stack.fake.message_problems(body) == []
+    home = wait_for(lambda: stack.fake.home_views.get(ALICE))
+    assert "digits" in json.dumps(home["blocks"])
+    cancel = next(b for b in buttons_of(body) if b["text"]["text"] == "Cancel run")
+    assert cancel["value"] == "/gpu cancel 1"
+    url = stack.fake.response_url()
+    stack.client.interactive(block_actions(ALICE, cancel, url))
+    post = wait_for(lambda: [r for r in stack.fake.responses if r.url == url])[0]
+    assert "Run #1 cancelled before it started." in post.body["text"]
+    wait_for(lambda: "No runs queued" in json.dumps(stack.fake.home_views.get(ALICE, {})))
