@@ -246,7 +246,7 @@ def test_status_is_never_staler_than_the_cache_limit(sqlite_engine: Engine) -> N
     svc.reserve(alice, Reserve())
     assert svc.status(alice, Status()).view.text == "1 of 2 free on 1 host"
     with sqlite_engine.begin() as conn:
-        conn.execute(text("UPDATE gpu SET present = 0 WHERE \"index\" = 1"))
+        conn.execute(text('UPDATE gpu SET present = 0 WHERE "index" = 1'))
     assert svc.status(alice, Status()).view.text == "1 of 2 free on 1 host"  # cached
     time.sleep(0.35)
     assert svc.status(alice, Status()).view.text == "0 of 1 free on 1 host"
