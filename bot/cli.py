@@ -94,7 +94,7 @@ def shell(
         raise typer.Exit(2) from None
     lock = threading.Lock()
     sh = Shell(runtime.service, name, sys.stdout, lock)
-    worker = Worker(runtime.service, sh.notifier, settings.tick_seconds)
+    worker = Worker(runtime.service, sh.notifier, settings.tick_seconds, runtime.leadership())
     worker.start()
     if sys.stdin.isatty():
         hosts = runtime.compute.list_instances()
@@ -145,7 +145,7 @@ def worker() -> None:
         # Without a bot token notifications wait in the outbox rather than being
         # marked sent unseen.
         logging.getLogger(__name__).warning("SLACK_BOT_TOKEN is not set: notifications stay queued")
-    w = Worker(runtime.service, notifier, settings.tick_seconds)
+    w = Worker(runtime.service, notifier, settings.tick_seconds, runtime.leadership())
     stop = threading.Event()
 
     def _stop(_sig: int, _frame: FrameType | None) -> None:

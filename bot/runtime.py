@@ -12,6 +12,7 @@ from sqlalchemy.engine import Engine
 
 from bot.clock import Clock, SystemClock
 from bot.config import ConfigError, Settings
+from bot.leader import Leadership, leadership_for
 from bot.runs import LocalAccess, RunService
 from bot.service import GpuService
 from db.migrate import upgrade
@@ -28,6 +29,10 @@ class Runtime:
     engine: Engine
     service: GpuService
     compute: Compute
+
+    def leadership(self) -> Leadership:
+        """Only the leading worker acts; the others stand by (see bot.leader)."""
+        return leadership_for(self.engine, self.service.clock, self.settings.tick_seconds)
 
 
 def make_compute(settings: Settings) -> Compute:

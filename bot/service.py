@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func
+from sqlalchemy import func, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -752,19 +752,32 @@ class GpuService:
                 for n in rows
             ]
 
-    def mark_attempt(self, item_id: int) -> None:
-        """Records that a send is about to start, before it starts.
+    def mark_attempt(self, item_id: int, lease: timedelta = timedelta(seconds=60)) -> bool:
+        """Claims one notification for sending, before the send starts; False when
+        another deliverer (a replica, the worker) claimed it first.
 
-        If the process dies mid-send, the next delivery sees `last_error` still
-        "in flight" and knows the outcome is unknown: a notifier that can check
-        (Slack: look for the message's metadata) must check before sending again.
+        The claim pushes `deliver_after` out by `lease`, so nobody else picks the item
+        up meanwhile. If this process dies mid-send, the item becomes due again after
+        the lease with `last_error` still "in flight": its outcome is unknown, and a
+        notifier that can check (Slack: the message's metadata) must check before
+        sending it again.
         """
+        now = self.clock.now()
         with transaction(self.engine) as s:
-            n = s.get(Notification, item_id)
-            if n is not None and n.sent_at is None:
-                n.attempts += 1
-                n.last_error = IN_FLIGHT
-                s.add(n)
+            claimed = s.exec(
+                update(Notification)
+                .where(
+                    col(Notification.id) == item_id,
+                    col(Notification.sent_at).is_(None),
+                    col(Notification.deliver_after) <= now,
+                )
+                .values(
+                    attempts=Notification.attempts + 1,
+                    last_error=IN_FLIGHT,
+                    deliver_after=now + lease,
+                )
+            )
+            return bool(claimed.rowcount == 1)
 
     def mark_sent(self, item_id: int) -> None:
         with transaction(self.engine) as s:

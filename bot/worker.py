@@ -18,6 +18,7 @@ from typing import Protocol
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from bot.errors import new_ref
+from bot.leader import Leadership
 from bot.service import GpuService, OutboxItem
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def deliver(service: GpuService, notifier: Notifier, limit: int = 50) -> int:
     sent = 0
     with _deliver_lock:
         for item in service.pending_notifications(limit):
-            service.mark_attempt(item.id)
+            if not service.mark_attempt(item.id):
+                continue  # another deliverer has it
             try:
                 notifier.send(item)
             except DeliveryRetry as exc:
@@ -66,8 +68,12 @@ def deliver(service: GpuService, notifier: Notifier, limit: int = 50) -> int:
     return sent
 
 
-def tick_job(service: GpuService, notifier: Notifier | None) -> None:
+def tick_job(
+    service: GpuService, notifier: Notifier | None, leader: Leadership | None = None
+) -> None:
     try:
+        if leader is not None and not leader.hold():
+            return  # a standby: another worker leads
         report = service.tick()
         if report.expired or report.warned or report.granted:
             log.info("tick: %s", report)
@@ -87,6 +93,8 @@ class Worker:
     service: GpuService
     notifier: Notifier | None
     interval_s: float
+    # None: act on every tick (tests); otherwise only while this process leads.
+    leader: Leadership | None = None
 
     def __post_init__(self) -> None:
         self._scheduler = BackgroundScheduler(
@@ -97,7 +105,7 @@ class Worker:
             tick_job,
             "interval",
             seconds=self.interval_s,
-            args=[self.service, self.notifier],
+            args=[self.service, self.notifier, self.leader],
             id="tick",
             replace_existing=True,
         )
@@ -108,3 +116,5 @@ class Worker:
     def stop(self) -> None:
         if self._scheduler.running:
             self._scheduler.shutdown(wait=True)
+        if self.leader is not None:
+            self.leader.release()

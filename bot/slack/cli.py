@@ -94,7 +94,11 @@ def serve(
         )
     except Exception as exc:  # auth.test failed: wrong token or unreachable Slack
         raise _fail(f"could not start the Slack app: {type(exc).__name__}: {exc}") from None
-    worker = None if no_worker else Worker(runtime.service, notifier, settings.tick_seconds)
+    worker = (
+        None
+        if no_worker
+        else Worker(runtime.service, notifier, settings.tick_seconds, runtime.leadership())
+    )
     stop = threading.Event()
 
     def _stop(_sig: int, _frame: FrameType | None) -> None:

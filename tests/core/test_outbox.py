@@ -67,11 +67,14 @@ def test_a_rate_limit_defers_delivery_until_retry_after(engine: Engine) -> None:
 
 
 def test_a_send_cut_short_by_a_crash_is_flagged_maybe_sent(engine: Engine) -> None:
-    svc, _ = _one_dm(engine)
+    svc, clock = _one_dm(engine)
     item = svc.pending_notifications()[0]
     assert not item.maybe_sent
-    svc.mark_attempt(item.id)
+    assert svc.mark_attempt(item.id)
     # ... the process dies here, before mark_sent ...
+    assert svc.pending_notifications() == [], "claimed: nobody else sends it during the lease"
+    assert not svc.mark_attempt(item.id), "a second deliverer cannot claim it"
+    clock.advance(timedelta(seconds=61))
     again = svc.pending_notifications()[0]
     assert again.id == item.id and again.maybe_sent and again.attempts == 1
 

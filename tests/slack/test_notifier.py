@@ -83,10 +83,11 @@ def test_network_error_before_slack_took_it_is_sent_once_later(
 def test_crash_mid_send_checks_history_then_sends_once(
     fake_slack: FakeSlack, sqlite_engine: Engine
 ) -> None:
-    svc, notifier, _clock = _setup(fake_slack, sqlite_engine)
+    svc, notifier, clock = _setup(fake_slack, sqlite_engine)
     _queue_dm(svc)
     (item,) = svc.pending_notifications()
-    svc.mark_attempt(item.id)  # the process died here, before or during the send
+    assert svc.mark_attempt(item.id)  # the process died here, before or during the send
+    clock.advance(timedelta(seconds=61))  # its claim runs out
     (again,) = svc.pending_notifications()
     assert again.maybe_sent
     assert deliver(svc, notifier) == 1
