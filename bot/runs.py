@@ -117,7 +117,7 @@ class RunService:
                 if prior is not None:
                     return self._queued_reply(s, prior)
             model = self._resolve_model(s, cmd.model, cmd.gpus)
-            user = self.core._user(s, actor.key, actor.name)
+            user = self.core.user_row(s, actor.key, actor.name)
             run = TrainingRun(
                 user_id=user.id,  # type: ignore[arg-type]
                 command=shlex.join(cmd.command),
@@ -489,24 +489,7 @@ class RunService:
                 run.state = RUN_QUEUED  # the scheduler's view was stale; try next tick
                 s.add(run)
                 return False
-            n_gpus = len(
-                list(
-                    s.exec(select(Gpu.id).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
-                )
-            )
-            for g in free:
-                assert g.id is not None
-                s.add(
-                    UsageInterval(
-                        gpu_id=g.id,
-                        host_id=host.id,
-                        user_id=run.user_id,
-                        run_id=run.id,
-                        started_at=now,
-                        usd_per_hour=host.hourly_usd / max(1, n_gpus),
-                        market=host.market,
-                    )
-                )
+            self.core.open_usage(s, host, free, run.user_id, now, run_id=run.id)
             run_dir = runs_dir / str(run.id)
             placement: dict[str, Any] = {
                 "host": host_name,
@@ -553,7 +536,7 @@ class RunService:
                 + ", ".join(map(str, placement["gpu_indexes"]))
             )
             text = f"Run #{run_id} started on {where}. `/gpu logs {run_id}` shows its log."
-            self.core._notify_dm(
+            self.core.notify_dm(
                 s,
                 owner.key,
                 views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
@@ -698,14 +681,14 @@ class RunService:
             s.add(run)
             owner = s.get(User, run.user_id)
             assert owner is not None
-            self.core._notify_dm(
+            self.core.notify_dm(
                 s,
                 owner.key,
                 views.run_finished_view(run, summary, cost, log_tail),
                 now,
                 dedupe=f"run-finished:{run_id}",
             )
-            self.core._grant_pass(s, now)
+            self.core.grant_pass(s, now)
 
 
 def _runner_command(run: TrainingRun, placement: dict[str, Any]) -> str:

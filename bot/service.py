@@ -110,13 +110,13 @@ class GpuService:
             user = s.exec(select(User).where(User.key == key)).first()
         if user is None or (display_name and user.display_name != display_name):
             with transaction(self.engine) as s:
-                user = self._user(s, key, display_name)
+                user = self.user_row(s, key, display_name)
         return Actor(key=user.key, name=user.display_name, admin=self._is_admin(user))
 
     def _is_admin(self, user: User) -> bool:
         return user.role == "admin" or self.settings.is_admin(user.key)
 
-    def _user(self, s: Session, key: str, display_name: str | None = None) -> User:
+    def user_row(self, s: Session, key: str, display_name: str | None = None) -> User:
         user = s.exec(select(User).where(User.key == key)).first()
         if user is None:
             user = User(key=key, display_name=display_name or key, created_at=self.clock.now())
@@ -183,7 +183,7 @@ class GpuService:
                 if request_key and (prior := self._by_request_key(s, request_key)) is not None:
                     return views.Reply(views.already_view(self._info(s, prior), self.clock.now()))
                 self._check_feasible(s, model, cmd.count)
-                user = self._user(s, actor.key, actor.name)
+                user = self.user_row(s, actor.key, actor.name)
                 now = self.clock.now()
                 res = Reservation(
                     user_id=user.id,  # type: ignore[arg-type]
@@ -196,7 +196,7 @@ class GpuService:
                 )
                 s.add(res)
                 s.flush()
-                self._grant_pass(s, now, quiet_id=res.id)
+                self.grant_pass(s, now, quiet_id=res.id)
                 info = self._info(s, res)
                 if res.state == RES_ACTIVE:
                     return views.Reply(views.granted_view(info, now))
@@ -240,7 +240,7 @@ class GpuService:
 
     # --- the grant pass -------------------------------------------------------------
 
-    def _grant_pass(self, s: Session, now: datetime, quiet_id: int | None = None) -> int:
+    def grant_pass(self, s: Session, now: datetime, quiet_id: int | None = None) -> int:
         """Grants waiting reservations in order while GPUs allow; returns how many.
 
         A request that cannot be granted blocks later requests for the same GPUs
@@ -291,7 +291,7 @@ class GpuService:
             granted += 1
             if res.id != quiet_id:
                 info = self._info(s, res)
-                self._notify_dm(
+                self.notify_dm(
                     s,
                     info.user_key,
                     views.granted_view(info, now, was_waiting=True),
@@ -325,26 +325,44 @@ class GpuService:
         self, s: Session, res: Reservation, host: Host, gpus: list[Gpu], now: datetime
     ) -> None:
         assert host.id is not None and res.id is not None
-        per_gpu = host.hourly_usd / max(1, self._gpu_count(s, host.id))
         res.state = RES_ACTIVE
         res.granted_at = now
         res.ends_at = now + timedelta(seconds=res.duration_s)
         res.host_id = host.id
         s.add(res)
+        self.open_usage(s, host, gpus, res.user_id, now, reservation_id=res.id)
+        s.flush()
+
+    def open_usage(
+        self,
+        s: Session,
+        host: Host,
+        gpus: list[Gpu],
+        user_id: int,
+        now: datetime,
+        *,
+        reservation_id: int | None = None,
+        run_id: int | None = None,
+    ) -> None:
+        """Starts the clock on these GPUs for a reservation or a run: each at its share
+        of the host's hourly price, in the host's market. The partial unique index
+        refuses a GPU that is already held."""
+        assert host.id is not None
+        per_gpu = host.hourly_usd / max(1, self._gpu_count(s, host.id))
         for g in gpus:
             assert g.id is not None
             s.add(
                 UsageInterval(
                     gpu_id=g.id,
                     host_id=host.id,
-                    user_id=res.user_id,
-                    reservation_id=res.id,
+                    user_id=user_id,
+                    reservation_id=reservation_id,
+                    run_id=run_id,
                     started_at=now,
                     usd_per_hour=per_gpu,
                     market=host.market,
                 )
             )
-        s.flush()
 
     def _gpu_count(self, s: Session, host_id: int) -> int:
         n = s.exec(
@@ -358,7 +376,7 @@ class GpuService:
 
     def release(self, actor: Actor, cmd: Release) -> views.Reply:
         with transaction(self.engine) as s:
-            user = self._user(s, actor.key, actor.name)
+            user = self.user_row(s, actor.key, actor.name)
             now = self.clock.now()
             if cmd.reservation_id is not None:
                 res = s.get(Reservation, cmd.reservation_id)
@@ -403,14 +421,14 @@ class GpuService:
                 info = self._info(s, res)
                 done.append(info)
                 if res.user_id != user.id:
-                    self._notify_dm(
+                    self.notify_dm(
                         s,
                         info.user_key,
                         views.released_by_admin_dm(info, actor.name),
                         now,
                         dedupe=f"admin-release:{res.id}",
                     )
-            self._grant_pass(s, now)
+            self.grant_pass(s, now)
             return views.Reply(views.released_view(done, actor.key))
 
     def _end(self, s: Session, res: Reservation, state: str, at: datetime) -> None:
@@ -429,7 +447,7 @@ class GpuService:
     def extend(self, actor: Actor, cmd: Extend) -> views.Reply:
         usage = "/gpu extend [ID] DURATION"
         with transaction(self.engine) as s:
-            user = self._user(s, actor.key, actor.name)
+            user = self.user_row(s, actor.key, actor.name)
             now = self.clock.now()
             if cmd.reservation_id is not None:
                 res = s.get(Reservation, cmd.reservation_id)
@@ -661,7 +679,7 @@ class GpuService:
                 assert res.ends_at is not None
                 self._end(s, res, RES_EXPIRED, res.ends_at)
                 info = self._info(s, res)
-                self._notify_dm(
+                self.notify_dm(
                     s, info.user_key, views.expired_view(info), now, dedupe=f"expired:{res.id}"
                 )
                 expired += 1
@@ -682,7 +700,7 @@ class GpuService:
                 if res.ends_at - res.granted_at <= lead:
                     continue
                 info = self._info(s, res)
-                self._notify_dm(
+                self.notify_dm(
                     s,
                     info.user_key,
                     views.expiry_warning_view(info, now),
@@ -690,12 +708,12 @@ class GpuService:
                     dedupe=f"warn:{res.id}:{res.ends_at.isoformat()}",
                 )
                 warned += 1
-            granted = self._grant_pass(s, now)
+            granted = self.grant_pass(s, now)
             return TickReport(expired=expired, warned=warned, granted=granted)
 
     # --- the outbox ----------------------------------------------------------------------
 
-    def _notify_dm(
+    def notify_dm(
         self, s: Session, user_key: str, view: views.View, now: datetime, dedupe: str | None
     ) -> None:
         self._notify(s, "dm", user_key, view, now, dedupe)

@@ -39,7 +39,7 @@ def _queue_dm(svc: GpuService, text: str = "hello bob") -> None:
     from db.session import transaction
 
     with transaction(svc.engine) as s:
-        svc._notify_dm(s, BOB, views.View(text, (views.Text(text),)), svc.clock.now(), None)
+        svc.notify_dm(s, BOB, views.View(text, (views.Text(text),)), svc.clock.now(), None)
 
 
 def test_429_is_retried_after_retry_after(fake_slack: FakeSlack, sqlite_engine: Engine) -> None:
