@@ -21,6 +21,7 @@ import typer
 
 from bot.clock import SystemClock
 from bot.config import ConfigError, Settings, load_settings
+from bot.doctor import doctor
 from bot.errors import UserError
 from bot.runtime import build_runtime
 from bot.simulate import simulate
@@ -175,6 +176,7 @@ def db_upgrade() -> None:
 app.command("simulate")(simulate)
 app.command("serve")(slack_serve)
 app.command("manifest")(slack_manifest)
+app.command("doctor")(doctor)
 
 
 def main() -> None:
