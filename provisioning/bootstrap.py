@@ -1,0 +1,477 @@
+"""Preparing a host on first use, so that the worker can start `training.runner` there.
+
+A fresh instance (or an on-prem box nobody told us about) has a driver or not, some
+Python, maybe the image's torch, and certainly not our `training` package. `bootstrap`
+brings it to a known state and leaves a marker (`<root>/bootstrap.json`) saying which
+state: a later call that finds the marker current does nothing but read it, because
+the worker calls this before every first placement on a host and must not pay minutes
+(or re-download torch) for a host that is already ready.
+
+Why the steps are what they are:
+
+- A host without an NVIDIA driver is a CPU host, a fact to report, not a failure: the
+  bot shares CPU slots too, and a half-set-up instance should say so in plain words.
+- Torch is 2+ GB. An image that already has it (a Deep Learning AMI) keeps its build,
+  which matches its CUDA driver, by giving the venv the system site-packages; only a
+  bare host gets `pip install`.
+- The package goes over with the hash-skipping `upload_dir`, so a changed file costs
+  one transfer; the marker holds a hash of the local package so that a new bot release
+  re-uploads without being asked.
+- A smoke run of `training.inventory` from the uploaded copy proves that the venv's
+  interpreter imports our package before any user's job depends on it.
+- The marker is written last and atomically: a bootstrap that died halfway is redone,
+  never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import posixpath
+import re
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from provisioning.base import ProvisioningError
+from provisioning.ssh import RunResult, SshRunner, SshTarget, local_tree
+
+# Bump when a host bootstrapped by an older bot lacks something the bot now relies on
+# (another package in the venv, a new directory); every host then redoes the steps.
+BOOTSTRAP_VERSION = 1
+MARKER_NAME = "bootstrap.json"
+MIN_PYTHON = (3, 10)
+# What never goes to a host: bytecode is the host's own to compile.
+PACKAGE_EXCLUDE = ("__pycache__", "*.pyc", "*.pyo")
+# Besides torch, what `training` needs on a host (telemetry's NVML; torch wants numpy).
+EXTRA_PACKAGES = ("nvidia-ml-py", "numpy")
+
+# Timeouts (seconds): a quick shell command; a first `import torch` from a cold disk;
+# venv creation (ensurepip copies pip in); pip downloading and unpacking torch.
+QUICK_TIMEOUT_S = 30.0
+IMPORT_TIMEOUT_S = 180.0
+VENV_TIMEOUT_S = 300.0
+PIP_TIMEOUT_S = 3600.0
+
+UP_TO_DATE = "up to date"
+NO_DRIVER = "no NVIDIA driver: this host will run on CPU"
+
+# Prints the torch version, or exits non-zero: the probe for "torch works here".
+_TORCH_PROBE = "import torch; print(torch.__version__)"
+# For the image's interpreter also: when it is itself a venv, where its packages live
+# (a venv made from a venv sees the base interpreter's site-packages, not the outer's).
+_IMAGE_PROBE = (
+    "import json, site, sys, torch; print(json.dumps({'torch': torch.__version__, "
+    "'site': site.getsitepackages() if sys.prefix != sys.base_prefix else []}))"
+)
+_PURELIB_PROBE = "import sysconfig; print(sysconfig.get_path('purelib'))"
+IMAGE_PTH = "_gpubot_image.pth"
+_PYTHON_PROBE = "import sys; print(tuple(sys.version_info[:3]))"
+
+
+@dataclass(frozen=True)
+class BootstrapReport:
+    # True when the marker was current and nothing was done.
+    noop: bool
+    # What was done (or found), in the words the bot shows; ("up to date",) on a no-op.
+    steps: tuple[str, ...]
+    # GPUs the driver lists; 0 on a CPU host.
+    gpus: int
+    # The host interpreter's version, "3.11.7".
+    python: str
+    # torch's version in the venv; None where it is absent (install_torch=False).
+    torch: str | None
+    # Files of the training package sent this time (0 when all were already there).
+    uploaded: int
+    # The resolved remote root (no "~"); the venv and code live under it.
+    root: str = ""
+
+    @property
+    def venv_python(self) -> str:
+        """The interpreter that runs `training.runner` on this host."""
+        return venv_python(self.root)
+
+    @property
+    def code_dir(self) -> str:
+        """The directory to run `python -m training.…` from (the package is inside it)."""
+        return posixpath.join(self.root, "code")
+
+
+def venv_python(root: str) -> str:
+    return posixpath.join(root, "venv", "bin", "python")
+
+
+def default_package_dir() -> Path:
+    """The local `training` package, found without importing it (provisioning may not)."""
+    spec = importlib.util.find_spec("training")
+    if spec is None or not spec.submodule_search_locations:
+        raise ProvisioningError("the training package is not installed next to the bot")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def package_hash(package_dir: str | os.PathLike[str]) -> str:
+    """One sha256 over every shipped file's path, content and executable bit.
+
+    It is what the marker compares, so it covers exactly what `upload_dir` would send:
+    a file renamed, edited or made executable changes it; bytecode does not.
+    """
+    digest = hashlib.sha256()
+    for f in local_tree(package_dir, PACKAGE_EXCLUDE):
+        digest.update(f"{f.rel}\0{f.sha256}\0{int(f.executable)}\n".encode())
+    return digest.hexdigest()
+
+
+def bootstrap(
+    runner: SshRunner,
+    target: SshTarget,
+    *,
+    remote_root: str = "~/.gpubot",
+    torch_spec: str = "torch==2.13.0",
+    python: str = "python3",
+    install_torch: bool = True,
+    progress: Callable[[str], None] | None = None,
+    package_dir: str | os.PathLike[str] | None = None,
+    nvidia_smi: str = "nvidia-smi",
+    env: Mapping[str, str] | None = None,
+) -> BootstrapReport:
+    """Bring the host to BOOTSTRAP_VERSION with the current training package; idempotent.
+
+    `python` is the host interpreter the venv is made from. `nvidia_smi` is the
+    driver's CLI, for images that keep it off PATH. `env` goes to every command: a
+    pip index or proxy for hosts without direct internet (PIP_INDEX_URL, HTTPS_PROXY).
+    Raises `ProvisioningError` (or its `SshError`) with a message fit for the user.
+    """
+    return _Bootstrap(
+        runner=runner,
+        target=target,
+        torch_spec=torch_spec,
+        python=python,
+        install_torch=install_torch,
+        progress=progress,
+        package_dir=Path(package_dir) if package_dir is not None else default_package_dir(),
+        nvidia_smi=nvidia_smi,
+        env=dict(env) if env else None,
+    ).run(remote_root)
+
+
+class _Bootstrap:
+    """One bootstrap's state; a class only so the steps can share the host and options."""
+
+    def __init__(
+        self,
+        *,
+        runner: SshRunner,
+        target: SshTarget,
+        torch_spec: str,
+        python: str,
+        install_torch: bool,
+        progress: Callable[[str], None] | None,
+        package_dir: Path,
+        nvidia_smi: str,
+        env: dict[str, str] | None,
+    ) -> None:
+        self.runner = runner
+        self.target = target
+        self.torch_spec = torch_spec
+        self.python = python
+        self.install_torch = install_torch
+        self.progress = progress
+        self.package_dir = package_dir
+        self.nvidia_smi = nvidia_smi
+        self.env = env
+        self.steps: list[str] = []
+
+    # plumbing
+
+    def _say(self, step: str) -> None:
+        self.steps.append(step)
+        if self.progress is not None:
+            self.progress(step)
+
+    def _run(self, argv: list[str], timeout: float, *, cwd: str | None = None) -> RunResult:
+        line = " ".join(shlex.quote(a) for a in argv)
+        return self.runner.run(self.target, line, timeout, cwd=cwd, env=self.env)
+
+    def _fail(self, what: str, result: RunResult) -> ProvisioningError:
+        detail = (result.stderr.strip() or result.stdout.strip())[-400:]
+        detail = detail or f"exit code {result.exit_code}"
+        return ProvisioningError(f"bootstrap of {self.target.label}: {what}: {detail}")
+
+    # the steps
+
+    def run(self, remote_root: str) -> BootstrapReport:
+        root = self._resolve_root(remote_root)
+        marker_path = posixpath.join(root, MARKER_NAME)
+        training_sha = package_hash(self.package_dir)
+
+        marker = self._read_marker(marker_path)
+        if marker is not None and self._is_current(marker, training_sha):
+            self._say(UP_TO_DATE)
+            torch = marker.get("torch")
+            return BootstrapReport(
+                noop=True,
+                steps=tuple(self.steps),
+                gpus=int(marker["gpus"]),
+                python=str(marker.get("python") or ""),
+                torch=str(torch) if torch is not None else None,
+                uploaded=0,
+                root=root,
+            )
+
+        gpus = self._check_driver()
+        py_version = self._check_python()
+        torch, system_site = self._prepare_venv(root)
+        uploaded = self._upload(root)
+        self._smoke(root)
+        self._write_marker(
+            root,
+            marker_path,
+            {
+                "version": BOOTSTRAP_VERSION,
+                "training_sha": training_sha,
+                "python": py_version,
+                "torch": torch,
+                "gpus": gpus,
+                "base_python": self.python,
+                "system_site_packages": system_site,
+            },
+        )
+        return BootstrapReport(
+            noop=False,
+            steps=tuple(self.steps),
+            gpus=gpus,
+            python=py_version,
+            torch=torch,
+            uploaded=uploaded,
+            root=root,
+        )
+
+    def _resolve_root(self, remote_root: str) -> str:
+        """An absolute root: "~" and relative paths mean the remote user's home."""
+        if not remote_root:
+            raise ValueError("remote_root must not be empty")
+        if remote_root.startswith("/"):
+            return posixpath.normpath(remote_root)
+        if remote_root.startswith("~") and remote_root != "~" and not remote_root.startswith("~/"):
+            raise ValueError(f"only ~ (this user's home) may start remote_root: {remote_root!r}")
+        result = self.runner.run(self.target, "echo $HOME", QUICK_TIMEOUT_S, env=self.env)
+        home = result.stdout.strip()
+        if not result.ok or not home.startswith("/"):
+            raise self._fail("cannot tell the remote user's home directory", result)
+        rest = remote_root[1:].lstrip("/") if remote_root.startswith("~") else remote_root
+        return posixpath.normpath(posixpath.join(home, rest))
+
+    def _read_marker(self, path: str) -> dict[str, Any] | None:
+        data = self.runner.read_file(self.target, path, max_bytes=1 << 16)
+        if data is None:
+            return None
+        try:
+            marker = json.loads(data)
+        except ValueError:
+            return None  # half-written by hand or by a foreign tool: redo, do not trust it
+        return marker if isinstance(marker, dict) else None
+
+    def _is_current(self, marker: dict[str, Any], training_sha: str) -> bool:
+        """Current when it is this version, this package and was made the way asked now.
+
+        A marker from another base interpreter, or one left by a run that skipped
+        torch when torch is now wanted, is stale: the caller asked for something else.
+        """
+        return (
+            marker.get("version") == BOOTSTRAP_VERSION
+            and marker.get("training_sha") == training_sha
+            and marker.get("base_python") == self.python
+            and isinstance(marker.get("gpus"), int)
+            and not (self.install_torch and marker.get("torch") is None)
+        )
+
+    def _check_driver(self) -> int:
+        result = self._run(
+            [self.nvidia_smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            QUICK_TIMEOUT_S,
+        )
+        if result.exit_code in (126, 127):  # not found / not executable: no driver installed
+            self._say(NO_DRIVER)
+            return 0
+        if not result.ok:
+            # nvidia-smi says why on stdout; stderr may hold a login script's noise.
+            detail = result.stdout.strip().splitlines() or result.stderr.strip().splitlines()[-1:]
+            reason = detail[0][:200] if detail else f"exit code {result.exit_code}"
+            self._say(f"{NO_DRIVER} (nvidia-smi failed: {reason})")
+            return 0
+        names = [
+            line.rsplit(",", 1)[0].strip() for line in result.stdout.splitlines() if line.strip()
+        ]
+        if not names:
+            self._say(f"{NO_DRIVER} (the driver lists no GPU)")
+            return 0
+        kinds = ", ".join(f"{names.count(n)}× {n}" for n in sorted(set(names)))
+        self._say(f"NVIDIA driver: {len(names)} GPU{'s' if len(names) != 1 else ''} ({kinds})")
+        return len(names)
+
+    def _check_python(self) -> str:
+        result = self._run([self.python, "-c", _PYTHON_PROBE], QUICK_TIMEOUT_S)
+        if result.exit_code in (126, 127):
+            raise ProvisioningError(
+                f"{self.target.label} has no Python at {self.python!r}; "
+                f"install Python {_dotted(MIN_PYTHON)} or newer"
+            )
+        numbers = tuple(int(n) for n in re.findall(r"\d+", result.stdout)[:3])
+        if not result.ok or len(numbers) < 2:
+            raise self._fail(f"cannot run {self.python}", result)
+        if numbers[:2] < MIN_PYTHON:
+            raise ProvisioningError(
+                f"{self.target.label} has Python {_dotted(numbers)} at {self.python!r}; "
+                f"gpubot needs Python {_dotted(MIN_PYTHON)} or newer"
+            )
+        version = _dotted(numbers)
+        self._say(f"Python {version}")
+        return version
+
+    def _torch_in(self, interpreter: str) -> str | None:
+        result = self._run([interpreter, "-c", _TORCH_PROBE], IMPORT_TIMEOUT_S)
+        lines = result.stdout.strip().splitlines()
+        return lines[-1].strip() if result.ok and lines else None
+
+    def _image_torch(self) -> tuple[str, list[str]] | None:
+        """(torch version, site dirs to link when the image's python is a venv), or None."""
+        result = self._run([self.python, "-c", _IMAGE_PROBE], IMPORT_TIMEOUT_S)
+        lines = result.stdout.strip().splitlines()
+        if not result.ok or not lines:
+            return None
+        try:
+            found = json.loads(lines[-1])
+        except ValueError:
+            return None
+        if not isinstance(found, dict) or not isinstance(found.get("site"), list):
+            return None
+        return str(found.get("torch")), [str(d) for d in found["site"]]
+
+    def _link_image_venv(self, vpy: str, site_dirs: list[str]) -> None:
+        """A .pth in our venv naming the image venv's site-packages, so its torch imports."""
+        result = self._run([vpy, "-c", _PURELIB_PROBE], QUICK_TIMEOUT_S)
+        purelib = result.stdout.strip()
+        if not result.ok or not purelib.startswith("/"):
+            raise self._fail("cannot find the venv's site-packages", result)
+        data = "".join(f"{d}\n" for d in site_dirs).encode()
+        self.runner.write_file(self.target, posixpath.join(purelib, IMAGE_PTH), data)
+
+    def _make_venv(self, venv: str, *, system_site: bool, with_pip: bool) -> None:
+        argv = [self.python, "-m", "venv"]
+        if system_site:
+            argv.append("--system-site-packages")
+        if not with_pip:
+            argv.append("--without-pip")  # fast, and works without Debian's python3-venv
+        result = self._run([*argv, venv], VENV_TIMEOUT_S)
+        if not result.ok:
+            raise self._fail(
+                "could not create the virtualenv (on Debian/Ubuntu: apt install python3-venv)",
+                result,
+            )
+
+    def _prepare_venv(self, root: str) -> tuple[str | None, bool]:
+        """The venv with torch in it; (torch version or None, uses system site-packages)."""
+        venv = posixpath.join(root, "venv")
+        vpy = venv_python(root)
+        found = self._torch_in(vpy)
+        if found is not None:
+            self._say(f"torch {found} already in the venv")
+            return found, self._uses_system_site(venv)
+
+        image = self._image_torch()
+        if image is not None:
+            image_torch, image_site = image
+            self._make_venv(venv, system_site=True, with_pip=False)
+            if image_site:
+                self._link_image_venv(vpy, image_site)
+            found = self._torch_in(vpy)
+            if found is None:
+                raise ProvisioningError(
+                    f"bootstrap of {self.target.label}: the image's torch {image_torch} "
+                    f"imports with {self.python} but not in the venv made from it"
+                )
+            self._say(f"torch {found} from the image (the venv uses its site-packages)")
+            return found, True
+
+        if not self.install_torch:
+            self._make_venv(venv, system_site=False, with_pip=False)
+            self._say("torch not installed (install_torch=False)")
+            return None, False
+
+        self._make_venv(venv, system_site=False, with_pip=True)
+        if not self._run([vpy, "-m", "pip", "--version"], QUICK_TIMEOUT_S).ok:
+            # A venv made earlier without pip (install_torch was off then).
+            ensured = self._run([vpy, "-m", "ensurepip", "--upgrade"], VENV_TIMEOUT_S)
+            if not ensured.ok:
+                raise self._fail("the venv has no pip and ensurepip failed", ensured)
+        packages = [self.torch_spec, *EXTRA_PACKAGES]
+        self._say(f"installing {' '.join(packages)} (this can take several minutes)")
+        pip = [vpy, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+        installed = self._run([*pip, *packages], PIP_TIMEOUT_S)
+        if not installed.ok:
+            raise self._fail(f"pip install {self.torch_spec} failed", installed)
+        found = self._torch_in(vpy)
+        if found is None:
+            raise ProvisioningError(
+                f"bootstrap of {self.target.label}: {self.torch_spec} installed but "
+                "`import torch` fails in the venv"
+            )
+        self._say(f"torch {found} installed")
+        return found, False
+
+    def _uses_system_site(self, venv: str) -> bool:
+        cfg = self.runner.read_file(self.target, posixpath.join(venv, "pyvenv.cfg"))
+        text = (cfg or b"").decode("utf-8", "replace")
+        return bool(re.search(r"^include-system-site-packages\s*=\s*true\s*$", text, re.M | re.I))
+
+    def _upload(self, root: str) -> int:
+        report = self.runner.upload_dir(
+            self.target,
+            self.package_dir,
+            posixpath.join(root, "code", "training"),
+            exclude=PACKAGE_EXCLUDE,
+        )
+        sent, same = len(report.uploaded), len(report.skipped) + len(report.chmodded)
+        self._say(f"training package: {sent} file{'s' if sent != 1 else ''} sent, {same} unchanged")
+        return sent
+
+    def _smoke(self, root: str) -> None:
+        """The uploaded package runs in the venv and speaks JSON, as the worker expects."""
+        result = self._run(
+            [venv_python(root), "-m", "training.inventory", "--json"],
+            IMPORT_TIMEOUT_S,
+            cwd=posixpath.join(root, "code"),
+        )
+        if not result.ok:
+            raise self._fail("the smoke test (python -m training.inventory) failed", result)
+        lines = result.stdout.strip().splitlines()
+        try:
+            parsed = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("gpus"), list):
+            raise ProvisioningError(
+                f"bootstrap of {self.target.label}: the smoke test (python -m "
+                f"training.inventory --json) printed no inventory JSON: {result.stdout[-200:]!r}"
+            )
+        seen = len(parsed["gpus"])
+        self._say(
+            f"smoke test passed: training.inventory sees {seen} GPU{'s' if seen != 1 else ''}"
+        )
+
+    def _write_marker(self, root: str, marker_path: str, marker: dict[str, Any]) -> None:
+        part = posixpath.join(root, f".{MARKER_NAME}.tmp")
+        data = (json.dumps(marker, indent=2, sort_keys=True) + "\n").encode()
+        self.runner.write_file(self.target, part, data)
+        moved = self._run(["mv", "-f", "--", part, marker_path], QUICK_TIMEOUT_S)
+        if not moved.ok:
+            raise self._fail("could not write the bootstrap marker", moved)
+        self._say(f"marker written (bootstrap v{BOOTSTRAP_VERSION})")
+
+
+def _dotted(numbers: tuple[int, ...]) -> str:
+    return ".".join(str(n) for n in numbers)
