@@ -149,6 +149,17 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         if mode not in {"auto", "none"}:
             raise ConfigError(f"{where} must be auto or none, not {raw!r}")
         return mode
+    if name == "timezone":
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        zone = str(raw).strip()
+        try:
+            ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ConfigError(
+                f"{where} must be an IANA time zone like Europe/Berlin, not {raw!r}"
+            ) from None
+        return zone
     if name == "default_gpu":
         text = str(raw).strip()
         return text or None

@@ -72,7 +72,6 @@ def handle_text(
 
 _LATER = {
     Util: "utilization snapshots are not built yet",
-    Cost: "cost metering is not built yet",
     Budget: "budgets are not built yet",
     Pool: "the EC2 pool is not built yet",
 }
@@ -146,6 +145,16 @@ def _logs(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
     return _runs(service, "logs").logs(actor, cmd)
 
 
+def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Cost)
+    who = actor.key if cmd.scope == "me" else (cmd.user.key if cmd.user else None)
+    window, costs, names = service.costs(cmd.period, None if cmd.scope == "team" else who)
+    if cmd.scope == "user" and who not in names and who is not None:
+        names[who] = who
+    tz = service.settings.timezone
+    return views.Reply(views.cost_view(cmd.scope, cmd.period, window, costs, names, tz, who))
+
+
 _Handler = Callable[[GpuService, Actor, Command, "str | None"], views.Reply]
 _HANDLERS: dict[type, _Handler] = {
     Help: _help,
@@ -158,4 +167,5 @@ _HANDLERS: dict[type, _Handler] = {
     Queue: _queue,
     Cancel: _cancel,
     Logs: _logs,
+    Cost: _cost,
 }

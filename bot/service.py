@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from sqlalchemy import func, update
@@ -32,6 +33,7 @@ from bot.config import Settings
 from bot.domain import GpuState, HostState, ReservationInfo, StatusSnapshot
 from bot.durations import format_duration
 from bot.errors import UserError
+from bot.metering import Usage, Window, cost_by_user, period_window
 from db.models import (
     HOST_READY,
     RES_ACTIVE,
@@ -563,6 +565,45 @@ class GpuService:
             # meanwhile makes the next call recompute.
             self._status_mine[user_key] = (generation, started, mine)
         return hosts, waiting, mine
+
+    # --- costs ------------------------------------------------------------------------
+
+    def costs(
+        self, period: str, user_key: str | None = None
+    ) -> tuple[Window, dict[str, Decimal], dict[str, str]]:
+        """Each user's cost over the calendar period (team time zone), from the usage
+        intervals: every GPU-second held at its share of the host's price. Returns the
+        window, cost per user key, and display names. Only `user_key` when given."""
+        now = self.clock.now()
+        window = period_window(period, now, self.settings.timezone)  # type: ignore[arg-type]
+        with transaction(self.engine, write=False) as s:
+            q = (
+                select(UsageInterval, User)
+                .join(User, col(User.id) == col(UsageInterval.user_id))
+                .where(
+                    col(UsageInterval.started_at) < window.end,
+                    col(UsageInterval.ended_at).is_(None)
+                    | (col(UsageInterval.ended_at) > window.start),
+                )
+            )
+            if user_key is not None:
+                q = q.where(User.key == user_key)
+            rows = s.exec(q).all()
+        names = {u.key: u.display_name for _, u in rows}
+        usages = [
+            Usage(
+                user=u.key,
+                gpu_id=iv.gpu_id,
+                host_id=iv.host_id,
+                start=iv.started_at,
+                end=iv.ended_at,
+                usd_per_hour=Decimal(str(iv.usd_per_hour)),
+                kind="run" if iv.run_id is not None else "reservation",
+                ref_id=iv.run_id or iv.reservation_id or 0,
+            )
+            for iv, u in rows
+        ]
+        return window, cost_by_user(usages, window, now), names
 
     def _hosts(self, s: Session) -> list[HostState]:
         hosts = s.exec(select(Host).where(Host.state != "terminated").order_by(col(Host.id))).all()

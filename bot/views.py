@@ -436,3 +436,48 @@ def run_finished_view(run: Any, summary: dict[str, Any], cost_usd: float, log_ta
     if log_tail.strip():
         blocks += [Text("*Last lines of its log*"), Code(log_tail.strip()[-2500:])]
     return View(text=text, blocks=tuple(blocks))
+
+
+def cost_view(
+    scope: str,
+    period: str,
+    window: Any,
+    costs: dict[str, Any],
+    names: dict[str, str],
+    tz: str,
+    who: str | None = None,
+) -> View:
+    """`/gpu cost`: what the GPUs held cost over a calendar period in the team's zone."""
+    span = f"{window.start.astimezone(_zone(tz)):%a %d %b} – {(window.end.astimezone(_zone(tz)) - timedelta(seconds=1)):%a %d %b}, {tz}"
+    label = {"today": "today", "week": "this week", "month": "this month"}[period]
+    if scope != "team":
+        key = who or ""
+        amount = costs.get(key, 0)
+        subject = "Your" if scope == "me" else f"{names.get(key, key)}'s"
+        text = f"{subject} GPU cost {label} ({span}): ${amount:,.2f}."
+        return View(text=text, blocks=(Text(text), Context(_COST_NOTE)))
+    rows = tuple(
+        (names.get(k, k), f"${v:,.2f}")
+        for k, v in sorted(costs.items(), key=lambda kv: (-kv[1], kv[0]))
+    )
+    total = sum(costs.values(), 0)
+    text = f"Team GPU cost {label} ({span}): ${total:,.2f} held by {len(rows)} people."
+    blocks: tuple[Block, ...] = (Header(f"GPU cost {label}"), Text(text))
+    if rows:
+        blocks += (Table(("who", "cost"), rows),)
+    blocks += (
+        Context(
+            _COST_NOTE
+            + " Idle overhead (instances running with nobody on them) is not metered yet."
+        ),
+    )
+    return View(text=text, blocks=blocks)
+
+
+_COST_NOTE = "Every GPU-second held by a reservation or run, at its share of the host's hourly price; owned hosts cost nothing per hour."
+
+
+def _zone(tz: str) -> Any:
+    from zoneinfo import ZoneInfo
+
+    return ZoneInfo(tz)

@@ -1,5 +1,5 @@
-"""The App Home tab: your reservations and runs, the team's waiting line, and plainly
-what is not built yet (cost), so an empty section is never mistaken for "none".
+"""The App Home tab: your reservations and runs, your GPU cost this week, and the
+team's waiting line.
 
 It is composed from the core's status view rather than from database reads of its
 own, so Home can never disagree with `/gpu status`.
@@ -45,7 +45,10 @@ def home_view(service: GpuService, actor: Actor) -> views.View:
     blocks.append(views.Divider())
     blocks.append(views.Text("*Your runs*"))
     blocks.extend(_runs_blocks(service, actor))
-    blocks.append(views.Text("*Your cost*\nCost metering is not built in this gpubot yet."))
+    _, costs, _ = service.costs("week", actor.key)
+    blocks.append(
+        views.Text(f"*Your cost this week*\n${costs.get(actor.key, 0):,.2f} (`/gpu cost` for more)")
+    )
     blocks.append(views.Divider())
     blocks.append(views.Text("*The team's waiting line*"))
     waiting_at = next(

@@ -41,7 +41,7 @@ def test_an_unexpected_failure_shows_a_reference_and_logs_the_traceback(
 
 def test_verbs_of_later_issues_say_so_and_change_nothing(sqlite_engine: Engine) -> None:
     svc, _ = make_service(sqlite_engine, [host("one", "A100", 1)])
-    for line in ["/gpu cost", "/gpu util", "/gpu budget", "/gpu pool"]:
+    for line in ["/gpu util", "/gpu budget", "/gpu pool"]:
         reply = handle_text(svc, actor(svc, "alice"), line)
         assert reply.error and "not available in this gpubot build yet" in reply.view.text
     for line in ["/gpu run --recipe digits", "/gpu queue"]:  # a service without run hosts
@@ -55,3 +55,19 @@ def test_prices_come_from_the_catalog_with_their_source(sqlite_engine: Engine) -
     text = render(handle_text(svc, actor(svc, "alice"), "/gpu prices h100").view)
     assert "p5.48xlarge" in text and "$55.04" in text and "$6.88" in text
     assert "Source: skypilot-org/skypilot-catalog" in text
+
+
+def test_cost_for_me_someone_and_the_team(sqlite_engine: Engine) -> None:
+    svc, clock = make_service(sqlite_engine, [host("box", "A100", 8, hourly=21.96)])
+    handle_text(svc, actor(svc, "alice"), "/gpu reserve 2 a100 for 1h")
+    from datetime import timedelta
+
+    clock.advance(timedelta(hours=2))
+    svc.tick()
+    mine = handle_text(svc, actor(svc, "alice"), "/gpu cost").view.text
+    assert mine.startswith("Your GPU cost this week (") and mine.endswith("): $5.49.")
+    theirs = handle_text(svc, actor(svc, "bob"), "/gpu cost @alice today").view.text
+    assert theirs.startswith("alice's GPU cost today") and "$5.49" in theirs
+    team = render(handle_text(svc, actor(svc, "bob"), "/gpu cost team month").view)
+    assert "Team GPU cost this month" in team and "alice  $5.49" in team
+    assert "Idle overhead" in team

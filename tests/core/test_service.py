@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from sqlalchemy.engine import Engine
@@ -250,3 +251,22 @@ def test_status_is_never_staler_than_the_cache_limit(sqlite_engine: Engine) -> N
     assert svc.status(alice, Status()).view.text == "1 of 2 free on 1 host"  # cached
     time.sleep(0.35)
     assert svc.status(alice, Status()).view.text == "0 of 1 free on 1 host"
+
+
+def test_cost_is_each_gpu_second_held_at_its_share_of_the_price(engine: Engine) -> None:
+    # One p4d-like host: $21.96/h for 8 GPUs = $2.745 per GPU-hour.
+    svc, clock = make_service(engine, [host("box", "A100", 8, hourly=21.96)])
+    alice, bob = actor(svc, "alice"), actor(svc, "bob")
+    svc.reserve(alice, Reserve(count=2, duration=3 * HOUR))  # 2 GPUs x 3 h = $16.47
+    svc.reserve(bob, Reserve(count=1, duration=HOUR))  # 1 GPU x 1 h, still held at "now"
+    clock.advance(HOUR / 2)
+    window, costs, _ = svc.costs("week")
+    assert window.start <= clock.now() < window.end
+    assert costs["alice"] == Decimal("2.745")  # 2 GPUs x 0.5 h so far
+    assert costs["bob"] == Decimal("1.3725")
+    clock.advance(4 * HOUR)
+    svc.tick()  # both end at their times
+    _, costs, _ = svc.costs("week")
+    assert costs == {"alice": Decimal("16.47"), "bob": Decimal("2.745")}
+    _, only_bob, _ = svc.costs("today", "bob")
+    assert only_bob == {"bob": Decimal("2.745")}

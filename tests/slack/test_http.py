@@ -229,7 +229,7 @@ def test_app_home_opened_publishes_home(stack: SlackStack) -> None:
     home = wait_for(lambda: stack.fake.home_views.get(ALICE))
     text = json.dumps(home["blocks"])
     assert "waiting for 1 GPU" in text  # alice's own request
-    assert "not built" in text  # runs and cost: said plainly
+    assert "Your cost this week" in text and "$0.00" in text  # an owned host costs nothing
     assert stack.fake.view_problems({"type": "home", "blocks": home["blocks"]}) == []
 
 
