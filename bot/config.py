@@ -103,6 +103,10 @@ class ConfigError(UserError):
     """A bad setting: the message names the setting and where it came from."""
 
 
+# Settings in seconds and the range each may take.
+_SECONDS = {"tick_seconds": (0.05, 3600.0), "status_cache_s": (0.0, 60.0)}
+
+
 def _coerce(name: str, raw: Any, source: str) -> Any:
     where = f"{name} (from {source})"
     if name == "home":
@@ -115,21 +119,14 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         if not 0 <= value <= 64:
             raise ConfigError(f"{where} must be between 0 and 64")
         return value
-    if name == "tick_seconds":
-        try:
-            tick = float(raw)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be a number of seconds, not {raw!r}") from None
-        if not 0.05 <= tick <= 3600:
-            raise ConfigError(f"{where} must be between 0.05 and 3600 seconds")
-        return tick
-    if name == "status_cache_s":
+    if name in _SECONDS:
+        low, high = _SECONDS[name]
         try:
             secs = float(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{where} must be a number of seconds, not {raw!r}") from None
-        if not 0 <= secs <= 60:
-            raise ConfigError(f"{where} must be between 0 and 60 seconds")
+        if not low <= secs <= high:
+            raise ConfigError(f"{where} must be between {low:g} and {high:g} seconds")
         return secs
     if name in {"default_duration", "max_duration", "expiry_warning"}:
         delta = parse_duration(str(raw))

@@ -553,11 +553,7 @@ class GpuService:
                     .order_by(col(Reservation.id))
                 ).all()
                 pos: dict[int | None, int | None] = {r.id: r.position for r in waiting}
-                for r in mine_rows:
-                    info = self._info(s, r, hosts)
-                    if r.state == RES_WAITING:
-                        info = _with_position(info, pos.get(r.id))
-                    mine.append(info)
+                mine = [self._info(s, r, hosts, position=pos.get(r.id)) for r in mine_rows]
         with self._status_lock:
             if len(self._status_mine) > 4096:
                 self._status_mine.clear()
@@ -648,11 +644,17 @@ class GpuService:
             .where(Reservation.state == RES_WAITING)
             .order_by(col(Reservation.requested_at), col(Reservation.id))
         ).all()
-        return [_with_position(self._info(s, r, hosts), i + 1) for i, r in enumerate(rows)]
+        return [self._info(s, r, hosts, position=i + 1) for i, r in enumerate(rows)]
 
     def _info(
-        self, s: Session, res: Reservation, hosts: list[HostState] | None = None
+        self,
+        s: Session,
+        res: Reservation,
+        hosts: list[HostState] | None = None,
+        position: int | None = None,
     ) -> ReservationInfo:
+        """The read model of one reservation. A caller that already knows a waiting
+        reservation's place in line passes it, sparing a count query per entry."""
         user = s.get(User, res.user_id)
         assert user is not None and res.id is not None
         host_state: HostState | None = None
@@ -672,8 +674,9 @@ class GpuService:
             if host is not None:
                 known = {h.name: h for h in hosts} if hosts is not None else {}
                 host_state = known.get(host.name) or _host_state(host, [])
-        position = None
-        if res.state == RES_WAITING:
+        if res.state != RES_WAITING:
+            position = None
+        elif position is None:
             ahead = s.exec(
                 select(func.count())
                 .select_from(Reservation)
@@ -867,9 +870,3 @@ def _host_state(host: Host, gpus: list[GpuState]) -> HostState:
         hourly_usd=host.hourly_usd,
         gpus=tuple(gpus),
     )
-
-
-def _with_position(info: ReservationInfo, position: int | None) -> ReservationInfo:
-    from dataclasses import replace
-
-    return replace(info, position=position)
