@@ -51,6 +51,31 @@ class Settings:
     status_cache_s: float = 1.0
     # The team's time zone, for the digest and for "today"/"this week".
     timezone: str = "UTC"
+    # --- the fleet (EC2) -----------------------------------------------------------
+    # A rented instance with no reservation and no run for this long is stopped, and one
+    # stopped for terminate_after is terminated (each with a channel note).
+    idle_stop_after: timedelta = timedelta(minutes=15)
+    terminate_after: timedelta = timedelta(days=3)
+    # Caps per instance type unless `/gpu pool` set one: how many may exist (running or
+    # booting), and what all of that type may cost per running hour (0: no cap).
+    pool_max_instances: int = 4
+    pool_max_usd_per_hour: float = 0.0
+    # The root volume of each instance and its price: what a stopped instance costs.
+    ebs_gb: float = 500.0
+    ebs_usd_gb_month: float = 0.08
+    # --- utilization --------------------------------------------------------------
+    # How often the worker samples every busy host's GPUs, and posts a snapshot to the
+    # channel (only while something runs; 0 turns the post off).
+    util_sample_s: float = 60.0
+    util_post_interval: timedelta = timedelta(hours=1)
+    # A held GPU under idle_util_pct for idle_window is idle; its holder is asked
+    # Keep/Release and, with no answer in idle_grace, it is released.
+    idle_util_pct: float = 5.0
+    idle_window: timedelta = timedelta(minutes=30)
+    idle_grace: timedelta = timedelta(minutes=15)
+    # --- the weekly digest --------------------------------------------------------
+    # When the digest is posted, in the team's time zone: "<weekday> HH:MM".
+    digest_at: str = "mon 09:00"
     # Slack credentials: environment only, never printed.
     slack_bot_token: str = field(default="", repr=False)
     slack_signing_secret: str = field(default="", repr=False)
@@ -91,6 +116,18 @@ _ENV = {
     "GPUBOT_TICK_SECONDS": "tick_seconds",
     "GPUBOT_STATUS_CACHE_SECONDS": "status_cache_s",
     "GPUBOT_TIMEZONE": "timezone",
+    "GPUBOT_IDLE_STOP_AFTER": "idle_stop_after",
+    "GPUBOT_TERMINATE_AFTER": "terminate_after",
+    "GPUBOT_POOL_MAX_INSTANCES": "pool_max_instances",
+    "GPUBOT_POOL_MAX_USD_PER_HOUR": "pool_max_usd_per_hour",
+    "GPUBOT_EBS_GB": "ebs_gb",
+    "GPUBOT_EBS_USD_GB_MONTH": "ebs_usd_gb_month",
+    "GPUBOT_UTIL_SAMPLE_SECONDS": "util_sample_s",
+    "GPUBOT_UTIL_POST_INTERVAL": "util_post_interval",
+    "GPUBOT_IDLE_UTIL_PCT": "idle_util_pct",
+    "GPUBOT_IDLE_WINDOW": "idle_window",
+    "GPUBOT_IDLE_GRACE": "idle_grace",
+    "GPUBOT_DIGEST_AT": "digest_at",
     "SLACK_BOT_TOKEN": "slack_bot_token",
     "SLACK_SIGNING_SECRET": "slack_signing_secret",
     "SLACK_APP_TOKEN": "slack_app_token",
@@ -104,14 +141,46 @@ class ConfigError(UserError):
 
 
 # Settings in seconds and the range each may take.
-_SECONDS = {"tick_seconds": (0.05, 3600.0), "status_cache_s": (0.0, 60.0)}
+_SECONDS = {
+    "tick_seconds": (0.05, 3600.0),
+    "status_cache_s": (0.0, 60.0),
+    "util_sample_s": (0.05, 3600.0),
+}
+# Plain numbers and the range each may take.
+_NUMBERS = {
+    "pool_max_usd_per_hour": (0.0, 1e6),
+    "ebs_gb": (0.0, 1e5),
+    "ebs_usd_gb_month": (0.0, 100.0),
+    "idle_util_pct": (0.0, 100.0),
+}
+_DURATIONS = {
+    "default_duration",
+    "max_duration",
+    "expiry_warning",
+    "idle_stop_after",
+    "terminate_after",
+    "util_post_interval",
+    "idle_window",
+    "idle_grace",
+}
+_WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+def parse_weekly_time(raw: str) -> tuple[int, int, int]:
+    """`"mon 09:00"` → (weekday 0-6, hour, minute); ValueError with the accepted form."""
+    parts = raw.strip().lower().split()
+    if len(parts) == 2 and parts[0][:3] in _WEEKDAYS:
+        hh, sep, mm = parts[1].partition(":")
+        if sep and hh.isdigit() and mm.isdigit() and int(hh) < 24 and int(mm) < 60:
+            return _WEEKDAYS.index(parts[0][:3]), int(hh), int(mm)
+    raise ValueError(f"expected a weekday and a time like 'mon 09:00', not {raw!r}")
 
 
 def _coerce(name: str, raw: Any, source: str) -> Any:
     where = f"{name} (from {source})"
     if name == "home":
         return Path(str(raw)).expanduser()
-    if name in {"local_slots"}:
+    if name in {"local_slots", "pool_max_instances"}:
         try:
             value = int(raw)
         except (TypeError, ValueError):
@@ -119,6 +188,21 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         if not 0 <= value <= 64:
             raise ConfigError(f"{where} must be between 0 and 64")
         return value
+    if name in _NUMBERS:
+        low, high = _NUMBERS[name]
+        try:
+            number = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, not {raw!r}") from None
+        if not low <= number <= high:
+            raise ConfigError(f"{where} must be between {low:g} and {high:g}")
+        return number
+    if name == "digest_at":
+        try:
+            parse_weekly_time(str(raw))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        return str(raw).strip().lower()
     if name in _SECONDS:
         low, high = _SECONDS[name]
         try:
@@ -128,7 +212,9 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         if not low <= secs <= high:
             raise ConfigError(f"{where} must be between {low:g} and {high:g} seconds")
         return secs
-    if name in {"default_duration", "max_duration", "expiry_warning"}:
+    if name in _DURATIONS:
+        if name == "util_post_interval" and str(raw).strip().lower() in {"0", "off"}:
+            return timedelta(0)
         delta = parse_duration(str(raw))
         if delta is None:
             raise ConfigError(f"{where} must be a duration like 2h or 30m, not {raw!r}")

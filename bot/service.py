@@ -27,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from bot import views
+from bot.billing import note_host_state
 from bot.clock import Clock
 from bot.commands import Extend, Release, Reserve, Status
 from bot.config import Settings
@@ -168,6 +169,8 @@ class GpuService:
                     if index not in reported and gpu.present:
                         gpu.present = False
                         s.add(gpu)
+                s.flush()
+                note_host_state(s, host, now, self.settings)
 
     # --- reserve -------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, Index, Text, UniqueConstraint, text
+from sqlalchemy import JSON, Column, Index, LargeBinary, Text, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 from db.types import UTCDateTime
@@ -104,6 +104,10 @@ class Reservation(SQLModel, table=True):
     ended_at: datetime | None = _ts(nullable=True)
     # When the "ends in 10 minutes" DM went out, so it goes out once.
     warned_at: datetime | None = _ts(nullable=True)
+    # Idle detection: when the holder was asked "Keep or Release?" about idle GPUs (None:
+    # not asked, or answered), and until when a "Keep" answer silences the question.
+    idle_prompted_at: datetime | None = _ts(nullable=True)
+    idle_keep_until: datetime | None = _ts(nullable=True)
     host_id: int | None = Field(default=None, foreign_key="host.id")
     # Idempotency key of the request that created it (a retried Slack delivery
     # carries the same key and must not create a second reservation).
@@ -188,6 +192,10 @@ class Notification(SQLModel, table=True):
     attempts: int = 0
     last_error: str | None = Field(default=None, max_length=500)
     dedupe_key: str | None = Field(default=None, unique=True, max_length=200)
+    # A file that goes with the message (a chart PNG), kept in the row itself so that any
+    # replica can deliver it; Slack gets it through the two-step external upload.
+    attachment: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
+    attachment_name: str | None = Field(default=None, max_length=128)
 
 
 class WorkerLock(SQLModel, table=True):
@@ -196,3 +204,96 @@ class WorkerLock(SQLModel, table=True):
     name: str = Field(primary_key=True, max_length=64)
     holder: str = Field(max_length=128)
     expires_at: datetime = _ts()
+
+
+class HostPeriod(SQLModel, table=True):
+    """One stretch of a host's own bill in one state: the instances' side of every cost.
+
+    A new row opens whenever a host starts running, is stopped, or changes price; the
+    previous one closes at that instant. Idle overhead is the running GPU time no usage
+    interval covers, plus stopped storage (bot.metering). At most one row per host is
+    open; a partial unique index makes the database refuse a second.
+    """
+
+    __table_args__ = (
+        Index(
+            "uq_hostperiod_open_host",
+            "host_id",
+            unique=True,
+            sqlite_where=text("ended_at IS NULL"),
+            postgresql_where=text("ended_at IS NULL"),
+        ),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    host_id: int = Field(foreign_key="host.id", index=True)
+    # "running" (billed at usd_per_hour) or "stopped" (billed for storage only).
+    state: str = Field(max_length=16)
+    started_at: datetime = _ts()
+    ended_at: datetime | None = _ts(nullable=True)
+    # GPU slots the running price is split over.
+    gpus: int = 0
+    usd_per_hour: float = 0.0
+    storage_usd_per_hour: float = 0.0
+    market: str = Field(default="owned", max_length=16)
+
+
+class GpuSample(SQLModel, table=True):
+    """One GPU's utilization at one moment, as the host's telemetry probe saw it.
+
+    Kept as a rolling history, thinned with age (bot.utilization): minute samples for the
+    recent hours, coarser ones after. `span_s` says how long a sample stands for, so an
+    average over thinned history still weighs time correctly.
+    """
+
+    __table_args__ = (Index("ix_gpusample_host_at", "host_id", "at"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    host_id: int = Field(foreign_key="host.id")
+    gpu_index: int
+    at: datetime = _ts()
+    span_s: int = 60
+    util_pct: float = 0.0
+    mem_used_mb: float = 0.0
+    mem_total_mb: float = 0.0
+    temperature_c: float | None = None
+    power_w: float | None = None
+    # Who held the GPU then (attribution of the sample), if anyone.
+    user_id: int | None = Field(default=None, foreign_key="user.id")
+    reservation_id: int | None = Field(default=None, foreign_key="reservation.id")
+    run_id: int | None = Field(default=None, foreign_key="trainingrun.id")
+
+
+class PoolLimit(SQLModel, table=True):
+    """An admin's cap on one instance type (`/gpu pool`), over the configured defaults."""
+
+    instance_type: str = Field(primary_key=True, max_length=64)
+    # None: no cap of that kind.
+    max_instances: int | None = None
+    max_usd_per_hour: float | None = None
+    updated_by: str = Field(default="", max_length=64)
+    updated_at: datetime = _ts()
+
+
+class LaunchRequest(SQLModel, table=True):
+    """The intent to launch, committed *before* the cloud is called.
+
+    A worker that dies between the cloud's answer and its own commit leaves this row
+    pending; on restart, reconcile finds the instance by its request tag (the same key
+    is the ClientToken, so asking again cannot launch a second one) and adopts it.
+    """
+
+    id: int | None = Field(default=None, primary_key=True)
+    request_key: str = Field(unique=True, max_length=128)
+    gpu_model: str = Field(max_length=32)
+    gpus: int = 1
+    market: str = Field(default="ondemand", max_length=16)
+    owner: str = Field(max_length=64)
+    reservation_id: int | None = Field(default=None, foreign_key="reservation.id")
+    run_id: int | None = Field(default=None, foreign_key="trainingrun.id")
+    # pending (cloud not yet answered), launched, failed.
+    state: str = Field(default="pending", index=True, max_length=16)
+    instance_id: str | None = Field(default=None, max_length=64)
+    error: str | None = Field(default=None, max_length=500)
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
