@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -88,6 +89,41 @@ def tick_job(
         log.error("ref=%s worker tick failed", new_ref(), exc_info=exc)
 
 
+@dataclass(frozen=True)
+class PeriodicJob:
+    """One more piece of periodic work beside the tick (sampling, reconcile, digest, …).
+
+    `run` must be a module-level function (APScheduler can only restore those) taking
+    the service; `trigger` and `trigger_args` are APScheduler's ("interval" with
+    seconds=…, or "cron" with day_of_week/hour/minute/timezone).
+    """
+
+    id: str
+    run: Callable[[GpuService], object]
+    trigger: str
+    trigger_args: dict[str, Any]
+
+
+def leader_job(
+    job_id: str, run: Callable[[GpuService], object], service: GpuService, leader: Leadership | None
+) -> None:
+    """Runs a periodic job only on the leading worker; a failure is logged with a ref and
+    the next firing tries again (a job never takes the scheduler down)."""
+    try:
+        if leader is not None and not leader.hold():
+            return
+        run(service)
+    except Exception as exc:
+        log.error("ref=%s worker job %s failed", new_ref(), job_id, exc_info=exc)
+
+
+def periodic_jobs(service: GpuService) -> list[PeriodicJob]:
+    """Every periodic job besides the tick, from the settings. Each feature adds its own
+    line here; its function lives in its own module."""
+    jobs: list[PeriodicJob] = []
+    return jobs
+
+
 @dataclass
 class Worker:
     service: GpuService
@@ -95,6 +131,8 @@ class Worker:
     interval_s: float
     # None: act on every tick (tests); otherwise only while this process leads.
     leader: Leadership | None = None
+    # None: the jobs the settings ask for (periodic_jobs); tests pass their own list.
+    extra_jobs: list[PeriodicJob] | None = field(default=None)
 
     def __post_init__(self) -> None:
         self._scheduler = BackgroundScheduler(
@@ -109,6 +147,15 @@ class Worker:
             id="tick",
             replace_existing=True,
         )
+        for job in self.extra_jobs if self.extra_jobs is not None else periodic_jobs(self.service):
+            self._scheduler.add_job(
+                leader_job,
+                job.trigger,
+                args=[job.id, job.run, self.service, self.leader],
+                id=job.id,
+                replace_existing=True,
+                **job.trigger_args,
+            )
 
     def start(self) -> None:
         self._scheduler.start()
