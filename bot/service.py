@@ -87,6 +87,8 @@ class OutboxItem:
     attempts: int
     # True when an earlier send started and its outcome is unknown (crash, lost reply).
     maybe_sent: bool = False
+    # A file that goes with it (a chart PNG): its name and bytes.
+    attachment: tuple[str, bytes] | None = None
 
 
 class GpuService:
@@ -761,13 +763,27 @@ class GpuService:
     # --- the outbox ----------------------------------------------------------------------
 
     def notify_dm(
-        self, s: Session, user_key: str, view: views.View, now: datetime, dedupe: str | None
+        self,
+        s: Session,
+        user_key: str,
+        view: views.View,
+        now: datetime,
+        dedupe: str | None,
+        attachment: tuple[str, bytes] | None = None,
     ) -> None:
-        self._notify(s, "dm", user_key, view, now, dedupe)
+        self._notify(s, "dm", user_key, view, now, dedupe, attachment)
 
-    def notify_channel(self, view: views.View, dedupe: str | None = None) -> None:
+    def notify_channel(
+        self,
+        view: views.View,
+        dedupe: str | None = None,
+        attachment: tuple[str, bytes] | None = None,
+    ) -> None:
+        """A post to the team channel; `attachment` is (file name, bytes), e.g. a chart."""
         with transaction(self.engine) as s:
-            self._notify(s, "channel", self.settings.channel, view, self.clock.now(), dedupe)
+            self._notify(
+                s, "channel", self.settings.channel, view, self.clock.now(), dedupe, attachment
+            )
 
     def _notify(
         self,
@@ -777,6 +793,7 @@ class GpuService:
         view: views.View,
         now: datetime,
         dedupe: str | None,
+        attachment: tuple[str, bytes] | None = None,
     ) -> None:
         if dedupe is not None:
             exists = s.exec(
@@ -793,6 +810,8 @@ class GpuService:
                 created_at=now,
                 deliver_after=now,
                 dedupe_key=dedupe,
+                attachment_name=attachment[0] if attachment else None,
+                attachment=attachment[1] if attachment else None,
             )
         )
 
@@ -813,6 +832,9 @@ class GpuService:
                     view=views.View.from_dict(n.view),
                     attempts=n.attempts,
                     maybe_sent=n.last_error == IN_FLIGHT,
+                    attachment=(n.attachment_name or "attachment", n.attachment)
+                    if n.attachment is not None
+                    else None,
                 )
                 for n in rows
             ]

@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TextIO
 
 from bot import views
@@ -71,18 +72,31 @@ def _table(table: views.Table) -> list[str]:
 class TerminalNotifier:
     """Prints DMs and channel posts; shares the shell's lock so lines never interleave."""
 
-    def __init__(self, out: TextIO, lock: threading.Lock) -> None:
+    def __init__(self, out: TextIO, lock: threading.Lock, files_dir: Path | None = None) -> None:
         self._out = out
         self._lock = lock
+        # Where attachments (charts) are written so a person at the terminal can open them.
+        self._files_dir = files_dir
 
     def send(self, item: OutboxItem) -> None:
         prefix = f"[dm @{item.target}]" if item.kind == "dm" else f"[#{item.target}]"
         body = render(item.view).splitlines() or [item.view.text]
+        if item.attachment is not None:
+            body.append(self._save(item.id, *item.attachment))
         with self._lock:
             self._out.write(f"{prefix} {body[0]}\n")
             for line in body[1:]:
                 self._out.write(f"{' ' * len(prefix)} {line}\n")
             self._out.flush()
+
+    def _save(self, item_id: int, name: str, data: bytes) -> str:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "file"
+        if self._files_dir is None:
+            return f"(attached: {safe}, {len(data):,} bytes)"
+        self._files_dir.mkdir(parents=True, exist_ok=True)
+        path = self._files_dir / f"{item_id}-{safe}"
+        path.write_bytes(data)
+        return f"(attached: {safe}, {len(data):,} bytes, saved to {path})"
 
 
 class Shell:
@@ -93,7 +107,7 @@ class Shell:
         self.default_user = default_user
         self.out = out
         self.lock = lock
-        self.notifier = TerminalNotifier(out, lock)
+        self.notifier = TerminalNotifier(out, lock, service.settings.home / "files")
         self._actors: dict[str, Actor] = {}
         # Runs submitted from this shell: at end of input it waits for them.
         self.run_ids: set[int] = set()

@@ -137,6 +137,26 @@ class SlackNotifier:
         )
         if item.kind != "dm" and resp.get("channel"):
             self._channel_ids[item.target.lstrip("#") or self._channel] = str(resp["channel"])
+        if item.attachment is not None:
+            # After the message, so a chart never arrives without its words. A failed
+            # upload is retried with the item; the history check then finds the message
+            # posted and skips both (the chart is lost, the message is not doubled).
+            name, data = item.attachment
+            posted_in = str(resp.get("channel") or channel)
+            try:
+                upload_file(
+                    self._client,
+                    posted_in,
+                    name,
+                    data,
+                    title=item.view.text[:200],
+                    alt_txt=item.view.text,
+                )
+            except SlackApiError as exc:
+                error = str(exc.response.get("error", "")) if exc.response is not None else ""
+                raise DeliveryRetry(f"file upload: {error or 'failed'}") from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise DeliveryRetry(f"file upload: network error ({type(exc).__name__})") from None
 
 
 def upload_file(
