@@ -15,7 +15,7 @@ The AWS and SSH settings the doctor reads (until `bot.config` carries them):
     GPUBOT_AWS_KEY_NAME        the EC2 key pair the bot logs in with
     GPUBOT_AWS_AMI             a fixed AMI id (optional; else the DLAMI SSM parameter)
     GPUBOT_AWS_AMI_PARAMETER   another SSM parameter naming the AMI (optional)
-    GPUBOT_SSH_HOSTS           comma list of [name=][user@]host[:port] GPU hosts
+    GPUBOT_SSH_HOSTS           comma list of [name=][user@]host[:port][/4xA100[+2xT4]] GPU hosts
     GPUBOT_SSH_USER            login user where a host names none (default root)
     GPUBOT_SSH_KEY             private key file (default: ssh-agent and ~/.ssh)
 """
@@ -48,7 +48,8 @@ from db.migrate import current_revision, head_revision
 from db.session import make_engine
 from provisioning.aws import DLAMI_SSM_PARAMETER, Ec2Settings
 from provisioning.aws_doctor import Check, check_aws
-from provisioning.ssh import SshClient, SshError, SshTarget, parse_address
+from provisioning.hosts import HostEntryError, StaticHost, parse_host_entries
+from provisioning.ssh import SshClient, SshError, SshTarget
 from training.telemetry import NO_DRIVER, parse_snapshot
 
 __all__ = [
@@ -433,26 +434,28 @@ def _env_words(text: str) -> str:
 
 def ssh_targets_from_env(env: Mapping[str, str]) -> tuple[SshTarget, ...]:
     """GPUBOT_SSH_HOSTS as targets; a ConfigError names an entry that does not parse."""
+    return tuple(h.target for h in static_hosts_from_env(env))
+
+
+def static_hosts_from_env(env: Mapping[str, str]) -> tuple[StaticHost, ...]:
+    """GPUBOT_SSH_HOSTS with the GPUs each entry declares (`box=user@host:22/4xA100`)."""
     user = env.get("GPUBOT_SSH_USER", "").strip() or "root"
     key = env.get("GPUBOT_SSH_KEY", "").strip() or None
-    targets = []
-    for entry in _split(env.get("GPUBOT_SSH_HOSTS", "")):
-        label, sep, address = entry.partition("=")
-        if not sep:
-            label, address = "", entry
-        host_user, host, port = parse_address(address.strip())
-        if not host:
-            raise ConfigError(f"GPUBOT_SSH_HOSTS: {entry!r} names no host")
-        targets.append(
-            SshTarget(
-                host=host,
-                port=port or 22,
-                user=host_user or user,
-                key_path=str(Path(key).expanduser()) if key else None,
-                name=label.strip(),
-            )
+    try:
+        return parse_host_entries(
+            env.get("GPUBOT_SSH_HOSTS", ""),
+            default_user=user,
+            key_path=str(Path(key).expanduser()) if key else None,
+            normalize=_normalize_model,
         )
-    return tuple(targets)
+    except HostEntryError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _normalize_model(text: str) -> str | None:
+    from provisioning.catalog import Catalog
+
+    return Catalog.load().normalize_model(text)
 
 
 def check_ssh(

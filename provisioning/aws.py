@@ -337,6 +337,13 @@ class Ec2Compute:
             return None
         return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
 
+    def zone(self, instance_id: str) -> str | None:
+        """The availability zone it runs in, for telling its owner where it went."""
+        raw = self._describe_one(instance_id)
+        if raw is None:
+            return None
+        return str(raw.get("Placement", {}).get("AvailabilityZone", "")) or None
+
     def was_spot_interrupted(self, instance_id: str) -> bool:
         """True when AWS reclaimed this spot instance: the run should be requeued, not failed."""
         raw = self._describe_one(instance_id)
@@ -451,9 +458,12 @@ class Ec2Compute:
         for wanted, substitute in self.settings.substitute_models:
             if canon is not None and self.catalog.normalize_model(wanted) == canon:
                 models.append(substitute)
+        allowed = set(spec.instance_types)
         out: list[InstanceType] = []
         for model in models:
             for t in self.catalog.for_model(model):
+                if allowed and t.instance_type not in allowed:
+                    continue
                 if t.gpus >= spec.gpus and t not in out:
                     out.append(t)
         return out

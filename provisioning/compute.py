@@ -33,6 +33,9 @@ class LaunchSpec:
     # Exactly one of these says what the money is spent on.
     reservation_id: str | None = None
     job_id: str | None = None
+    # Instance types the provider may pick from (the bot's pool limits allow only these);
+    # empty: any type of the catalog that fits.
+    instance_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Programming errors, not user errors: the bot builds specs from parsed commands.
@@ -57,6 +60,11 @@ class RentingCompute(Compute, Protocol):
 
     def find_by_request_key(self, request_key: str) -> Instance | None:
         """The instance launched for that request, in any state; None if there is none."""
+        ...
+
+    def get(self, instance_id: str) -> Instance | None:
+        """One of its instances in any state (ended ones while the cloud still shows them);
+        None when the cloud does not know it (or it is not the bot's)."""
         ...
 
     def start(self, instance_id: str) -> Instance: ...

@@ -1,0 +1,107 @@
+"""Builders for fleet tests: a fleet on moto whose hosts are reached on loopback sshd.
+
+moto invents instance addresses (10.x, public-looking ones) that must never be dialed;
+`LoopbackResolver` sends every instance to one real sshd host on 127.0.0.x instead, the
+way DESIGN asks tests to replace the production resolver.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from bot.clock import VirtualClock
+from bot.config import Settings
+from bot.fleet import CloudGpuService, CloudRunService, Fleet, PreparedHost, RemoteAccess, attach
+from bot.service import GpuService
+from db.models import Host, LaunchRequest, Notification
+from provisioning.base import Instance
+from provisioning.ssh import SshClient, SshRunner, SshTarget
+from tests.ssh_hosts import SshLab
+
+
+@dataclass(frozen=True)
+class LoopbackResolver:
+    """Every instance → the one loopback target (named after the instance)."""
+
+    target: SshTarget
+
+    def resolve(self, instance: Instance | str) -> SshTarget:
+        name = instance.name if isinstance(instance, Instance) else instance
+        assert self.target.host.startswith("127."), "tests dial loopback only"
+        return replace(self.target, name=name)
+
+
+def lab_target(lab: SshLab, name: str = "gpu-a") -> SshTarget:
+    host = lab.hosts[name]
+    return SshTarget(
+        host=host.address, port=host.port, user=lab.user, key_path=str(lab.client_key), name=name
+    )
+
+
+@dataclass
+class FleetBench:
+    service: GpuService
+    clock: VirtualClock
+    fleet: Fleet
+    client: SshClient
+    # Names of the hosts prepared (bootstrapped), in order: once each.
+    prepared: list[str]
+
+    def dms(self, user: str) -> list[str]:
+        return notes(self.service.engine, "dm", user)
+
+    def channel(self) -> list[str]:
+        return notes(self.service.engine, "channel", self.service.settings.channel)
+
+    def host(self, name: str) -> Host:
+        with Session(self.service.engine) as s:
+            return s.exec(select(Host).where(Host.name == name)).one()
+
+    def requests(self) -> list[LaunchRequest]:
+        with Session(self.service.engine) as s:
+            return list(s.exec(select(LaunchRequest).order_by(col(LaunchRequest.id))))
+
+
+def notes(engine: Engine, kind: str, target: str) -> list[str]:
+    with Session(engine) as s:
+        return [
+            n.text
+            for n in s.exec(
+                select(Notification)
+                .where(Notification.kind == kind, Notification.target == target)
+                .order_by(col(Notification.id))
+            )
+        ]
+
+
+def make_fleet(
+    engine: Engine,
+    compute: Any,
+    ssh: SshLab,
+    remote_root: Path,
+    admins: tuple[str, ...] = ("root",),
+    target: SshTarget | None = None,
+) -> FleetBench:
+    """A fleet attached to its service (the worker's job and `bot.runs` find it), with
+    runs on the loopback host kept under `remote_root` (this machine's interpreter)."""
+    clock = VirtualClock()
+    svc = CloudGpuService(engine, Settings(admins=admins), clock, compute.catalog)
+    client = SshClient(connect_timeout=5, command_timeout=20)
+    prepared: list[str] = []
+
+    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+        prepared.append(target.name)
+        return PreparedHost(root=str(remote_root), python=sys.executable)
+
+    resolver = LoopbackResolver(target or lab_target(ssh))
+    access = RemoteAccess(engine, client, resolver, prepare=prepare)
+    fleet = Fleet(svc, compute, access, catalog=compute.catalog)
+    attach(svc, fleet)
+    svc.runs = CloudRunService(svc, access, compute.catalog)
+    return FleetBench(service=svc, clock=clock, fleet=fleet, client=client, prepared=prepared)
