@@ -1,0 +1,105 @@
+"""PNG charts for Slack and the shell, drawn with matplotlib's Agg backend.
+
+Only the object API (`Figure` + `FigureCanvasAgg`) is used, never `pyplot`: pyplot
+keeps global state that is not thread-safe, and the worker, the command threads of
+`gpubot serve` and the shell all draw charts at once. The size is fixed in pixels and
+the PNG carries no software/date metadata, so one input always gives one file.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on a server; set before anything draws
+
+import matplotlib.dates as mdates
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+WIDTH_PX = 1000
+HEIGHT_PX = 600
+_DPI = 100
+
+
+@dataclass(frozen=True)
+class GpuSeries:
+    """One GPU's history: a label for the legend and its samples in time order."""
+
+    label: str  # e.g. "gpu-a:3 A100"
+    times: Sequence[datetime]  # aware UTC
+    util_pct: Sequence[float]
+    mem_pct: Sequence[float]  # memory used, % of the GPU's total
+    # Longest spacing that still counts as one stretch; wider gaps break the line, so a
+    # host that was not sampled for an hour is not drawn as a straight ramp.
+    max_gap: timedelta = timedelta(minutes=3)
+
+
+def _with_gaps(series: GpuSeries) -> tuple[list[datetime], list[float], list[float]]:
+    times: list[datetime] = []
+    util: list[float] = []
+    mem: list[float] = []
+    prev: datetime | None = None
+    for t, u, m in zip(series.times, series.util_pct, series.mem_pct, strict=True):
+        if prev is not None and t - prev > series.max_gap:
+            times.append(prev + (t - prev) / 2)
+            util.append(math.nan)
+            mem.append(math.nan)
+        times.append(t)
+        util.append(u)
+        mem.append(m)
+        prev = t
+    return times, util, mem
+
+
+def utilization_chart(
+    series: Sequence[GpuSeries],
+    *,
+    start: datetime,
+    end: datetime,
+    title: str = "GPU utilization",
+) -> bytes:
+    """Two panels over one time axis, [start, end]: utilization % above, memory used %
+    below, one line per GPU with its legend. Returns the PNG bytes (WIDTH_PX × HEIGHT_PX)."""
+    if end <= start:
+        raise ValueError("the chart's window must end after it starts")
+    fig = Figure(figsize=(WIDTH_PX / _DPI, HEIGHT_PX / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    ax_util, ax_mem = fig.subplots(2, 1, sharex=True)
+    hours = (end - start).total_seconds() / 3600
+    window = f"{start:%Y-%m-%d %H:%M} – {end:%H:%M} UTC" + (
+        f" ({hours:g} h)" if hours < 48 else f" ({hours / 24:.1f} days)"
+    )
+    fig.suptitle(f"{title}, {window}", fontsize=12)
+    for s in series:
+        times, util, mem = _with_gaps(s)
+        # Single points would be invisible as lines; markers make them show.
+        marker = "o" if len(times) < 3 else None
+        ax_util.plot(times, util, label=s.label, linewidth=1.4, marker=marker, markersize=3)
+        ax_mem.plot(times, mem, label=s.label, linewidth=1.4, marker=marker, markersize=3)
+    for ax, what in ((ax_util, "utilization %"), (ax_mem, "memory used %")):
+        ax.set_ylim(-2, 102)
+        ax.set_ylabel(what)
+        ax.grid(True, alpha=0.3)
+        ax.set_xlim(start, end)  # matplotlib takes datetimes
+    ax_mem.set_xlabel("time (UTC)")
+    locator = mdates.AutoDateLocator(minticks=4, maxticks=10)  # type: ignore[no-untyped-call]
+    ax_mem.xaxis.set_major_locator(locator)
+    ax_mem.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
+    if series:
+        ncol = 1 if len(series) <= 8 else 2
+        for ax in (ax_util, ax_mem):
+            ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, ncol=ncol)
+    else:
+        ax_util.text(
+            0.5, 0.5, "no samples in this window", ha="center", transform=ax_util.transAxes
+        )
+    fig.subplots_adjust(left=0.07, right=0.78 if len(series) <= 8 else 0.66, top=0.9, bottom=0.1)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI, metadata={"Software": None})
+    return buf.getvalue()
