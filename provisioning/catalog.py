@@ -73,12 +73,15 @@ class Catalog:
         self._by_key = {_key(t.gpu_model): t.gpu_model for t in types}
 
     @classmethod
-    def load(cls, path: Path | None = None) -> Catalog:
-        """Reads a prices CSV; `None` means the shipped snapshot.
+    def load(cls, path: Path | None = None, *, prefer: Path | None = None) -> Catalog:
+        """Reads a prices CSV; `None` means `prefer` when that file exists (the one
+        `gpubot prices refresh` writes), else the shipped snapshot.
 
         A malformed file is a `ValueError` naming the file and the row, because the
         caller (CLI, config check) shows it to a person as one line.
         """
+        if path is None and prefer is not None and Path(prefer).is_file():
+            path = Path(prefer)
         src = SHIPPED_PRICES if path is None else Path(path)
         try:
             text = src.read_text(encoding="utf-8")
@@ -110,6 +113,11 @@ class Catalog:
     @property
     def as_of(self) -> str:
         return "; ".join(sorted({t.as_of for t in self.types}))
+
+    @property
+    def shipped(self) -> bool:
+        """False when the prices come from a refreshed or user-given file, which views say."""
+        return self.path is None or self.path.resolve() == SHIPPED_PRICES
 
     def models(self) -> list[str]:
         """Canonical GPU model names, sorted."""
