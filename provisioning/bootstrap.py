@@ -32,6 +32,7 @@ import os
 import posixpath
 import re
 import shlex
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,12 +138,14 @@ def bootstrap(
     package_dir: str | os.PathLike[str] | None = None,
     nvidia_smi: str = "nvidia-smi",
     env: Mapping[str, str] | None = None,
+    agent: AgentInstall | None = None,
 ) -> BootstrapReport:
     """Bring the host to BOOTSTRAP_VERSION with the current training package; idempotent.
 
     `python` is the host interpreter the venv is made from. `nvidia_smi` is the
     driver's CLI, for images that keep it off PATH. `env` goes to every command: a
     pip index or proxy for hosts without direct internet (PIP_INDEX_URL, HTTPS_PROXY).
+    `agent` installs the host agent (`training.agent`) as a service; None installs none.
     Raises `ProvisioningError` (or its `SshError`) with a message fit for the user.
     """
     return _Bootstrap(
@@ -155,6 +158,7 @@ def bootstrap(
         package_dir=Path(package_dir) if package_dir is not None else default_package_dir(),
         nvidia_smi=nvidia_smi,
         env=dict(env) if env else None,
+        agent=agent,
     ).run(remote_root)
 
 
@@ -173,6 +177,7 @@ class _Bootstrap:
         package_dir: Path,
         nvidia_smi: str,
         env: dict[str, str] | None,
+        agent: AgentInstall | None = None,
     ) -> None:
         self.runner = runner
         self.target = target
@@ -183,6 +188,7 @@ class _Bootstrap:
         self.package_dir = package_dir
         self.nvidia_smi = nvidia_smi
         self.env = env
+        self.agent = agent
         self.steps: list[str] = []
 
     # plumbing
@@ -210,6 +216,12 @@ class _Bootstrap:
 
         marker = self._read_marker(marker_path)
         if marker is not None and self._is_current(marker, training_sha):
+            if (
+                self.agent is not None
+                and marker.get("agent_service") == "supervisor"
+                and not agent_supervisor_alive(self.runner, self.target, root)
+            ):
+                self._install_agent(root)  # a reboot without cron: bring the guard back
             self._say(UP_TO_DATE)
             torch = marker.get("torch")
             return BootstrapReport(
@@ -227,6 +239,7 @@ class _Bootstrap:
         torch, system_site = self._prepare_venv(root)
         uploaded = self._upload(root)
         self._smoke(root)
+        agent_service = self._install_agent(root) if self.agent is not None else None
         self._write_marker(
             root,
             marker_path,
@@ -238,6 +251,8 @@ class _Bootstrap:
                 "gpus": gpus,
                 "base_python": self.python,
                 "system_site_packages": system_site,
+                "agent": self.agent.marker() if self.agent is not None else None,
+                "agent_service": agent_service,
             },
         )
         return BootstrapReport(
@@ -249,6 +264,21 @@ class _Bootstrap:
             uploaded=uploaded,
             root=root,
         )
+
+    def _install_agent(self, root: str) -> str:
+        assert self.agent is not None
+        service, steps = install_agent(
+            self.runner,
+            self.target,
+            root,
+            self.agent,
+            python=venv_python(root),
+            code_dir=posixpath.join(root, "code"),
+            env=self.env,
+        )
+        for step in steps:
+            self._say(step)
+        return service
 
     def _resolve_root(self, remote_root: str) -> str:
         """An absolute root: "~" and relative paths mean the remote user's home."""
@@ -287,6 +317,7 @@ class _Bootstrap:
             and marker.get("base_python") == self.python
             and isinstance(marker.get("gpus"), int)
             and not (self.install_torch and marker.get("torch") is None)
+            and marker.get("agent") == (self.agent.marker() if self.agent is not None else None)
         )
 
     def _check_driver(self) -> int:
@@ -471,6 +502,190 @@ class _Bootstrap:
         if not moved.ok:
             raise self._fail("could not write the bootstrap marker", moved)
         self._say(f"marker written (bootstrap v{BOOTSTRAP_VERSION})")
+
+
+# --- the host agent as a service ----------------------------------------------------------
+# `training.agent` guards the host when the bot is gone (dead-man switch, spot notice,
+# lost runs after a reboot), so it must outlive SSH sessions and reboots: a systemd unit
+# where systemd runs, else a shell loop that restarts it, brought back at boot by cron.
+
+AGENT_UNIT = "gpubot-agent.service"
+AGENT_CRON_TAG = "# gpubot-agent"
+_SYSTEMD_UP = ("running", "degraded", "starting", "initializing", "maintenance")
+
+
+@dataclass(frozen=True)
+class AgentInstall:
+    """How the host agent runs on this host; part of the marker, so a change reinstalls."""
+
+    # The shell command that stops the host when the bot is gone and nothing runs: on EC2
+    # "sudo -n shutdown -h now" (the instance stops, not terminates). None: watch only,
+    # never stop (an on-prem server others use). No default: the caller must decide.
+    stop_command: str | None
+    idle_s: float = 1800.0  # nothing held or running for this long ...
+    lease_s: float = 900.0  # ... and no lease renewal for this long: stop
+    interval_s: float = 15.0  # seconds between the agent's checks
+    # The spot-notice endpoint; None where there is no EC2 metadata service.
+    imds_endpoint: str | None = "http://169.254.169.254"
+    runs_dirs: tuple[str, ...] = ()  # where run directories live; () = <root>/runs
+    use_systemd: bool | None = None  # None: systemd when `systemctl is-system-running` answers
+
+    def marker(self) -> dict[str, Any]:
+        return {
+            "stop_command": self.stop_command,
+            "idle_s": self.idle_s,
+            "lease_s": self.lease_s,
+            "interval_s": self.interval_s,
+            "imds_endpoint": self.imds_endpoint,
+            "runs_dirs": list(self.runs_dirs),
+            "use_systemd": self.use_systemd,
+        }
+
+    def argv(self, python: str, root: str) -> list[str]:
+        argv = [python, "-m", "training.agent", "--state-dir", posixpath.join(root, "agent")]
+        for runs_dir in self.runs_dirs or (posixpath.join(root, "runs"),):
+            argv += ["--runs-dir", runs_dir]
+        return [
+            *argv,
+            *("--interval", f"{self.interval_s:g}", "--idle", f"{self.idle_s:g}"),
+            *("--lease", f"{self.lease_s:g}", "--stop-command", self.stop_command or ""),
+            *("--imds-endpoint", self.imds_endpoint or "none"),
+        ]
+
+
+def agent_unit(user: str, code_dir: str, argv: list[str]) -> str:
+    """The systemd unit: restarted whenever it exits, started at every boot."""
+    return (
+        "[Unit]\n"
+        "Description=gpubot host agent (dead-man switch, spot notices, lost runs)\n"
+        "After=network-online.target\n\n"
+        "[Service]\n"
+        f"User={user}\n"
+        f"WorkingDirectory={code_dir}\n"
+        f"ExecStart={_systemd_escape(' '.join(shlex.quote(a) for a in argv))}\n"
+        "Restart=always\n"
+        "RestartSec=5\n\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def _systemd_escape(line: str) -> str:
+    """systemd expands % specifiers and $VARIABLES in ExecStart even inside quotes."""
+    return line.replace("%", "%%").replace("$", "$$")
+
+
+def agent_supervisor_script(code_dir: str, argv: list[str], pidfile: str) -> str:
+    """Where there is no systemd: a loop that brings the agent back whenever it exits."""
+    line = " ".join(shlex.quote(a) for a in argv)
+    return (
+        "#!/bin/sh\n"
+        "# gpubot host agent supervisor, written by bootstrap: restarts the agent if it dies.\n"
+        f"echo $$ > {shlex.quote(pidfile)}\n"
+        f"cd {shlex.quote(code_dir)} || exit 1\n"
+        "while :; do\n"
+        f"  {line}\n"
+        '  echo "gpubot-agent exited with $?; restarting in 5 s" >&2\n'
+        "  sleep 5\n"
+        "done\n"
+    )
+
+
+def install_agent(
+    runner: SshRunner,
+    target: SshTarget,
+    root: str,
+    agent: AgentInstall,
+    *,
+    python: str,
+    code_dir: str,
+    env: Mapping[str, str] | None = None,
+) -> tuple[str, list[str]]:
+    """(Re)install and (re)start the agent: ("systemd" or "supervisor", the steps said)."""
+
+    def sh(line: str, timeout: float = QUICK_TIMEOUT_S) -> RunResult:
+        return runner.run(target, line, timeout, env=env)
+
+    agent_dir = posixpath.join(root, "agent")
+    pidfile = _supervisor_pidfile(root)
+    argv = agent.argv(python, root)
+    systemd = agent.use_systemd
+    if systemd is None:
+        systemd = sh("systemctl is-system-running").stdout.strip() in _SYSTEMD_UP
+
+    # Whatever ran before goes first, so one agent runs (its lock would make another wait).
+    old = _live_supervisor(runner, target, root)
+    if old is not None:
+        runner.kill_group(target, old, "TERM")
+        deadline = time.monotonic() + 10
+        while runner.is_alive(target, old) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    if systemd:
+        user = sh("id -un").stdout.strip()
+        staged = posixpath.join(agent_dir, AGENT_UNIT)
+        runner.write_file(target, staged, agent_unit(user, code_dir, argv).encode())
+        sudo = 'S=; [ "$(id -u)" = 0 ] || S="sudo -n"; '
+        dest = shlex.quote(f"/etc/systemd/system/{AGENT_UNIT}")
+        done = sh(
+            f"{sudo}$S install -m 0644 {shlex.quote(staged)} {dest} && $S systemctl daemon-reload"
+            f" && $S systemctl enable {AGENT_UNIT} && $S systemctl restart {AGENT_UNIT}",
+            VENV_TIMEOUT_S,
+        )
+        if not done.ok:
+            detail = (done.stderr.strip() or done.stdout.strip())[-300:] or str(done.exit_code)
+            raise ProvisioningError(
+                f"bootstrap of {target.label}: could not install the host agent unit: {detail}"
+            )
+        return "systemd", [f"host agent: systemd unit {AGENT_UNIT} enabled and started"]
+
+    script = posixpath.join(agent_dir, "supervise.sh")
+    log = posixpath.join(agent_dir, "agent.log")
+    runner.write_file(
+        target, script, agent_supervisor_script(code_dir, argv, pidfile).encode(), mode=0o755
+    )
+    pgid = runner.start_detached(target, f"exec /bin/sh {shlex.quote(script)}", log)
+    runner.write_file(target, pidfile, f"{pgid}\n".encode())
+    steps = [f"host agent: supervised process started (group {pgid})"]
+    cron_line = (
+        f"@reboot (setsid /bin/sh {shlex.quote(script)} >>{shlex.quote(log)} 2>&1 "
+        f"</dev/null &) {AGENT_CRON_TAG}"
+    )
+    cron = sh(
+        "command -v crontab >/dev/null 2>&1 || exit 3; "
+        f"{{ crontab -l 2>/dev/null | grep -vF {shlex.quote(AGENT_CRON_TAG)}; "
+        f"echo {shlex.quote(cron_line)}; }} | crontab -"
+    )
+    if cron.ok:
+        steps.append("host agent: @reboot crontab line installed")
+    else:
+        steps.append(
+            "host agent: no crontab here, so after a reboot it runs again at the next bootstrap"
+        )
+    return "supervisor", steps
+
+
+def _supervisor_pidfile(root: str) -> str:
+    return posixpath.join(root, "agent", "supervisor.pid")
+
+
+def _live_supervisor(runner: SshRunner, target: SshTarget, root: str) -> int | None:
+    """The supervisor's pid when it still runs. After a reboot the recorded pid may belong
+    to some other process, so it counts only if that process runs our script."""
+    raw = runner.read_file(target, _supervisor_pidfile(root), max_bytes=64)
+    if raw is None or not raw.strip().isdigit() or int(raw) <= 1:
+        return None
+    pid = int(raw)
+    cmdline = runner.read_file(target, f"/proc/{pid}/cmdline", max_bytes=4096)
+    script = posixpath.join(root, "agent", "supervise.sh").encode()
+    if cmdline is None or script not in cmdline or not runner.is_alive(target, pid):
+        return None
+    return pid
+
+
+def agent_supervisor_alive(runner: SshRunner, target: SshTarget, root: str) -> bool:
+    """Whether the supervisor loop (not systemd's unit) still runs on the host."""
+    return _live_supervisor(runner, target, root) is not None
 
 
 def _dotted(numbers: tuple[int, ...]) -> str:
