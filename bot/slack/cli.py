@@ -61,8 +61,15 @@ def serve(
         "--host",
         help="Address to bind (default $GPUBOT_HOST; else 0.0.0.0 when $PORT is set, as on a PaaS; else 127.0.0.1).",
     ),
+    log_format: str = typer.Option(
+        "",
+        "--log-format",
+        help="text or json (one object a line); default $GPUBOT_LOG_FORMAT, else text.",
+    ),
 ) -> None:
     """The Slack app: Socket Mode when SLACK_APP_TOKEN is set, else HTTP at /slack/events."""
+    from bot.logs import log_format as resolve_log_format
+    from bot.logs import setup_logging
     from bot.runtime import build_runtime
     from bot.slack.app import build_face
     from bot.slack.notifier import from_settings
@@ -70,12 +77,12 @@ def serve(
     from bot.worker import Worker
 
     settings = _load()
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    try:
+        fmt = resolve_log_format(log_format)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    # Scrubbed in both formats: tokens and the signing secret never reach a log line.
+    setup_logging(fmt, settings, stream=sys.stderr)
     if not settings.slack_bot_token:
         raise _fail("SLACK_BOT_TOKEN is not set; docs/SLACK_SETUP.md says where to find it.")
     if not settings.slack_app_token and not settings.slack_signing_secret:

@@ -8,7 +8,9 @@ listener runs on that thread and answers directly, with no event loop to block a
 no ack polling. Bolt's WSGI adapter verifies every request's signature and
 timestamp (401 otherwise) before any listener sees it.
 
-`/healthz` answers 200 without touching Slack, for load balancers and PaaS probes.
+`/healthz` answers without touching Slack, for load balancers and PaaS probes: 200 with
+a small JSON (database, worker role, last tick age), 503 when the database does not
+answer. `/metrics` is Prometheus' text format (bot.metrics).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cheroot.wsgi import Server as WsgiServer
 from slack_bolt.adapter.socket_mode import SocketModeHandler
 from slack_bolt.adapter.wsgi import SlackRequestHandler
 
+from bot.metrics import OpsApp
 from bot.slack.app import SlackFace
 
 if TYPE_CHECKING:
@@ -38,14 +41,11 @@ class WsgiApp:
 
     def __init__(self, face: SlackFace) -> None:
         self._bolt = SlackRequestHandler(face.app, path=EVENTS_PATH)
+        self._ops = OpsApp(face.service.engine, face.service.clock)
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == HEALTH_PATH and environ.get("REQUEST_METHOD") in (
-            "GET",
-            "HEAD",
-        ):
-            start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "3")])
-            return [b"ok\n"]
+        if OpsApp.handles(environ):  # /healthz and /metrics (bot.metrics)
+            return self._ops(environ, start_response)
         return self._bolt(environ, start_response)
 
 
