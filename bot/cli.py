@@ -21,10 +21,15 @@ import typer
 
 from bot.clock import SystemClock
 from bot.config import ConfigError, Settings, load_settings
+from bot.digest import digest_command
 from bot.doctor import doctor
 from bot.errors import UserError
+from bot.logs import log_format as resolve_log_format
+from bot.logs import setup_logging
+from bot.metrics import MetricsServer
 from bot.runtime import build_runtime
 from bot.simulate import simulate
+from bot.slack.cli import default_host as slack_default_host
 from bot.slack.cli import manifest as slack_manifest
 from bot.slack.cli import serve as slack_serve
 from bot.slack.notifier import from_settings as slack_notifier_from_settings
@@ -40,6 +45,8 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Database schema commands.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+prices_app = typer.Typer(help="The GPU price catalog.", no_args_is_help=True)
+app.add_typer(prices_app, name="prices")
 
 
 def _settings() -> Settings:
@@ -50,25 +57,31 @@ def _settings() -> Settings:
         raise typer.Exit(2) from None
 
 
-def _log_to_file(settings: Settings, level: int = logging.INFO) -> Path:
+def _log_format(requested: str) -> str:
+    try:
+        return resolve_log_format(requested)
+    except ValueError as exc:
+        typer.echo(f"gpubot: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+LOG_FORMAT_OPTION = typer.Option(
+    "",
+    "--log-format",
+    help="text or json (one object a line); default $GPUBOT_LOG_FORMAT, else text.",
+)
+
+
+def _log_to_file(settings: Settings, fmt: str = "text", level: int = logging.INFO) -> Path:
     """The shell's screen is the user's: logs (with tracebacks) go to a file instead."""
     settings.home.mkdir(parents=True, exist_ok=True)
     path = settings.home / "gpubot.log"
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for noisy in ("apscheduler", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging(fmt, settings, level=level, path=str(path))
     return path
 
 
-def _log_to_stderr(level: int = logging.INFO) -> None:
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
-    )
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+def _log_to_stderr(settings: Settings, fmt: str = "text", level: int = logging.INFO) -> None:
+    setup_logging(fmt, settings, level=level, stream=sys.stderr)
 
 
 @app.command()
@@ -79,6 +92,7 @@ def shell(
     no_wait: bool = typer.Option(
         False, "--no-wait", help="At end of input exit at once, without waiting for runs."
     ),
+    log_format: str = LOG_FORMAT_OPTION,
 ) -> None:
     """The whole bot in a terminal: on SQLite under $GPUBOT_HOME, with this machine as the GPU host.
 
@@ -86,7 +100,7 @@ def shell(
     runs as alice. Works interactively and piped.
     """
     settings = _settings()
-    log_path = _log_to_file(settings)
+    log_path = _log_to_file(settings, _log_format(log_format))
     name = (user or os.environ.get("GPUBOT_USER") or _login() or "me").lstrip("@")
     try:
         runtime = build_runtime(settings, SystemClock())
@@ -132,10 +146,26 @@ def _login() -> str:
 
 
 @app.command()
-def worker() -> None:
-    """The periodic work alone (expiry, warnings, grants, notification delivery)."""
+def worker(
+    log_format: str = LOG_FORMAT_OPTION,
+    metrics_port: int | None = typer.Option(
+        None,
+        "--metrics-port",
+        envvar="GPUBOT_METRICS_PORT",
+        help="Serve /metrics and /healthz on this port (default $GPUBOT_METRICS_PORT; off when unset).",
+    ),
+    metrics_host: str = typer.Option(
+        "",
+        "--metrics-host",
+        help="Address for --metrics-port (default $GPUBOT_HOST, else 0.0.0.0 when $PORT is set, else 127.0.0.1).",
+    ),
+) -> None:
+    """The periodic work alone (expiry, warnings, grants, notification delivery).
+
+    SIGTERM: the tick in hand finishes, the leader lock is released, and it exits 0.
+    """
     settings = _settings()
-    _log_to_stderr()
+    _log_to_stderr(settings, _log_format(log_format))
     try:
         runtime = build_runtime(settings, SystemClock())
     except UserError as exc:
@@ -154,11 +184,23 @@ def worker() -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    ops = None
+    if metrics_port is not None:
+        try:
+            ops = MetricsServer(
+                runtime.engine, metrics_host or slack_default_host(), metrics_port
+            ).start()
+        except OSError as exc:
+            typer.echo(f"gpubot: cannot serve metrics on port {metrics_port}: {exc}", err=True)
+            raise typer.Exit(2) from None
     w.start()
     logging.getLogger(__name__).info("worker started; tick every %ss", settings.tick_seconds)
     while not stop.is_set():
         time.sleep(0.5)
     w.stop()
+    if ops is not None:
+        ops.stop()
+    logging.getLogger(__name__).info("worker stopped; the lead is released")
 
 
 @db_app.command("upgrade")
@@ -173,10 +215,50 @@ def db_upgrade() -> None:
     typer.echo(f"database at revision {head} ({engine.url.render_as_string(hide_password=True)})")
 
 
+@prices_app.command("refresh")
+def prices_refresh(
+    region: str = typer.Option("us-east-1", "--region", help="AWS region to price."),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="File to write (default: GPUBOT_PRICES_FILE, else $GPUBOT_HOME/prices.csv).",
+    ),
+) -> None:
+    """Fetch today's AWS on-demand and spot prices for the catalog's GPU types.
+
+    On-demand from the AWS Price List API, spot from EC2's spot price history (cheapest
+    zone); the catalog CSV it writes is what the bot then quotes instead of the shipped one.
+    """
+    from provisioning.base import ProvisioningError
+    from provisioning.catalog import Catalog
+    from provisioning.pricing import refresh
+
+    settings = _settings()
+    target = out or settings.prices_path
+    try:  # diff against what the file held, else against what the bot quotes now
+        base = Catalog.load(prefer=target if target.is_file() else settings.prices_path)
+    except ValueError as exc:
+        typer.echo(f"gpubot: {exc}; starting from the shipped prices.", err=True)
+        base = Catalog.load()
+    try:
+        result = refresh(base, target, region)
+    except ProvisioningError as exc:
+        typer.echo(f"gpubot: {exc}", err=True)
+        raise typer.Exit(1) from None
+    for line in result.lines():
+        typer.echo(line)
+    typer.echo(f"Wrote {target}.")
+    if target.resolve() != settings.prices_path.resolve():
+        typer.echo(
+            f"The bot reads {settings.prices_path}: set GPUBOT_PRICES_FILE={target} to use it."
+        )
+
+
 app.command("simulate")(simulate)
 app.command("serve")(slack_serve)
 app.command("manifest")(slack_manifest)
 app.command("doctor")(doctor)
+app.command("digest")(digest_command)
 
 
 def main() -> None:

@@ -87,7 +87,11 @@ VERBS: dict[str, VerbSpec] = {
         ("/gpu logs 42", "/gpu logs 42 100"),
     ),
     "util": VerbSpec(
-        "/gpu util [HOST]", "GPU utilization and memory now", ("/gpu util", "/gpu util local")
+        "/gpu util [HOST] | /gpu util keep ID",
+        "GPU utilization and memory now, with a chart of the last hours",
+        ("/gpu util", "/gpu util local", "/gpu util keep 12"),
+        "Hosts are sampled while GPUs on them are held or running. `keep ID` answers the "
+        "idle question: the reservation's GPUs are wanted, don't release them.",
     ),
     "cost": VerbSpec(
         "/gpu cost [me|@user|team] [today|week|month]",
@@ -103,6 +107,17 @@ VERBS: dict[str, VerbSpec] = {
         "/gpu prices [MODEL]",
         "GPU instance prices and their source",
         ("/gpu prices", "/gpu prices h100"),
+    ),
+    "recommend": VerbSpec(
+        "/gpu recommend --mem GB --hours H [--gpus N] [--spot]",
+        "the GPU model that makes a run cheapest overall, with the estimated time and cost",
+        (
+            "/gpu recommend --mem 40 --hours 10",
+            "/gpu recommend --mem 120 --hours 6 --gpus 2 --spot",
+        ),
+        "--mem is the GPU memory the run needs, in GB; with --gpus N it may be split across "
+        "N GPUs. --hours is how long the run takes on as many A100s (write 10, 10h or 90m); "
+        "other GPUs are scaled by their peak bf16 throughput. --spot prices at spot.",
     ),
     "pool": VerbSpec(
         "/gpu pool [set INSTANCE_TYPE [max=N] [spend=USD]]",
@@ -186,6 +201,7 @@ class Logs:
 @dataclass(frozen=True)
 class Util:
     host: str | None = None
+    keep: int | None = None  # `/gpu util keep N`: keep reservation N despite idle GPUs
 
 
 @dataclass(frozen=True)
@@ -209,6 +225,14 @@ class Prices:
 
 
 @dataclass(frozen=True)
+class Recommend:
+    mem_gb: float  # GPU memory the run needs, GB, in total across its GPUs
+    hours: float  # the run's time on the reference GPU (A100), as many GPUs as `gpus`
+    gpus: int | None = None  # None: one GPU
+    spot: bool = False
+
+
+@dataclass(frozen=True)
 class Pool:
     instance_type: str | None = None  # None: show the pool
     max_instances: int | None = None
@@ -229,6 +253,7 @@ Command = (
     | Cost
     | Budget
     | Prices
+    | Recommend
     | Pool
 )
 
@@ -555,6 +580,10 @@ def _parse_logs(rest: str, ctx: _Ctx) -> Logs:
 
 def _parse_util(rest: str, ctx: _Ctx) -> Util:
     words = _words(rest)
+    if words and words[0].lower() == "keep":
+        if len(words) != 2:
+            raise ctx.fail("Say which reservation to keep: `/gpu util keep ID`.")
+        return Util(keep=_int(words[1], ctx, "A reservation ID"))
     if len(words) > 1:
         raise ctx.fail("Name at most one host.")
     if words and not re.fullmatch(r"[\w.\-]{1,128}", words[0]):
@@ -622,6 +651,60 @@ def _parse_prices(rest: str, ctx: _Ctx) -> Prices:
     return Prices(_model(words[0], ctx))
 
 
+_RECOMMEND_OPTS = ("--mem", "--hours", "--gpus")
+_GB = re.compile(r"^(\d{1,6}(?:\.\d{1,3})?)\s*(?:gb|g|gib)?$", re.IGNORECASE)
+_HOURS = re.compile(r"^(\d{1,6}(?:\.\d{1,3})?)\s*(?:h|hr|hrs|hours?)?$", re.IGNORECASE)
+
+
+def _parse_recommend(rest: str, ctx: _Ctx) -> Recommend:
+    words = _words(rest)
+    opts: dict[str, str] = {}
+    spot = False
+    i = 0
+    while i < len(words):
+        name, eq, value = words[i].partition("=")
+        name = name.lower()
+        if name == "--spot":
+            if eq:
+                raise ctx.fail("`--spot` takes no value.")
+            spot = True
+            i += 1
+            continue
+        if name not in _RECOMMEND_OPTS:
+            raise ctx.fail(
+                f"`{_clip(words[i])}` is not an option here; use --mem, --hours, --gpus, --spot."
+            )
+        if not eq:
+            if i + 1 >= len(words):
+                raise ctx.fail(f"`{name}` needs a value.")
+            value = words[i + 1]
+            i += 1
+        if name in opts:
+            raise ctx.fail(f"`{name}` is given twice.")
+        opts[name] = value
+        i += 1
+    if "--mem" not in opts:
+        raise ctx.fail("Say how much GPU memory the run needs, like `--mem 40` (GB).")
+    if "--hours" not in opts:
+        raise ctx.fail("Say how long the run takes on A100s, like `--hours 10`.")
+    m = _GB.match(opts["--mem"])
+    mem = float(m.group(1)) if m else 0.0
+    if not 0 < mem <= 100_000:
+        raise ctx.fail(f"--mem must be a number of GB above 0, not `{_clip(opts['--mem'])}`.")
+    raw = opts["--hours"]
+    if m := _HOURS.match(raw):
+        hours = float(m.group(1))
+    else:
+        delta = parse_duration(raw)
+        hours = delta.total_seconds() / 3600 if delta is not None else 0.0
+    if not 0 < hours <= 100_000:
+        raise ctx.fail(f"--hours must be a time above 0 like 10, 10h or 90m, not `{_clip(raw)}`.")
+    gpus = (
+        _int(opts["--gpus"], ctx, "--gpus", 1, MAX_GPUS_PER_REQUEST) if "--gpus" in opts else None
+    )
+    return Recommend(mem_gb=mem, hours=hours, gpus=gpus, spot=spot)
+
+
 _POOL_KV = re.compile(r"^(max|spend)=(\d{1,6}(?:\.\d{1,2})?)(?:/h)?$", re.IGNORECASE)
 
 
@@ -663,5 +746,6 @@ _PARSERS: dict[str, Callable[[str, _Ctx], Command]] = {
     "cost": _parse_cost,
     "budget": _parse_budget,
     "prices": _parse_prices,
+    "recommend": _parse_recommend,
     "pool": _parse_pool,
 }

@@ -76,11 +76,19 @@ class Settings:
     # --- the weekly digest --------------------------------------------------------
     # When the digest is posted, in the team's time zone: "<weekday> HH:MM".
     digest_at: str = "mon 09:00"
+    # --- prices -------------------------------------------------------------------
+    # The catalog CSV `gpubot prices refresh` writes and the bot prefers over the shipped
+    # snapshot when it exists; None means <home>/prices.csv.
+    prices_file: Path | None = None
     # Slack credentials: environment only, never printed.
     slack_bot_token: str = field(default="", repr=False)
     slack_signing_secret: str = field(default="", repr=False)
     slack_app_token: str = field(default="", repr=False)
     slack_api_url: str = ""
+
+    @property
+    def prices_path(self) -> Path:
+        return self.prices_file or self.home / "prices.csv"
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -128,6 +136,7 @@ _ENV = {
     "GPUBOT_IDLE_WINDOW": "idle_window",
     "GPUBOT_IDLE_GRACE": "idle_grace",
     "GPUBOT_DIGEST_AT": "digest_at",
+    "GPUBOT_PRICES_FILE": "prices_file",
     "SLACK_BOT_TOKEN": "slack_bot_token",
     "SLACK_SIGNING_SECRET": "slack_signing_secret",
     "SLACK_APP_TOKEN": "slack_app_token",
@@ -180,6 +189,8 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     where = f"{name} (from {source})"
     if name == "home":
         return Path(str(raw)).expanduser()
+    if name == "prices_file":
+        return Path(str(raw)).expanduser() if str(raw).strip() else None
     if name in {"local_slots", "pool_max_instances"}:
         try:
             value = int(raw)

@@ -24,17 +24,27 @@ import shlex
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
 
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from bot import views
+from bot import budgets, views
 from bot.commands import Cancel, Logs, Queue, Run
 from bot.durations import format_duration
 from bot.errors import UserError
-from bot.scheduler import Allocation, FleetInstance, Place, QueuedRun, SchedulerConfig, decide
+from bot.scheduler import (
+    Allocation,
+    FleetInstance,
+    Launch,
+    Place,
+    QueuedRun,
+    SchedulerConfig,
+    Start,
+    decide,
+)
 from bot.service import Actor, GpuService
 from db.models import (
     HOST_READY,
@@ -118,6 +128,21 @@ class RunService:
                     return self._queued_reply(s, prior)
             model = self._resolve_model(s, cmd.model, cmd.gpus)
             user = self.core.user_row(s, actor.key, actor.name)
+            max_s = int(cmd.max_duration.total_seconds()) if cmd.max_duration else None
+            # Budget (bot.budgets): a run that cannot fit is refused before it queues.
+            budgets.check_budget(
+                s,
+                user,
+                budgets.run_estimate(s, model, cmd.gpus, max_s),
+                self.core.clock.now(),
+                self.core.settings,
+                what=f"This run ({views.gpu_phrase(cmd.gpus, model)}, "
+                + (
+                    f"up to {format_duration(cmd.max_duration)})"
+                    if cmd.max_duration
+                    else "no --max: counted as 1h)"
+                ),
+            )
             run = TrainingRun(
                 user_id=user.id,  # type: ignore[arg-type]
                 command=shlex.join(cmd.command),
@@ -336,8 +361,11 @@ class RunService:
         )
         started = 0
         for action in actions:
+            if isinstance(action, Launch | Start):
+                self._provision(action)
+                continue
             if not isinstance(action, Place):
-                log.info("scheduler wants %s; no cloud provider is configured, skipped", action)
+                log.info("scheduler wants %s; not carried out here, skipped", action)
                 continue
             if len(action.instance_ids) != 1 or action.instance_ids[0] not in hosts:
                 log.info("placement %s needs hosts this provider does not have; skipped", action)
@@ -345,6 +373,20 @@ class RunService:
             if self._start(int(action.run_id), action.instance_ids[0], action.gpus_per_instance):
                 started += 1
         return started
+
+    def _provision(self, action: Launch | Start) -> None:
+        """A Launch/Start goes to the fleet (bot.fleet), which buys within the pool limits
+        and once per request; without a cloud provider there is nothing to buy."""
+        from bot.fleet import fleet_for  # bot.fleet builds on this module
+
+        fleet = fleet_for(self.core)
+        if fleet is None:
+            log.info("scheduler wants %s; no cloud provider is configured, skipped", action)
+            return
+        itype = action.instance_type if isinstance(action, Launch) else None
+        done = fleet.provision_run(int(action.for_run), itype)
+        if done:
+            log.info("fleet: %s", done)
 
     def _scheduler_inputs(
         self, s: Session, now: datetime
@@ -489,6 +531,23 @@ class RunService:
                 run.state = RUN_QUEUED  # the scheduler's view was stale; try next tick
                 s.add(run)
                 return False
+            # Budget (bot.budgets): re-checked before placing; over budget → cancelled, DM.
+            rate = Decimal(str(host.hourly_usd / max(1, self.core._gpu_count(s, host.id))))
+            refusal = budgets.run_refusal(s, run, rate * len(free), now, self.core.settings)
+            if refusal is not None:
+                run.state, run.finished_at = RUN_CANCELLED, now
+                s.add(run)
+                owner = s.get(User, run.user_id)
+                assert owner is not None
+                text = f"Run #{run.id} was cancelled, not started: {refusal}"
+                self.core.notify_dm(
+                    s,
+                    owner.key,
+                    views.message(text).view,
+                    now,
+                    dedupe=f"budget-cancel-run:{run.id}",
+                )
+                return False
             self.core.open_usage(s, host, free, run.user_id, now, run_id=run.id)
             run_dir = runs_dir / str(run.id)
             placement: dict[str, Any] = {
@@ -499,6 +558,9 @@ class RunService:
                 "status": str(run_dir / "status.json"),
                 "log": str(run_dir / "run.log"),
                 "checkpoints": str(run_dir / "checkpoints"),
+                # The runner writes its group id here, so a run started by a worker that
+                # died before recording it is found, not started twice (_requeue_orphan).
+                "pgid_file": str(run_dir / "pgid"),
             }
             run.placement = placement
             run.host_id = host.id
@@ -508,7 +570,8 @@ class RunService:
         env = {
             "CUDA_VISIBLE_DEVICES": ""
             if placement["cpu"]
-            else ",".join(map(str, placement["gpu_indexes"]))
+            else ",".join(map(str, placement["gpu_indexes"])),
+            "GPUBOT_PGID_FILE": str(placement["pgid_file"]),
         }
         try:
             runner.run(target, f"mkdir -p {shlex.quote(str(run_dir))}", timeout=30)
@@ -639,10 +702,38 @@ class RunService:
                 }
                 s.add(run)
 
+    def _started_by_the_dead(self, placement: dict[str, Any]) -> int | bool | None:
+        """The group id the runner wrote when the worker that claimed the run died after
+        launching it; None when it never launched; False when the host cannot say now."""
+        path = placement.get("pgid_file")
+        access = self.access.runner_for(str(placement.get("host", "")))
+        if not path or access is None:
+            return None
+        runner, target, _ = access
+        try:
+            raw = runner.read_file(target, str(path), max_bytes=64)
+        except SshError as exc:
+            log.warning("cannot check whether run on %s started: %s", placement["host"], exc)
+            return False
+        text = (raw or b"").decode(errors="replace").strip()
+        return int(text) if text.isdigit() else None
+
     def _requeue_orphan(self, run_id: int) -> None:
+        with transaction(self.engine, write=False) as s:
+            claimed = s.get(TrainingRun, run_id)
+            placement = dict(claimed.placement) if claimed is not None else {}
+        started = self._started_by_the_dead(placement)
+        if started is False:
+            return  # the host is unreachable: ask again next poll, never start twice
         with transaction(self.engine) as s:
             run = s.get(TrainingRun, run_id)
             if run is None or run.state != RUN_STARTING or "pgid" in run.placement:
+                return
+            if isinstance(started, int):
+                run.placement = {**run.placement, "pgid": started}
+                run.state = RUN_RUNNING
+                s.add(run)
+                log.warning("run %s was started by a worker that died; adopted it", run_id)
                 return
             self._close_intervals(s, run_id, self.core.clock.now())
             run.state = RUN_QUEUED

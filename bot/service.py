@@ -21,20 +21,20 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, update
+from sqlalchemy import func, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from bot import views
-from bot.billing import note_host_state
+from bot import budgets, views
+from bot.billing import TeamBill, load_usages, note_host_state, team_bill
 from bot.clock import Clock
 from bot.commands import Extend, Release, Reserve, Status
 from bot.config import Settings
 from bot.domain import GpuState, HostState, ReservationInfo, StatusSnapshot
 from bot.durations import format_duration
 from bot.errors import UserError
-from bot.metering import Usage, Window, cost_by_user, period_window
+from bot.metering import Window, cost_by_user, period_window
 from db.models import (
     HOST_READY,
     RES_ACTIVE,
@@ -52,6 +52,7 @@ from db.models import (
 )
 from db.session import is_postgres, transaction, write_generation
 from provisioning.base import Instance
+from provisioning.catalog import Catalog
 
 if TYPE_CHECKING:
     from bot.runs import RunService
@@ -89,6 +90,10 @@ class OutboxItem:
     maybe_sent: bool = False
     # A file that goes with it (a chart PNG): its name and bytes.
     attachment: tuple[str, bytes] | None = None
+
+
+# pg_advisory_xact_lock key for host syncs ("gpubsync" in ASCII, far from the leader's).
+_SYNC_LOCK_KEY = 0x6770756273796E63
 
 
 class GpuService:
@@ -139,6 +144,11 @@ class GpuService:
         """Makes the host and GPU rows match what the providers report."""
         now = self.clock.now()
         with transaction(self.engine) as s:
+            if is_postgres(self.engine):
+                # Replicas starting together would both insert the same new host (and
+                # its first billed period); one sync at a time. SQLite's write
+                # transaction (BEGIN IMMEDIATE) is that lock already.
+                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SYNC_LOCK_KEY})
             for inst in instances:
                 host = s.exec(select(Host).where(Host.name == inst.name)).first()
                 if host is None:
@@ -192,6 +202,21 @@ class GpuService:
                 self._check_feasible(s, model, cmd.count)
                 user = self.user_row(s, actor.key, actor.name)
                 now = self.clock.now()
+                # Budget (bot.budgets): refused here, before it waits or is granted. On
+                # PostgreSQL the GPU rows are locked first, as the grant pass does, so
+                # every path takes GPUs before the user row (no lock-order deadlock).
+                if is_postgres(self.engine):
+                    s.exec(select(Gpu.id).order_by(col(Gpu.id)).with_for_update()).all()
+                budgets.check_budget(
+                    s,
+                    user,
+                    budgets.reservation_estimate(
+                        s, model, cmd.count, int(duration.total_seconds())
+                    ),
+                    now,
+                    self.settings,
+                    what=f"Reserving {views.gpu_phrase(cmd.count, model)} for {format_duration(duration)}",
+                )
                 res = Reservation(
                     user_id=user.id,  # type: ignore[arg-type]
                     gpu_model=model,
@@ -292,6 +317,24 @@ class GpuService:
                 blocked_models.add(res.gpu_model)
                 continue
             host, gpus = choice
+            # Budget (bot.budgets): a grant that would go over is cancelled, with a DM.
+            assert host.id is not None
+            rate = Decimal(str(host.hourly_usd / max(1, self._gpu_count(s, host.id))))
+            refusal = budgets.grant_refusal(s, res, rate * len(gpus), now, self.settings)
+            if refusal is not None:
+                if res.id == quiet_id:
+                    raise UserError(refusal)
+                self._end(s, res, RES_CANCELLED, now)
+                info = self._info(s, res)
+                text = f"Reservation #{res.id} was cancelled, not granted: {refusal}"
+                self.notify_dm(
+                    s,
+                    info.user_key,
+                    views.message(text).view,
+                    now,
+                    dedupe=f"budget-cancel:{res.id}",
+                )
+                continue
             self._grant(s, res, host, gpus, now)
             assert host.id is not None
             free[host.id] = [g for g in free[host.id] if g not in gpus]
@@ -578,33 +621,27 @@ class GpuService:
         now = self.clock.now()
         window = period_window(period, now, self.settings.timezone)  # type: ignore[arg-type]
         with transaction(self.engine, write=False) as s:
-            q = (
-                select(UsageInterval, User)
-                .join(User, col(User.id) == col(UsageInterval.user_id))
-                .where(
-                    col(UsageInterval.started_at) < window.end,
-                    col(UsageInterval.ended_at).is_(None)
-                    | (col(UsageInterval.ended_at) > window.start),
-                )
-            )
+            user_id: int | None = None
             if user_key is not None:
-                q = q.where(User.key == user_key)
-            rows = s.exec(q).all()
-        names = {u.key: u.display_name for _, u in rows}
-        usages = [
-            Usage(
-                user=u.key,
-                gpu_id=iv.gpu_id,
-                host_id=iv.host_id,
-                start=iv.started_at,
-                end=iv.ended_at,
-                usd_per_hour=Decimal(str(iv.usd_per_hour)),
-                kind="run" if iv.run_id is not None else "reservation",
-                ref_id=iv.run_id or iv.reservation_id or 0,
+                user = s.exec(select(User).where(User.key == user_key)).first()
+                if user is None:
+                    return window, {}, {}
+                user_id = user.id
+            usages = [m.usage for m in load_usages(s, window, user_id)]
+            keys = {u.user for u in usages}
+            names = (
+                {u.key: u.display_name for u in s.exec(select(User).where(col(User.key).in_(keys)))}
+                if keys
+                else {}
             )
-            for iv, u in rows
-        ]
         return window, cost_by_user(usages, window, now), names
+
+    def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
+        """`/gpu cost team`: users, idle overhead and the instances' bill (bot.billing)."""
+        now = self.clock.now()
+        window = period_window(period, now, self.settings.timezone)  # type: ignore[arg-type]
+        with transaction(self.engine, write=False) as s:
+            return team_bill(s, window, now, catalog)
 
     def _hosts(self, s: Session) -> list[HostState]:
         hosts = s.exec(select(Host).where(Host.state != "terminated").order_by(col(Host.id))).all()

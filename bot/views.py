@@ -377,12 +377,6 @@ def _host_line(host: HostState) -> str:
     return f"*{host.name}*{where}: {host.provider}, {host.state}{price}, {host.free}/{len(host.gpus)} free"
 
 
-def not_yet_view(verb: str, issue_hint: str) -> Reply:
-    """For verbs whose machinery this build does not have: say so, plainly, and change nothing."""
-    text = f"`/gpu {verb}` is not available in this gpubot build yet ({issue_hint}). Nothing was changed."
-    return error(text)
-
-
 def prices_view(catalog: Catalog, model: str | None) -> View:
     types = (
         catalog.for_model(model)
@@ -406,6 +400,11 @@ def prices_view(catalog: Catalog, model: str | None) -> View:
         Table(("instance", "GPUs", "on-demand/h", "per GPU/h", "spot/h"), rows),
         Context(
             f"Source: {catalog.source}. As of: {catalog.as_of}. Prices change; spot varies by zone."
+            + (
+                ""
+                if catalog.shipped
+                else " Using refreshed prices (`gpubot prices refresh`), not the shipped snapshot."
+            )
         ),
     )
     return View(text=text, blocks=blocks)
@@ -466,10 +465,7 @@ def cost_view(
     if rows:
         blocks += (Table(("who", "cost"), rows),)
     blocks += (
-        Context(
-            _COST_NOTE
-            + " Idle overhead (instances running with nobody on them) is not metered yet."
-        ),
+        Context(_COST_NOTE + " `/gpu cost team` adds the idle overhead and the instances' bill."),
     )
     return View(text=text, blocks=blocks)
 

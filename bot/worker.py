@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,8 +19,10 @@ from typing import Any, Protocol
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from bot import digest, fleet, idle, utilization
 from bot.errors import new_ref
 from bot.leader import Leadership
+from bot.metrics import TICK_SECONDS, note_tick
 from bot.service import GpuService, OutboxItem
 
 log = logging.getLogger(__name__)
@@ -74,7 +77,10 @@ def tick_job(
 ) -> None:
     try:
         if leader is not None and not leader.hold():
+            note_tick(leading=False)
             return  # a standby: another worker leads
+        note_tick(leading=True)
+        tick_started = time.perf_counter()
         report = service.tick()
         if report.expired or report.warned or report.granted:
             log.info("tick: %s", report)
@@ -85,6 +91,7 @@ def tick_job(
                 log.info("runs: %d finished, %d started", finished, started)
         if notifier is not None:
             deliver(service, notifier)
+        TICK_SECONDS.observe(time.perf_counter() - tick_started)
     except Exception as exc:
         log.error("ref=%s worker tick failed", new_ref(), exc_info=exc)
 
@@ -121,6 +128,17 @@ def periodic_jobs(service: GpuService) -> list[PeriodicJob]:
     """Every periodic job besides the tick, from the settings. Each feature adds its own
     line here; its function lives in its own module."""
     jobs: list[PeriodicJob] = []
+    every_sample = {"seconds": service.settings.util_sample_s}
+    jobs.append(PeriodicJob("util-sample", utilization.sample_job, "interval", every_sample))
+    jobs.append(PeriodicJob("idle-check", idle.idle_job, "interval", every_sample))
+    post_s = max(60.0, service.settings.util_post_interval.total_seconds())  # 0 = off: job skips
+    jobs.append(PeriodicJob("util-post", utilization.snapshot_job, "interval", {"seconds": post_s}))
+    jobs.append(
+        PeriodicJob("digest", digest.digest_job, "cron", digest.digest_trigger(service.settings))
+    )
+    jobs.append(
+        PeriodicJob("fleet", fleet.fleet_job, "interval", fleet.fleet_trigger(service.settings))
+    )
     return jobs
 
 

@@ -27,6 +27,7 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.web import SlackResponse
 
 from bot.config import Settings
+from bot.metrics import slack_call
 from bot.service import OutboxItem
 from bot.slack.blocks import message
 from bot.worker import DeliveryRetry
@@ -77,7 +78,8 @@ class SlackNotifier:
 
     def _call(self, name: str, fn: Callable[..., SlackResponse], **kwargs: Any) -> SlackResponse:
         try:
-            return fn(**kwargs)
+            with slack_call(name):
+                return fn(**kwargs)
         except SlackApiError as exc:
             resp = exc.response
             error = str(resp.get("error", "")) if resp is not None else ""

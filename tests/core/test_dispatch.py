@@ -39,11 +39,15 @@ def test_an_unexpected_failure_shows_a_reference_and_logs_the_traceback(
     assert record and record[0].exc_info is not None
 
 
-def test_verbs_of_later_issues_say_so_and_change_nothing(sqlite_engine: Engine) -> None:
+def test_every_verb_has_a_handler_and_runless_services_say_so(sqlite_engine: Engine) -> None:
+    import typing
+
+    from bot import commands, dispatch
+
+    handled = set(dispatch._HANDLERS)
+    assert set(typing.get_args(commands.Command)) == handled
+    assert len(commands.VERBS) == len(handled)
     svc, _ = make_service(sqlite_engine, [host("one", "A100", 1)])
-    for line in ["/gpu util", "/gpu budget", "/gpu pool"]:
-        reply = handle_text(svc, actor(svc, "alice"), line)
-        assert reply.error and "not available in this gpubot build yet" in reply.view.text
     for line in ["/gpu run --recipe digits", "/gpu queue"]:  # a service without run hosts
         reply = handle_text(svc, actor(svc, "alice"), line)
         assert reply.error and "needs hosts that can run training" in reply.view.text
