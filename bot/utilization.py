@@ -672,10 +672,10 @@ def _why_nothing(
             continue
         this = "this machine" if h.name == "local" else h.name
         if not snap.gpus:
-            reason = snap.error or NO_DRIVER
-            lines.append(
-                f"{h.name}: {NO_DRIVER} on {this}, so there is nothing to sample ({reason})."
-            )
+            # The probe's own words usually start with "no NVIDIA driver"; say it once.
+            reason = (snap.error or "").removeprefix(NO_DRIVER).strip(" :()")
+            detail = f" ({reason})" if reason else ""
+            lines.append(f"{h.name}: {NO_DRIVER} on {this}, so there is nothing to sample{detail}.")
         else:
             working = sum(1 for g in snap.gpus if (g.util_pct or 0) >= 1)
             when = "with the next sample" if h.name in busy else "when one is held"

@@ -381,7 +381,7 @@ class Ec2Compute:
         zones = self._subnet_zones()
         tried: list[str] = []
         for itype in types:
-            for subnet in self.settings.subnet_ids:
+            for subnet in self._subnets_for(itype, spec, zones):
                 where = f"{itype.instance_type} in {zones.get(subnet, subnet)}"
                 outcome = self._attempt(spec, itype, subnet, image_id, root_device, where)
                 if isinstance(outcome, str):
@@ -594,6 +594,52 @@ class Ec2Compute:
         root = str(images[0].get("RootDeviceName") or "/dev/sda1")
         self._ami = (image_id, root)
         return self._ami
+
+    def _subnets_for(
+        self, itype: InstanceType, spec: LaunchSpec, zones: dict[str, str]
+    ) -> list[str]:
+        """The configured subnets, for spot in order of their zone's current spot price.
+
+        Spot prices differ by zone (often by a third), so the cheapest zone is tried first;
+        a zone with no price (no spot market there) goes last, and ties keep the configured
+        order. A failed price lookup is not a failed launch: the configured order stands.
+        """
+        subnets = list(self.settings.subnet_ids)
+        if spec.market != "spot":
+            return subnets
+        prices = self._spot_prices(itype.instance_type)
+        if not prices:
+            return subnets
+        rank = {subnet: i for i, subnet in enumerate(subnets)}
+        return sorted(
+            subnets,
+            key=lambda sn: (prices.get(zones.get(sn, ""), float("inf")), rank[sn]),
+        )
+
+    def _spot_prices(self, instance_type: str) -> dict[str, float]:
+        """Zone → the latest Linux spot price for the type (empty when EC2 would not say)."""
+        try:
+            resp = self._ec2.describe_spot_price_history(
+                InstanceTypes=[instance_type],  # type: ignore[list-item]
+                ProductDescriptions=["Linux/UNIX"],
+                StartTime=datetime.now(UTC),
+            )
+        except (BotoCoreError, ClientError) as exc:
+            log.warning(
+                "spot prices for %s unavailable, zones in configured order: %s", instance_type, exc
+            )
+            return {}
+        latest: dict[str, tuple[datetime, float]] = {}
+        for rec in resp.get("SpotPriceHistory", []):
+            zone = str(rec.get("AvailabilityZone", ""))
+            try:
+                price = float(rec.get("SpotPrice", ""))
+            except ValueError:
+                continue
+            stamp = rec.get("Timestamp") or datetime.min.replace(tzinfo=UTC)
+            if zone and (zone not in latest or stamp > latest[zone][0]):
+                latest[zone] = (stamp, price)
+        return {zone: price for zone, (_, price) in latest.items()}
 
     def _subnet_zones(self) -> dict[str, str]:
         """Zone names for messages; a subnet that does not exist fails here, in plain words."""

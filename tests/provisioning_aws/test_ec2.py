@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from provisioning.aws import (
@@ -397,3 +399,65 @@ def test_launch_spec_rejects_what_the_bot_must_never_send() -> None:
         spec(gpus=0)
     with pytest.raises(ValueError, match="request_key"):
         spec(key=" ")
+
+
+def _spot_history(prices: dict[str, str]) -> Any:
+    """A before-call hook answering DescribeSpotPriceHistory (moto's prices are placeholders)."""
+    from datetime import UTC, datetime, timedelta
+
+    from botocore.awsrequest import AWSResponse
+    from botocore.compat import HTTPHeaders
+
+    now = datetime.now(UTC)
+
+    def answer(**_: object) -> tuple[AWSResponse, dict[str, object]]:
+        history: list[dict[str, object]] = []
+        for zone, price in prices.items():
+            # An older, higher record per zone: only the latest one counts.
+            history.append(
+                {
+                    "AvailabilityZone": zone,
+                    "SpotPrice": "9.9",
+                    "Timestamp": now - timedelta(hours=3),
+                }
+            )
+            history.append({"AvailabilityZone": zone, "SpotPrice": price, "Timestamp": now})
+        http = AWSResponse("https://ec2.test/", 200, HTTPHeaders(), None)
+        return http, {"SpotPriceHistory": history, "ResponseMetadata": {"HTTPStatusCode": 200}}
+
+    return answer
+
+
+def test_spot_tries_the_zone_with_the_cheapest_spot_price_first(lab: AwsLab) -> None:
+    zone_a, zone_b = lab.zones
+    lab.session.events.register(
+        "before-call.ec2.DescribeSpotPriceHistory",
+        _spot_history({zone_a: "0.31", zone_b: "0.17"}),
+    )
+    faults = RunInstancesFaults(lambda itype, subnet: None)
+    lab.on_run_instances(faults)
+    compute = lab.compute()
+    spot = compute.launch(spec(model="T4", market="spot", key="spot-1"))
+    assert faults.attempts[0] == ("g4dn.xlarge", lab.subnet_ids[1])
+    assert _raw(lab, str(spot.instance_id))["Placement"]["AvailabilityZone"] == zone_b  # type: ignore[index]
+    # On-demand keeps the configured order: the spot price says nothing about it.
+    compute.launch(spec(model="T4", key="od-1"))
+    assert faults.attempts[-1] == ("g4dn.xlarge", lab.subnet_ids[0])
+
+
+def test_spot_prices_unavailable_leave_the_configured_order(lab: AwsLab) -> None:
+    def refuse(params: dict[str, object], **_: object) -> Any:
+        from botocore.awsrequest import AWSResponse
+        from botocore.compat import HTTPHeaders
+
+        http = AWSResponse("https://ec2.test/", 403, HTTPHeaders(), None)
+        return http, {
+            "Error": {"Code": "UnauthorizedOperation", "Message": "not allowed"},
+            "ResponseMetadata": {"HTTPStatusCode": 403},
+        }
+
+    lab.session.events.register("before-call.ec2.DescribeSpotPriceHistory", refuse)
+    faults = RunInstancesFaults(lambda itype, subnet: None)
+    lab.on_run_instances(faults)
+    lab.compute().launch(spec(model="T4", market="spot", key="spot-2"))
+    assert faults.attempts[0] == ("g4dn.xlarge", lab.subnet_ids[0])
