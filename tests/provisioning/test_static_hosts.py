@@ -35,12 +35,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_entries_parse_names_users_ports_and_gpus() -> None:
     hosts = parse_host_entries(
-        "box1=ubuntu@10.1.2.3:2200/4xA100, 10.1.2.4/2xt4+1xa10g,  gpu@box3 ",
+        "box1=ubuntu@gpu1.lab.example:2200/4xA100, gpu2.lab.example/2xt4+1xa10g,  gpu@box3 ",
         default_user="root",
         normalize=lambda m: {"A100": "A100", "T4": "T4", "A10G": "A10G"}.get(m.upper()),
     )
-    assert [h.name for h in hosts] == ["box1", "10.1.2.4", "box3"]
-    assert hosts[0].target == SshTarget(host="10.1.2.3", port=2200, user="ubuntu", name="box1")
+    assert [h.name for h in hosts] == ["box1", "gpu2.lab.example", "box3"]
+    assert hosts[0].target == SshTarget(
+        host="gpu1.lab.example", port=2200, user="ubuntu", name="box1"
+    )
     assert [g.model for g in hosts[0].gpus] == ["A100"] * 4
     assert [(g.index, g.model) for g in hosts[1].gpus] == [(0, "T4"), (1, "T4"), (2, "A10G")]
     assert hosts[1].target.user == "root" and hosts[1].target.port == 22
