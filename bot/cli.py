@@ -145,6 +145,83 @@ def _login() -> str:
         return ""
 
 
+# `gpubot submit` (bot.sources): a local directory staged and run as a /gpu run.
+@app.command()
+def submit(
+    directory: Path = typer.Argument(..., help="The project directory to upload."),
+    command: list[str] = typer.Argument(None, help="After --: the command to run in it."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs for the run."),
+    gpu: str = typer.Option("", "--gpu", help="GPU model (a100, h100, cpu...)."),
+    precision: str = typer.Option("auto", "--precision", help="auto, bf16, fp16 or fp32."),
+    max_time: str = typer.Option("", "--max", help="Longest it may run, e.g. 4h."),
+    spot: bool = typer.Option(False, "--spot", help="Run on spot capacity."),
+    user: str = typer.Option("", "--user", help="Whose run it is (default: your login name)."),
+    wait: bool = typer.Option(
+        False, "--wait", help="Run the worker here and wait for the run, printing its DMs."
+    ),
+) -> None:
+    """Upload a local directory and queue a run of COMMAND in it, as `/gpu run` would.
+
+    The directory is copied under $GPUBOT_HOME/staged/ (without .git, __pycache__, .venv
+    and the patterns in its .gpubotignore; 200 MB at most) and sent to the host when the
+    run is placed, only the files the host does not have yet:
+
+      gpubot submit ./myproj --gpus 1 --max 2h -- python train.py --lr 3e-4
+    """
+    import dataclasses
+    import shlex
+
+    from bot.commands import Run
+    from bot.dispatch import execute, parse_text
+    from bot.sources import SourceError, stage
+    from bot.terminal import render
+
+    settings = _settings()
+    _log_to_file(settings)
+    if not command:
+        typer.echo("gpubot: say what to run after --, e.g. -- python train.py", err=True)
+        raise typer.Exit(2)
+    name = (user or os.environ.get("GPUBOT_USER") or _login() or "me").lstrip("@")
+    flags = [f"--gpus {gpus}", f"--precision {shlex.quote(precision)}"]
+    flags += [f"--gpu {shlex.quote(gpu)}"] if gpu else []
+    flags += [f"--max {shlex.quote(max_time)}"] if max_time else []
+    flags += ["--spot"] if spot else []
+    try:
+        parsed = parse_text(f"run {' '.join(flags)} -- {shlex.join(command)}")
+        assert isinstance(parsed, Run)
+        staged = stage(directory, settings.home)
+        runtime = build_runtime(settings, SystemClock())
+    except (UserError, SourceError) as exc:
+        typer.echo(f"gpubot: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(
+        f"Staged {staged.files} file(s), {staged.bytes} bytes, as {staged.source.staged_id}"
+        + ("" if staged.fresh else " (unchanged since it was last staged)")
+        + "."
+    )
+    run_cmd = dataclasses.replace(parsed, source=staged.source.text())
+    lock = threading.Lock()
+    sh = Shell(runtime.service, name, sys.stdout, lock)
+    try:
+        reply = execute(runtime.service, runtime.service.actor(name), run_cmd)
+    except UserError as exc:
+        typer.echo(f"gpubot: {exc.text}", err=True)
+        raise typer.Exit(2) from None
+    sh.print(render(reply.view))
+    run_id = reply.extra.get("run_id")
+    if not wait or not isinstance(run_id, int):
+        return
+    sh.run_ids.add(run_id)
+    w = Worker(runtime.service, sh.notifier, settings.tick_seconds, runtime.leadership())
+    w.start()
+    try:
+        sh.wait_for_runs(min(settings.tick_seconds, 1.0))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        w.stop()
+
+
 @app.command()
 def worker(
     log_format: str = LOG_FORMAT_OPTION,

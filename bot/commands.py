@@ -67,13 +67,20 @@ VERBS: dict[str, VerbSpec] = {
     ),
     "run": VerbSpec(
         "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] "
-        "[--spot] [--recipe NAME] -- COMMAND",
+        "[--spot] [--git URL[@REF] | --path DIR] [--recipe NAME] -- COMMAND",
         "queue a training run on the team's GPUs",
         (
             "/gpu run --recipe digits",
             "/gpu run --gpus 1 -- python train.py",
-            "/gpu run --gpus 8 --gpu a100 --max 4h --spot -- torchrun train.py",
+            "/gpu run --git https://github.com/org/repo@main -- python train.py --lr 3e-4",
+            "/gpu run --path /data/proj --gpus 8 --gpu a100 --max 4h --spot -- torchrun train.py",
         ),
+        # bot.sources: where the command's code comes from.
+        "The command starts in its code: `--git` clones the repository (https:// or git@, "
+        "at a branch, tag or full commit) on the host; `--path` runs in a directory already "
+        "on the host; from a terminal, `gpubot submit DIR -- COMMAND` uploads a local "
+        "directory. A run that runs out of GPU memory (exit 77) is retried once with half "
+        "the batch (`GPUBOT_BATCH_SIZE` for your own script).",
     ),
     "queue": VerbSpec(
         "/gpu queue [me]",
@@ -175,6 +182,9 @@ class Run:
     precision: str = "auto"
     max_duration: timedelta | None = None
     spot: bool = False
+    # Where the code comes from (bot.sources): "git:<url>@<ref>", "path:<dir>",
+    # "staged:<id>"; "" runs the command in the run's own directory.
+    source: str = ""
 
     @property
     def interactive(self) -> bool:
@@ -489,7 +499,7 @@ def _parse_extend(rest: str, ctx: _Ctx) -> Extend:
     return Extend(duration=_duration(spec, ctx), reservation_id=rid)
 
 
-_RUN_FLAGS_WITH_VALUE = {"--gpus", "--gpu", "--precision", "--max", "--recipe"}
+_RUN_FLAGS_WITH_VALUE = {"--gpus", "--gpu", "--precision", "--max", "--recipe", "--git", "--path"}
 
 
 def _parse_run(rest: str, ctx: _Ctx) -> Run:
@@ -543,6 +553,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         raise ctx.fail("Give a recipe or a command, not both.")
     if not command and recipe is None and opts:
         raise ctx.fail("Say what to run: `--recipe NAME` or `-- COMMAND`.")
+    source = _run_source(opts, recipe, ctx)
     return Run(
         command=tuple(command),
         recipe=recipe,
@@ -551,7 +562,26 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         precision=precision,
         max_duration=max_duration,
         spot=spot,
+        source=source,
     )
+
+
+def _run_source(opts: dict[str, str], recipe: str | None, ctx: _Ctx) -> str:
+    """`--git`/`--path` as the stored source text (bot.sources checks them)."""
+    from bot.sources import SourceError, parse_git, parse_path
+
+    if "--git" in opts and "--path" in opts:
+        raise ctx.fail("Give `--git` or `--path`, not both: the code comes from one place.")
+    if recipe is not None and ("--git" in opts or "--path" in opts):
+        raise ctx.fail("A recipe brings its own code; `--git` and `--path` go with `-- COMMAND`.")
+    try:
+        if "--git" in opts:
+            return parse_git(opts["--git"]).text()
+        if "--path" in opts:
+            return parse_path(opts["--path"]).text()
+    except SourceError as exc:
+        raise ctx.fail(str(exc)) from None
+    return ""
 
 
 def _parse_queue(rest: str, ctx: _Ctx) -> Queue:

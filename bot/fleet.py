@@ -79,7 +79,7 @@ from db.models import (
 )
 from db.session import transaction
 from provisioning.base import Compute, Instance, ProvisioningError
-from provisioning.bootstrap import bootstrap
+from provisioning.bootstrap import AgentInstall, bootstrap
 from provisioning.catalog import Catalog, InstanceType
 from provisioning.compute import LaunchSpec, RentingCompute
 from provisioning.ssh import (
@@ -127,9 +127,26 @@ class PreparedHost:
 Prepare = Callable[[SshRunner, SshTarget], PreparedHost]
 
 
-def bootstrap_prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
-    """The production preparation: the idempotent bootstrap (a marker read when current)."""
-    report = bootstrap(runner, target, remote_root="~/.gpubot")
+def bootstrap_prepare(
+    runner: SshRunner, target: SshTarget, *, cloud: bool | None = None
+) -> PreparedHost:
+    """The production preparation: the idempotent bootstrap (a marker read when current),
+    with the host agent (training.agent; bot.agentwatch reads it). On an EC2 instance it
+    guards the budget: it stops the instance when the bot is gone and nothing runs, and
+    watches for spot notices. On a static host (someone else's machine) it only watches:
+    no stop, no metadata service. `cloud` None: an EC2 host is one named by its instance
+    id (the EC2 fleet's host names); static hosts carry the names the team gave them.
+    The agent's runs dir is the bootstrap root's ``runs``, where `RemoteAccess` puts runs."""
+    if cloud is None:
+        ident = target.name.removeprefix("i-")
+        cloud = target.name.startswith("i-") and len(ident) in (8, 17)
+        cloud = cloud and all(c in "0123456789abcdef" for c in ident)
+    if cloud:  # EC2: `shutdown -h` stops (not terminates); a non-root login needs sudo
+        stop = "shutdown -h now" if target.user == "root" else "sudo -n shutdown -h now"
+        agent = AgentInstall(stop_command=stop)
+    else:
+        agent = AgentInstall(stop_command=None, imds_endpoint=None)
+    report = bootstrap(runner, target, remote_root="~/.gpubot", agent=agent)
     return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
 
 
@@ -499,11 +516,18 @@ class Fleet:
                     run.state = RUN_QUEUED
                     run.started_at = None
                     run.host_id = None
-                    run.placement = {}
+                    # A checkpoint the worker already copied off (bot.agentwatch) goes with it.
+                    resume = run.placement.get("resume_from")
+                    run.placement = {"resume_from": resume} if resume else {}
+                    start = (
+                        "It resumes from the checkpoint saved off that instance."
+                        if resume
+                        else "It starts again from the beginning (or its last checkpoint, "
+                        "if it saves them elsewhere)."
+                    )
                     text = (
                         f"Run #{run.id} is back in line: its instance {what} was terminated by "
-                        "the cloud. It starts again from the beginning (or its last checkpoint, "
-                        "if it saves them elsewhere)."
+                        f"the cloud. {start}"
                     )
                 s.add(run)
                 self.service.notify_dm(

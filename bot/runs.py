@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from bot import budgets, views
+from bot import budgets, estimates, sources, views
 from bot.commands import Cancel, Logs, Queue, Run
 from bot.durations import format_duration
 from bot.errors import UserError
@@ -59,6 +59,7 @@ from db.models import (
 from db.session import is_postgres, transaction
 from provisioning.catalog import Catalog
 from provisioning.ssh import SshError, SshRunner, SshTarget
+from training.exitcodes import EXIT_OOM
 from training.status import TERMINAL_STATES, parse_status
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ RUN_OPEN_STATES = (RUN_QUEUED, RUN_STARTING, RUN_RUNNING, RUN_CANCELLING)
 RECIPES = ("digits",)
 # A run claimed but not started within this long is presumed orphaned by a crash.
 STARTING_GRACE = timedelta(seconds=90)
-USAGE_RUN = "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] [--spot] [--recipe NAME] -- COMMAND"
+USAGE_RUN = "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] [--spot] [--git URL[@REF] | --path DIR] [--recipe NAME] -- COMMAND"
 
 
 class HostAccess(Protocol):
@@ -103,6 +104,8 @@ class RunService:
         self.access = access
         self.catalog = catalog
         self.config = SchedulerConfig(policy="fair")
+        # file:// git URLs: tests only (a bare repository in tmp); never in production.
+        self.allow_file_git = False
 
     @property
     def engine(self) -> Any:
@@ -119,6 +122,7 @@ class RunService:
             raise UserError(
                 f"There is no recipe `{cmd.recipe}`; recipes: {', '.join(RECIPES)}.", USAGE_RUN
             )
+        self._check_source(cmd)  # bot.sources: git/path/staged code
         with transaction(self.engine) as s:
             if request_key is not None:
                 prior = s.exec(
@@ -155,10 +159,31 @@ class RunService:
                 state=RUN_QUEUED,
                 submitted_at=self.core.clock.now(),
                 request_key=request_key,
+                source=cmd.source,
             )
             s.add(run)
             s.flush()
             return self._queued_reply(s, run)
+
+    def _check_source(self, cmd: Run) -> None:
+        """A source is checked where it is accepted (a Run built by code skips the
+        grammar); a staged one must still be on this machine's disk."""
+        if not cmd.source:
+            return
+        if cmd.recipe is not None:
+            raise UserError(
+                "A recipe brings its own code; a source goes with a command.", USAGE_RUN
+            )
+        try:
+            src = sources.parse_source(cmd.source, allow_file=self.allow_file_git)
+        except sources.SourceError as exc:
+            raise UserError(str(exc), USAGE_RUN) from None
+        home = self.core.settings.home
+        if isinstance(src, sources.StagedSource) and not sources.staged_dir(home, src).is_dir():
+            raise UserError(
+                f"There is no staged upload {src.staged_id} here; `gpubot submit DIR` stages one.",
+                USAGE_RUN,
+            )
 
     def _resolve_model(self, s: Session, model: str | None, gpus: int) -> str:
         """A run needs one GPU model: the asked one, else the configured default, else
@@ -235,13 +260,16 @@ class RunService:
                 )
             )
             prices = self._per_gpu_prices(s)
+            ahead = self._estimates(s, now, [run for run, _ in rows])  # bot.estimates
             table = []
             waiting = 0
             for run, user in rows:
-                if cmd.mine_only and user.key != actor.key:
-                    continue
                 if run.state == RUN_QUEUED:
                     waiting += 1
+                if cmd.mine_only and user.key != actor.key:
+                    continue
+                start = "started"
+                if run.state == RUN_QUEUED:
                     where = f"#{waiting} in line"
                 else:
                     where = f"{run.state} on {run.placement.get('host', '?')}"
@@ -250,6 +278,9 @@ class RunService:
                     cost = f"≤ ${price * run.max_seconds / 3600:.2f}" if price else "$0 (owned)"
                 else:
                     cost = f"${price:.2f}/h" if price else "$0 (owned)"
+                if run.id in ahead:
+                    start = estimates.start_phrase(ahead[run.id], now.timestamp())
+                    cost = estimates.cost_phrase(ahead[run.id])
                 age = format_duration(now - run.submitted_at)
                 table.append(
                     (
@@ -258,6 +289,7 @@ class RunService:
                         _clip(run.recipe or run.command, 40),
                         views.gpu_phrase(run.gpu_count, run.gpu_model),
                         where,
+                        start,
                         age,
                         cost,
                     )
@@ -273,9 +305,79 @@ class RunService:
         blocks: tuple[views.Block, ...] = (
             views.Header("Training queue"),
             views.Context(summary),
-            views.Table(("run", "who", "what", "needs", "where", "age", "est. cost"), tuple(table)),
+            views.Table(
+                ("run", "who", "what", "needs", "where", "est. start", "age", "est. cost"),
+                tuple(table),
+            ),
         )
         return views.Reply(views.View(text=summary, blocks=blocks))
+
+    def _estimates(
+        self, s: Session, now: datetime, runs: list[TrainingRun]
+    ) -> dict[int, estimates.Estimate]:
+        """The queue as `bot.estimates` sees it: who holds which host's GPUs until when
+        (a run's ETA from its status, else its --max; a reservation's end), and the
+        waiting runs in line order."""
+        holds: dict[tuple[int, str], tuple[int, float | None]] = {}
+        for iv, res, held_by in s.exec(
+            select(UsageInterval, Reservation, TrainingRun)
+            .join(
+                Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True
+            )
+            .join(TrainingRun, col(TrainingRun.id) == col(UsageInterval.run_id), isouter=True)
+            .where(col(UsageInterval.ended_at).is_(None))
+        ):
+            until: float | None = None
+            if res is not None:
+                key = (iv.host_id, f"res:{res.id}")
+                until = res.ends_at.timestamp() if res.ends_at else None
+            else:
+                key = (iv.host_id, f"run:{iv.run_id}")
+                eta = held_by.metrics.get("eta_s") if held_by is not None else None
+                if isinstance(eta, int | float):
+                    until = now.timestamp() + float(eta)
+                elif held_by is not None and held_by.max_seconds and held_by.started_at:
+                    until = held_by.started_at.timestamp() + held_by.max_seconds
+            n, _ = holds.get(key, (0, until))
+            holds[key] = (n + 1, until)
+        pictures = []
+        for host in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id))):
+            gpus = list(
+                s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
+            )
+            per_gpu = host.hourly_usd / max(1, len(gpus))
+            for model in sorted({g.model for g in gpus}):
+                pictures.append(
+                    estimates.HostPicture(
+                        name=host.name,
+                        gpu_model=model,
+                        gpus=sum(1 for g in gpus if g.model == model),
+                        usd_per_gpu_hour=per_gpu,
+                        holds=tuple(
+                            estimates.Hold(n, until)
+                            for (hid, _), (n, until) in holds.items()
+                            if hid == host.id
+                        ),
+                    )
+                )
+        # Waiting reservations are granted before runs are placed: they go first.
+        waiting = [
+            estimates.WaitingRun(
+                f"res:{r.id}", r.gpu_count, r.gpu_model or "", r.duration_s, holds_line=True
+            )
+            for r in s.exec(
+                select(Reservation)
+                .where(Reservation.state == RES_WAITING)
+                .order_by(col(Reservation.requested_at), col(Reservation.id))
+            )
+        ]
+        waiting += [
+            estimates.WaitingRun(r.id, r.gpu_count, r.gpu_model or "", r.max_seconds)
+            for r in runs
+            if r.state == RUN_QUEUED and r.id is not None
+        ]
+        found = estimates.estimate_queue(waiting, pictures, now.timestamp())
+        return {e.run_id: e for e in found if isinstance(e.run_id, int)}
 
     def _per_gpu_prices(self, s: Session) -> dict[str, float]:
         """Per-GPU hourly price of each model on the hosts we have (0 for owned hosts)."""
@@ -562,6 +664,8 @@ class RunService:
                 # died before recording it is found, not started twice (_requeue_orphan).
                 "pgid_file": str(run_dir / "pgid"),
             }
+            if run.placement.get("resume_from"):  # bot.agentwatch: its saved checkpoint
+                placement["resume_from"] = run.placement["resume_from"]
             run.placement = placement
             run.host_id = host.id
             run.started_at = now
@@ -575,6 +679,14 @@ class RunService:
         }
         try:
             runner.run(target, f"mkdir -p {shlex.quote(str(run_dir))}", timeout=30)
+            if placement.get("resume_from"):  # the checkpoint it resumes from, first
+                from bot.agentwatch import upload_checkpoints
+
+                upload_checkpoints(
+                    runner, target, placement["resume_from"], str(placement["checkpoints"])
+                )
+            # Code source (bot.sources): clone / check / upload, before the runner starts.
+            self._prepare_code(run_id, runner, target, str(run_dir), str(placement["log"]))
             pgid = runner.start_detached(
                 target, command, str(placement["log"]), cwd=str(run_dir), env=env
             )
@@ -604,14 +716,53 @@ class RunService:
                 owner.key,
                 views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
                 self.core.clock.now(),
-                dedupe=f"run-started:{run_id}",
+                # A resumed run says it started again (bot.agentwatch's resume count).
+                dedupe=f"run-started:{run_id}"
+                + (f":{placement['resume_from']['count']}" if "resume_from" in placement else ""),
             )
         return True
+
+    def _prepare_code(
+        self, run_id: int, runner: SshRunner, target: SshTarget, run_dir: str, log_path: str
+    ) -> None:
+        """Puts the run's code on the host (bot.sources); `_runner_command` starts the
+        command in it (the runner itself stays in the run's directory, where the host
+        agent looks for it). A failure is an SshError whose text says why, so the run
+        fails with it and the owner is told."""
+        with transaction(self.engine, write=False) as s:
+            run = s.get(TrainingRun, run_id)
+            text = run.source if run is not None else ""
+        if not text:
+            return
+        try:
+            src = sources.parse_source(text, allow_file=self.allow_file_git)
+            assert src is not None
+            done = sources.prepare_code(runner, target, src, run_dir, home=self.core.settings.home)
+        except sources.SourceError as exc:
+            raise SshError(f"could not get the code: {exc}") from None
+        upload = done.upload
+        if upload is not None:
+            self._update_placement(
+                run_id, code={"uploaded": list(upload.uploaded), "skipped": len(upload.skipped)}
+            )
+        with contextlib.suppress(SshError):
+            line = shlex.quote(f"[gpubot] {done.note}")
+            runner.run(target, f"printf '%s\\n' {line} >> {shlex.quote(log_path)}", timeout=30)
 
     # --- the worker: poll ------------------------------------------------------------------
 
     def poll(self) -> int:
         """Reads every running run's status; finishes those that ended. Returns how many."""
+        # Host agents (bot.agentwatch): lease renewal, spot notices, runs lost in a reboot —
+        # before the runs are read, so a lost run is requeued rather than failed below.
+        from bot.agentwatch import watch_hosts  # agentwatch builds on this module
+
+        try:
+            watched = watch_hosts(self)
+            if watched.interrupted or watched.requeued or watched.draining:
+                log.info("host agents: %s", watched)
+        except Exception:  # never fatal: the runs are still polled
+            log.exception("host agent watch failed")
         with transaction(self.engine, write=False) as s:
             rows = list(
                 s.exec(
@@ -649,6 +800,15 @@ class RunService:
                 continue
             if alive:
                 continue  # final status written; the process is exiting
+            # Stopped for a resume (exit 75) or reclaimed: back in line with its checkpoint.
+            from bot.agentwatch import requeue_resumable, resumable_stop
+
+            if (
+                run.state != RUN_CANCELLING
+                and resumable_stop(placement, status)
+                and requeue_resumable(self, run.id, placement, runner, target, status)
+            ):
+                continue
             tail = ""
             with contextlib.suppress(SshError):
                 tail = runner.tail(target, placement["log"], 15)
@@ -675,9 +835,76 @@ class RunService:
                     )
             elif state == RUN_FAILED:
                 summary = {"error": "the process ended without writing a final status"}
+            # Out of GPU memory (exit 77): once more with half the batch; then the advice.
+            if state == RUN_FAILED and exit_code == EXIT_OOM:
+                if self._retry_oom(run.id, status, runner, target, placement):
+                    continue
+                summary["error"] = f"{summary.get('error') or 'out of GPU memory'}. {OOM_ADVICE}"
             self._finish(run.id, state, exit_code, summary, tail)
             finished += 1
         return finished
+
+    def _retry_oom(
+        self,
+        run_id: int,
+        status: Any,
+        runner: SshRunner,
+        target: SshTarget,
+        placement: dict[str, Any],
+    ) -> bool:
+        """Puts a run that ran out of GPU memory back in line with half the batch it used
+        (from its status; `GPUBOT_BATCH_SCALE=0.5` tells a script that did not say), and
+        tells its owner. False when it was retried already or the batch was 1: then it
+        fails, with the advice."""
+        used = getattr(status, "batch_size", None) if status is not None else None
+        if used is None and status is not None:  # a script's training.report(batch_size=...)
+            said = status.metrics.get("batch_size")
+            used = int(said) if isinstance(said, int | float) and said >= 1 else None
+        with transaction(self.engine, write=False) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
+                return False
+            if run.metrics.get("oom_retry") or (isinstance(used, int) and used <= 1):
+                return False
+        # The old attempt's status and group id must not be read as the new one's.
+        with contextlib.suppress(SshError):
+            old = [placement.get("status"), placement.get("pgid_file")]
+            runner.run(
+                target, "rm -f -- " + " ".join(shlex.quote(str(p)) for p in old if p), timeout=30
+            )
+        half = used // 2 if isinstance(used, int) else None
+        now = self.core.clock.now()
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
+                return False
+            self._close_intervals(s, run_id, now)
+            run.metrics = {
+                **run.metrics,
+                "oom_retry": {"from_batch": used, "batch_size": half, "at": now.isoformat()},
+            }
+            run.state = RUN_QUEUED
+            run.placement = {}
+            run.host_id = None
+            run.started_at = None
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            was = f"at batch {used}" if used else "(its batch size was not reported)"
+            now_with = f"batch {half}" if half else "half the batch (GPUBOT_BATCH_SCALE=0.5)"
+            text = (
+                f"Run #{run_id} ran out of GPU memory {was}. It is back in line and will be "
+                f"retried once with {now_with}."
+            )
+            self.core.notify_dm(
+                s,
+                owner.key,
+                views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
+                now,
+                dedupe=f"run-oom-retry:{run_id}",
+            )
+            self.core.grant_pass(s, now)
+        return True
 
     def _update_placement(self, run_id: int, **changes: Any) -> None:
         with transaction(self.engine) as s:
@@ -737,10 +964,34 @@ class RunService:
                 return
             self._close_intervals(s, run_id, self.core.clock.now())
             run.state = RUN_QUEUED
-            run.placement = {}
+            # A resumed run keeps where its checkpoint is (bot.agentwatch).
+            resume = run.placement.get("resume_from")
+            run.placement = {"resume_from": resume} if resume else {}
             run.started_at = None
             s.add(run)
             log.warning("run %s was claimed but never started (crash?); back in line", run_id)
+
+    def requeue(
+        self, run_id: int, resume_from: dict[str, Any], view: views.View, dedupe: str
+    ) -> bool:
+        """Back in line with its checkpoint (bot.agentwatch): a stop for a resume is not a
+        failure. Its GPUs go back, its place in line is its old one (submitted_at)."""
+        now = self.core.clock.now()
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
+                return False  # cancelled meanwhile, or already moved on
+            self._close_intervals(s, run_id, now)
+            run.state = RUN_QUEUED
+            run.placement = {"resume_from": resume_from}
+            run.host_id = None
+            run.started_at = None
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            self.core.notify_dm(s, owner.key, view, now, dedupe=f"run-requeued:{dedupe}")
+            self.core.grant_pass(s, now)
+        return True
 
     def _close_intervals(self, s: Session, run_id: int, at: datetime) -> float:
         cost = 0.0
@@ -782,7 +1033,24 @@ class RunService:
             self.core.grant_pass(s, now)
 
 
+OOM_ADVICE = (
+    "It ran out of GPU memory again after a retry with half the batch: use a smaller "
+    "`--batch-size` (or `--effective-batch` with gradient accumulation), `--precision bf16`, "
+    "or a GPU with more memory (`--gpu h100`)"
+)
+
+
+def _oom_batch(run: TrainingRun) -> tuple[int | None, bool]:
+    """(batch size, is a retry) for a run retried after running out of GPU memory."""
+    retry = run.metrics.get("oom_retry")
+    if not isinstance(retry, dict):
+        return None, False
+    size = retry.get("batch_size")
+    return (size if isinstance(size, int) and size > 0 else None), True
+
+
 def _runner_command(run: TrainingRun, placement: dict[str, Any]) -> str:
+    batch, retried = _oom_batch(run)
     parts = [
         sys.executable,
         "-m",
@@ -802,8 +1070,19 @@ def _runner_command(run: TrainingRun, placement: dict[str, Any]) -> str:
         parts += ["--gpus", str(run.gpu_count)]
     if run.recipe:
         parts += ["--recipe", run.recipe]
+        if batch is not None:  # an OOM retry; without a known batch `auto` probes again
+            parts += ["--batch-size", str(batch)]
         return shlex.join(parts)
-    return shlex.join(parts) + " -- " + run.command
+    head = ""
+    if retried:
+        # The runner hands its own --batch-size to recipes only; a script reads these.
+        env = ["GPUBOT_OOM_RETRY=1", "GPUBOT_BATCH_SCALE=0.5"]
+        if batch is not None:
+            env.append(f"GPUBOT_BATCH_SIZE={batch}")
+        head += "env " + " ".join(env) + " "
+    if run.source:  # bot.sources: the command starts in its code directory
+        head += sources.in_code_dir(run.source, placement["dir"]) + " "
+    return shlex.join(parts) + " -- " + head + run.command
 
 
 def _clip(text: str, limit: int = 60) -> str:

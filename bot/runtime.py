@@ -19,6 +19,7 @@ SSH and EC2 hosts share one `SshClient`; a `Resolver` says where to dial each ho
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,15 @@ def make_compute(settings: Settings, runner: SshRunner | None = None) -> Compute
     )
 
 
+def _for_hosts(prepare: Prepare | None, *, cloud: bool) -> Prepare | None:
+    """The production preparation told which kind of host it prepares (an EC2 instance
+    gets the stopping agent, a team's own server a watching one) rather than guessing it
+    from the host's name; a test's own preparation is passed through as it is."""
+    if prepare is bootstrap_prepare:
+        return functools.partial(bootstrap_prepare, cloud=cloud)
+    return prepare
+
+
 def build_runtime(
     settings: Settings,
     clock: Clock | None = None,
@@ -142,7 +152,10 @@ def build_runtime(
     elif isinstance(compute, StaticHostsCompute):
         service.sync_hosts(compute.list_instances())
         access = RemoteAccess(
-            engine, runner, resolver or StaticResolver(compute.targets()), prepare=prepare
+            engine,
+            runner,
+            resolver or StaticResolver(compute.targets()),
+            prepare=_for_hosts(prepare, cloud=False),
         )
         service.runs = RunService(service, access, catalog)
     elif isinstance(compute, Ec2Compute):
@@ -150,7 +163,7 @@ def build_runtime(
             engine,
             runner,
             resolver or InstanceResolver(user=compute.settings.ssh_user, key_path=_ssh_key()),
-            prepare=prepare,
+            prepare=_for_hosts(prepare, cloud=True),
         )
         service.runs = CloudRunService(service, access, catalog)
         fleet = Fleet(service, compute, access, catalog=catalog)

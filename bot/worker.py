@@ -79,7 +79,6 @@ def tick_job(
         if leader is not None and not leader.hold():
             note_tick(leading=False)
             return  # a standby: another worker leads
-        note_tick(leading=True)
         tick_started = time.perf_counter()
         report = service.tick()
         if report.expired or report.warned or report.granted:
@@ -92,6 +91,9 @@ def tick_job(
         if notifier is not None:
             deliver(service, notifier)
         TICK_SECONDS.observe(time.perf_counter() - tick_started)
+        # After the work: /healthz's "last tick" is the last one that completed, and a
+        # scrape that sees "leader" also sees that tick counted.
+        note_tick(leading=True)
     except Exception as exc:
         log.error("ref=%s worker tick failed", new_ref(), exc_info=exc)
 

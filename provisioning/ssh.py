@@ -267,6 +267,10 @@ def env_prefix(env: Mapping[str, str] | None) -> str:
     return "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " "
 
 
+# What coreutils `timeout` exits with when it killed the command (TERM, then KILL after -k).
+_HOST_TIMEOUT_CODES = (124, 137)
+
+
 def run_command_line(
     command: str,
     timeout: float | None,
@@ -747,7 +751,17 @@ class SshClient:
     ) -> RunResult:
         limit = self.command_timeout if timeout is None else timeout
         line = run_command_line(command, limit, cwd, env)
-        return self._exec(target, line, limit, "a command", retry=False)
+        started = time.monotonic()
+        result = self._exec(target, line, limit, "a command", retry=False)
+        if (
+            limit is not None
+            and result.exit_code in _HOST_TIMEOUT_CODES
+            and time.monotonic() - started >= limit
+        ):
+            # The host's own `timeout` (run_command_line) killed it before the client's
+            # timer fired, as happens on a loaded machine: the same timeout, one way.
+            raise SshError(f"a command on {target.label} did not finish within {limit:g}s")
+        return result
 
     def upload_dir(
         self,

@@ -1,0 +1,479 @@
+"""Where a run's code comes from: a git URL, a directory on the host, or a local
+directory staged by `gpubot submit DIR`.
+
+A run's `TrainingRun.source` is one line of text, so it survives the database and
+shows in messages:
+
+* ``git:<url>@<ref>`` — cloned on the host into the run's directory (``ref`` may be
+  empty: the default branch). Only ``https://`` and ``git@host:path`` URLs: other
+  schemes (``file://``, ``ext::``, ``ssh://`` with options...) can read the host's
+  files or run commands, so they are refused unless a test asks for ``file://``.
+* ``path:<absolute dir>`` — a directory that already exists on the host (a shared
+  file system, a checkout someone keeps there); the run starts in it.
+* ``staged:<id>`` — a copy under ``$GPUBOT_HOME/staged/<id>/`` that the worker uploads
+  with `SshRunner.upload_dir` when the run is placed. The id is content-addressed,
+  so staging an unchanged directory again yields the same id, and the host keeps one
+  cache per project name, so a second upload of unchanged files sends nothing.
+
+The parsing is pure (the `/gpu` grammar uses it); `prepare_code` is what `bot.runs`
+calls on the host right before the runner starts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import posixpath
+import re
+import shlex
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from provisioning.ssh import SshRunner, SshTarget, UploadReport
+
+# What is never staged: VCS metadata, caches, virtual environments. A `.gpubotignore`
+# in the directory adds patterns (one a line, `#` comments), matched like these against
+# the relative path and against each of its parts.
+DEFAULT_EXCLUDES: tuple[str, ...] = (
+    ".git",
+    ".hg",
+    ".svn",
+    "__pycache__",
+    "*.pyc",
+    ".venv",
+    "venv",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".ipynb_checkpoints",
+    ".DS_Store",
+)
+IGNORE_FILE = ".gpubotignore"
+# Staging is for code and small data: big data belongs on the host (`--path`) or in a
+# bucket. 200 MB goes up in well under a minute on an ordinary uplink.
+STAGE_LIMIT_BYTES = 200 * 1024 * 1024
+STAGE_LIMIT_FILES = 20_000
+# How long a clone may take on the host before the run is failed instead.
+FETCH_TIMEOUT_S = 600.0
+
+_GIT_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/\-]{0,199}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]{0,252}(:[0-9]{1,5})?")
+_REPO_PATH = re.compile(r"[A-Za-z0-9._~/\-]{1,500}")
+_STAGED_ID = re.compile(r"[a-z0-9][a-z0-9_\-]{0,79}")
+
+
+class SourceError(ValueError):
+    """A source the bot will not use; the message is shown to the user as it is."""
+
+
+@dataclass(frozen=True)
+class GitSource:
+    url: str
+    # Branch, tag or full commit id; "" is the remote's default branch.
+    ref: str = ""
+
+    @property
+    def is_commit(self) -> bool:
+        return bool(_COMMIT.fullmatch(self.ref))
+
+    def text(self) -> str:
+        return f"git:{self.url}@{self.ref}"
+
+
+@dataclass(frozen=True)
+class PathSource:
+    path: str
+
+    def text(self) -> str:
+        return f"path:{self.path}"
+
+
+@dataclass(frozen=True)
+class StagedSource:
+    staged_id: str
+
+    @property
+    def project(self) -> str:
+        """The project's name part of the id: the host keeps one upload cache per name."""
+        return self.staged_id.rsplit("-", 1)[0]
+
+    def text(self) -> str:
+        return f"staged:{self.staged_id}"
+
+
+Source = GitSource | PathSource | StagedSource
+
+
+# --- parsing ------------------------------------------------------------------------------
+
+
+def parse_git(spec: str, *, allow_file: bool = False) -> GitSource:
+    """``URL[@REF]`` as typed after ``--git``. `allow_file` is for tests only: a
+    ``file://`` repository on the test machine, so no test ever dials the network."""
+    spec = spec.strip()
+    if not spec:
+        raise SourceError(
+            "`--git` needs a repository URL, e.g. `--git https://github.com/org/repo@main`."
+        )
+    if any(ch.isspace() for ch in spec) or "\0" in spec:
+        raise SourceError("A git URL has no spaces in it.")
+    if spec.startswith("https://"):
+        rest = spec[len("https://") :]
+        host, slash, path = rest.partition("/")
+        if "@" in host:
+            raise SourceError(
+                "Put no user name or token in the git URL: it would show in logs and in "
+                "`/gpu queue`. Give the host a deploy key or use a public URL."
+            )
+        if not _HOST.fullmatch(host) or not slash:
+            raise SourceError(f"`{_clip(spec)}` is not a repository URL (https://HOST/PATH).")
+        path, ref = _split_ref(path)
+        url = f"https://{host}/{path}"
+    elif spec.startswith("git@"):
+        rest = spec[len("git@") :]
+        host, colon, path = rest.partition(":")
+        if not colon or not _HOST.fullmatch(host) or "@" in host:
+            raise SourceError(f"`{_clip(spec)}` is not a repository URL (git@HOST:PATH).")
+        path, ref = _split_ref(path)
+        url = f"git@{host}:{path}"
+    elif spec.startswith("file://") and allow_file:
+        path, ref = _split_ref(spec[len("file://") :])
+        if not path.startswith("/"):
+            raise SourceError("A file:// repository needs an absolute path.")
+        url = f"file://{path}"
+    else:
+        raise SourceError(
+            f"`{_clip(spec)}`: only https:// and git@ repository URLs are allowed "
+            "(e.g. `https://github.com/org/repo@main` or `git@github.com:org/repo.git@v1.2`)."
+        )
+    if not path or (path.startswith(("-", "/")) and not url.startswith("file://")):
+        raise SourceError(f"`{_clip(spec)}` names no repository.")
+    if not _REPO_PATH.fullmatch(path) or ".." in path.split("/"):
+        raise SourceError(f"`{_clip(path)}` is not a repository path.")
+    if ref and (not _GIT_REF.fullmatch(ref) or ".." in ref or ref.endswith((".lock", "/"))):
+        raise SourceError(f"`{_clip(ref)}` is not a branch, tag or commit name.")
+    return GitSource(url=url, ref=ref)
+
+
+def _split_ref(path: str) -> tuple[str, str]:
+    """The ref follows the last `@` of the path part (the host part may hold one too)."""
+    if "@" in path:
+        path, ref = path.rsplit("@", 1)
+        if not ref:
+            raise SourceError("Nothing follows `@` in the git URL: give a branch, tag or commit.")
+        return path, ref
+    return path, ""
+
+
+def parse_path(spec: str) -> PathSource:
+    """A directory on the host, as typed after ``--path``: absolute, no `..`."""
+    spec = spec.strip()
+    if not spec.startswith("/"):
+        raise SourceError(
+            f"`{_clip(spec)}`: `--path` takes an absolute directory on the host, e.g. `/data/proj`."
+        )
+    if "\0" in spec or "\n" in spec or ".." in spec.split("/"):
+        raise SourceError(f"`{_clip(spec)}` is not a plain absolute directory.")
+    norm = posixpath.normpath(spec)
+    if norm == "/":
+        raise SourceError(
+            "`--path /` would run in the host's root directory; name a project directory."
+        )
+    return PathSource(norm)
+
+
+def parse_source(text: str, *, allow_file: bool = False) -> Source | None:
+    """The stored form (``TrainingRun.source``) back into a source; None for "no source"."""
+    if not text:
+        return None
+    kind, _, rest = text.partition(":")
+    if kind == "git":
+        url, at, ref = rest.rpartition("@")
+        if not at:
+            raise SourceError(f"`{_clip(text)}` is not a stored git source.")
+        return parse_git(f"{url}@{ref}" if ref else url, allow_file=allow_file)
+    if kind == "path":
+        return parse_path(rest)
+    if kind == "staged":
+        if not _STAGED_ID.fullmatch(rest):
+            raise SourceError(f"`{_clip(rest)}` is not a staged upload id.")
+        return StagedSource(rest)
+    raise SourceError(f"`{_clip(text)}` is not a code source (git:, path: or staged:).")
+
+
+# --- staging (the machine where `gpubot submit` runs) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class Staged:
+    source: StagedSource
+    path: Path
+    files: int
+    bytes: int
+    # False when an identical copy was already staged (the same id) and was reused.
+    fresh: bool
+
+
+def read_ignore_file(root: Path) -> tuple[str, ...]:
+    ignore = root / IGNORE_FILE
+    if not ignore.is_file():
+        return ()
+    lines = ignore.read_text(encoding="utf-8", errors="replace").splitlines()
+    return tuple(ln.strip().rstrip("/") for ln in lines if ln.strip() and not ln.startswith("#"))
+
+
+def excluded(rel: str, patterns: tuple[str, ...]) -> bool:
+    parts = rel.split("/")
+    return any(
+        fnmatch.fnmatch(rel, p) or any(fnmatch.fnmatch(q, p) for q in parts) for p in patterns
+    )
+
+
+def collect(
+    root: Path,
+    *,
+    limit_bytes: int = STAGE_LIMIT_BYTES,
+    limit_files: int = STAGE_LIMIT_FILES,
+) -> list[tuple[str, Path, int]]:
+    """(relative path, path, size) of every file to stage, sorted; excluded directories
+    are not even entered (a `.venv` can hold 100,000 files)."""
+    patterns = DEFAULT_EXCLUDES + read_ignore_file(root)
+    out: list[tuple[str, Path, int]] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        base = Path(dirpath)
+        rel_base = base.relative_to(root).as_posix()
+        dirnames[:] = sorted(d for d in dirnames if not excluded(_join(rel_base, d), patterns))
+        for name in sorted(filenames):
+            rel = _join(rel_base, name)
+            if excluded(rel, patterns):
+                continue
+            path = base / name
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # a dangling symlink: nothing to send
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            total += st.st_size
+            out.append((rel, path, st.st_size))
+            if total > limit_bytes:
+                biggest = sorted(out, key=lambda f: -f[2])[:3]
+                listed = ", ".join(f"{r} ({_mb(n)})" for r, _, n in biggest)
+                raise SourceError(
+                    f"{root} holds more than {_mb(limit_bytes)} to upload (largest: {listed}). "
+                    f"Leave data out with a `{IGNORE_FILE}` file (one pattern a line) and "
+                    "keep it on the host (`/gpu run --path DIR`)."
+                )
+            if len(out) > limit_files:
+                raise SourceError(
+                    f"{root} holds more than {limit_files} files to upload; leave some out "
+                    f"with a `{IGNORE_FILE}` file (one pattern a line)."
+                )
+    if not out:
+        raise SourceError(f"{root} has no files to upload (after the excludes).")
+    return sorted(out)
+
+
+def stage(
+    directory: str | os.PathLike[str],
+    home: Path,
+    *,
+    limit_bytes: int = STAGE_LIMIT_BYTES,
+    limit_files: int = STAGE_LIMIT_FILES,
+) -> Staged:
+    """Copies `directory` (minus the excludes) to ``home/staged/<id>/``.
+
+    A copy, not a reference, because the run may start hours later and must run the
+    code as it was when submitted. The id is the project's name plus a hash of the
+    contents, so the same tree staged twice is one copy.
+    """
+    root = Path(directory).expanduser().resolve()
+    if not root.is_dir():
+        raise SourceError(f"{directory} is not a directory.")
+    files = collect(root, limit_bytes=limit_bytes, limit_files=limit_files)
+    digest = hashlib.sha256()
+    for rel, path, _ in files:
+        digest.update(rel.encode() + b"\0")
+        digest.update(b"x" if os.access(path, os.X_OK) else b"-")
+        digest.update(_sha256(path).encode() + b"\n")
+    slug = re.sub(r"[^a-z0-9_]+", "_", root.name.lower()).strip("_")[:40] or "project"
+    sid = f"{slug}-{digest.hexdigest()[:16]}"
+    dest = home / "staged" / sid
+    size = sum(n for _, _, n in files)
+    if dest.is_dir():
+        return Staged(StagedSource(sid), dest, len(files), size, fresh=False)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{sid}.", dir=dest.parent))
+    try:
+        for rel, path, _ in files:
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)  # keeps the mode: an executable stays one
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not dest.is_dir():  # not a racing twin that staged the same tree
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return Staged(StagedSource(sid), dest, len(files), size, fresh=False)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Staged(StagedSource(sid), dest, len(files), size, fresh=True)
+
+
+def staged_dir(home: Path, source: StagedSource) -> Path:
+    return home / "staged" / source.staged_id
+
+
+# --- on the host, right before the runner starts -------------------------------------------
+
+
+def git_fetch_line(src: GitSource, dest: str) -> str:
+    """A shell line that leaves `dest` holding the repository at the ref, shallowly.
+
+    A branch or tag: ``git clone --depth 1 --branch``. A full commit id: init + a
+    shallow fetch of that commit (servers that allow fetching by id: GitHub, GitLab,
+    and git itself over protocol v2). Never prompts: a private repository without a
+    key on the host fails at once instead of hanging the run."""
+    q_dest, q_url = shlex.quote(dest), shlex.quote(src.url)
+    env = (
+        "GIT_TERMINAL_PROMPT=0 "
+        "GIT_SSH_COMMAND='ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new' "
+    )
+    if src.is_commit:
+        fetch = (
+            f"git init -q {q_dest} && cd {q_dest} && git remote add origin {q_url} && "
+            f"{env}git fetch -q --depth 1 origin {src.ref} && git -c advice.detachedHead=false "
+            "checkout -q FETCH_HEAD"
+        )
+    else:
+        branch = f"--branch {shlex.quote(src.ref)} " if src.ref else ""
+        fetch = f"{env}git clone -q --depth 1 {branch}-- {q_url} {q_dest}"
+    return f"rm -rf {q_dest} && {fetch}"
+
+
+def path_check_line(src: PathSource) -> str:
+    q = shlex.quote(src.path)
+    return f"test -d {q} || {{ echo 'there is no directory {src.path} on this host' >&2; exit 1; }}"
+
+
+def copy_listed_line(cache_dir: str, list_file: str, dest: str) -> str:
+    """Copies exactly the staged files from the host's cache into the run's directory:
+    the cache may still hold files an older version had."""
+    return (
+        f"rm -rf {shlex.quote(dest)} && mkdir -p {shlex.quote(dest)} && "
+        f"tar -C {shlex.quote(cache_dir)} -cf - --null -T {shlex.quote(list_file)} | "
+        f"tar -C {shlex.quote(dest)} -xpf -"
+    )
+
+
+def code_dir(source: Source, run_dir: str) -> str:
+    """Where the command runs: the host directory itself, else `<run dir>/code`."""
+    if isinstance(source, PathSource):
+        return source.path
+    return posixpath.join(run_dir, "code")
+
+
+def in_code_dir(text: str, run_dir: str) -> str:
+    """A prefix for the user's command that starts it in its code directory.
+
+    The runner (the supervisor) stays in the run's directory, where the host agent
+    finds a run by its processes' working directory; only the command moves.
+    The stored source was checked when it was accepted, file:// tests included."""
+    src = parse_source(text, allow_file=True)
+    assert src is not None
+    return 'sh -c \'cd "$0" && exec "$@"\' ' + shlex.quote(code_dir(src, run_dir))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    # The directory the run's command starts in.
+    cwd: str
+    # One line for the run's log: where the code came from (and what the upload sent).
+    note: str
+    # For staged sources: what upload_dir sent and skipped.
+    upload: UploadReport | None = None
+
+
+def prepare_code(
+    runner: SshRunner,
+    target: SshTarget,
+    source: Source,
+    run_dir: str,
+    *,
+    home: Path,
+) -> Prepared:
+    """Puts the run's code in place on the host; raises SourceError with the host's own
+    words when it cannot (a missing directory, a clone that failed)."""
+    from provisioning.ssh import local_tree
+
+    if isinstance(source, PathSource):
+        result = runner.run(target, path_check_line(source), timeout=30)
+        if not result.ok:
+            raise SourceError(_why(result.stderr, f"{source.path} is not a directory there"))
+        return Prepared(cwd=source.path, note=f"code: {source.path} on the host")
+    dest = code_dir(source, run_dir)
+    if isinstance(source, GitSource):
+        result = runner.run(target, git_fetch_line(source, dest), timeout=FETCH_TIMEOUT_S)
+        if not result.ok:
+            raise SourceError(
+                _why(result.stderr, "git failed") + f" (fetching {source.url} {source.ref})"
+            )
+        head = runner.run(target, "git rev-parse --short HEAD", timeout=30, cwd=dest)
+        at = head.stdout.strip() if head.ok else "?"
+        return Prepared(
+            cwd=dest, note=f"code: {source.url} {source.ref or '(default branch)'} at {at}"
+        )
+    local = staged_dir(home, source)
+    if not local.is_dir():
+        raise SourceError(
+            f"the staged copy {source.staged_id} is gone from {local.parent}; submit it again"
+        )
+    # One cache per project on the host: an unchanged file is never sent twice.
+    cache = posixpath.join(posixpath.dirname(run_dir.rstrip("/")), "_staged", source.project)
+    report = runner.upload_dir(target, local, cache)
+    names = b"\0".join(f.rel.encode() for f in local_tree(local, ())) + b"\0"
+    list_file = posixpath.join(run_dir, "code.files")
+    runner.write_file(target, list_file, names)
+    result = runner.run(target, copy_listed_line(cache, list_file, dest), timeout=FETCH_TIMEOUT_S)
+    if not result.ok:
+        raise SourceError(_why(result.stderr, "copying the code failed"))
+    note = (
+        f"code: staged {source.staged_id}: sent {len(report.uploaded)} file(s), "
+        f"{len(report.skipped)} unchanged"
+    )
+    return Prepared(cwd=dest, note=note, upload=report)
+
+
+def _why(stderr: str, fallback: str) -> str:
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else fallback
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _join(base: str, name: str) -> str:
+    return name if base in ("", ".") else f"{base}/{name}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1024 / 1024:.0f} MB" if n >= 1024 * 1024 else f"{n / 1024:.0f} kB"
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
