@@ -33,6 +33,7 @@ from provisioning.base import ProvisioningError
 from provisioning.catalog import SHIPPED_PRICES, Catalog
 from provisioning.pricing import fetch_spot, ondemand_price, refresh, to_csv
 from tests.core.helpers import actor, host, make_service
+from tests.provisioning_aws.conftest import fake_aws_env
 
 REGION = "us-east-1"
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -53,34 +54,11 @@ SILENT = "g6e.xlarge"
 
 
 def _aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for var in (
-        "AWS_PROFILE",
-        "AWS_DEFAULT_PROFILE",
-        "AWS_SESSION_TOKEN",
-        "AWS_ENDPOINT_URL",
-        "AWS_ENDPOINT_URL_EC2",
-        "AWS_ENDPOINT_URL_PRICING",
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-        "AWS_WEB_IDENTITY_TOKEN_FILE",
-        "AWS_ROLE_ARN",
-        "HTTP_PROXY",
-        "HTTPS_PROXY",
-        "http_proxy",
-        "https_proxy",
-        "ALL_PROXY",
-        "all_proxy",
-        "GPUBOT_PRICES_FILE",
-        "GPUBOT_CONFIG",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # 169.254.169.254 is not loopback
-    monkeypatch.setenv("MOTO_EC2_LOAD_DEFAULT_AMIS", "false")
+    fake_aws_env(
+        monkeypatch,
+        tmp_path,
+        also_unset=("AWS_ENDPOINT_URL_PRICING", "GPUBOT_PRICES_FILE", "GPUBOT_CONFIG"),
+    )
     monkeypatch.setenv("GPUBOT_HOME", str(tmp_path / "home"))
 
 

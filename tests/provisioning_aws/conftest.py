@@ -55,8 +55,14 @@ _AWS_VARS = (
 
 @pytest.fixture
 def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    fake_aws_env(monkeypatch, tmp_path)
+
+
+def fake_aws_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, also_unset: tuple[str, ...] = ()
+) -> None:
     """Fake credentials, one region, no shared config, and never the instance metadata service."""
-    for var in _AWS_VARS:
+    for var in (*_AWS_VARS, *also_unset):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
