@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -499,26 +499,27 @@ def _parse_extend(rest: str, ctx: _Ctx) -> Extend:
     return Extend(duration=_duration(spec, ctx), reservation_id=rid)
 
 
-_RUN_FLAGS_WITH_VALUE = {"--gpus", "--gpu", "--precision", "--max", "--recipe", "--git", "--path"}
-
-
-def _parse_run(rest: str, ctx: _Ctx) -> Run:
-    try:
-        tokens = shlex.split(rest)
-    except ValueError as exc:
-        raise ctx.fail(f"I could not split that command line: {exc}.") from None
+def _options(
+    tokens: list[str],
+    ctx: _Ctx,
+    with_value: Collection[str],
+    unknown: Callable[[str, str], str],
+    *,
+    command_follows: bool,
+) -> tuple[dict[str, str], bool, list[str]]:
+    """`--name value`, `--name=value` and the bare `--spot`, for every verb that takes
+    options: each at most once. With `command_follows`, `--` or the first word that is no
+    option starts the user's command, returned as the third item; otherwise every word
+    must be an option (`unknown(name, token)` says what is wrong)."""
     opts: dict[str, str] = {}
     spot = False
-    command: list[str] = []
     i = 0
     while i < len(tokens):
         tok = tokens[i]
-        if tok == "--":
-            command = tokens[i + 1 :]
-            break
-        if not tok.startswith("--"):
-            command = tokens[i:]  # no `--`: the rest is the command
-            break
+        if command_follows and tok == "--":
+            return opts, spot, tokens[i + 1 :]
+        if command_follows and not tok.startswith("--"):
+            return opts, spot, tokens[i:]  # no `--`: the rest is the command
         name, eq, value = tok.partition("=")
         name = name.lower()
         if name == "--spot":
@@ -527,8 +528,8 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
             spot = True
             i += 1
             continue
-        if name not in _RUN_FLAGS_WITH_VALUE:
-            raise ctx.fail(f"Unknown option `{_clip(name)}`; put your own command after `--`.")
+        if name not in with_value:
+            raise ctx.fail(unknown(name, tok))
         if not eq:
             if i + 1 >= len(tokens):
                 raise ctx.fail(f"`{name}` needs a value.")
@@ -538,6 +539,24 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
             raise ctx.fail(f"`{name}` is given twice.")
         opts[name] = value
         i += 1
+    return opts, spot, []
+
+
+_RUN_FLAGS_WITH_VALUE = {"--gpus", "--gpu", "--precision", "--max", "--recipe", "--git", "--path"}
+
+
+def _parse_run(rest: str, ctx: _Ctx) -> Run:
+    try:
+        tokens = shlex.split(rest)
+    except ValueError as exc:
+        raise ctx.fail(f"I could not split that command line: {exc}.") from None
+    opts, spot, command = _options(
+        tokens,
+        ctx,
+        _RUN_FLAGS_WITH_VALUE,
+        lambda name, tok: f"Unknown option `{_clip(name)}`; put your own command after `--`.",
+        command_follows=True,
+    )
     gpus = _int(opts["--gpus"], ctx, "--gpus", 1, MAX_GPUS_PER_REQUEST) if "--gpus" in opts else 1
     model = _model(opts["--gpu"], ctx) if "--gpu" in opts else None
     precision = opts.get("--precision", "auto").lower()
@@ -687,32 +706,15 @@ _HOURS = re.compile(r"^(\d{1,6}(?:\.\d{1,3})?)\s*(?:h|hr|hrs|hours?)?$", re.IGNO
 
 
 def _parse_recommend(rest: str, ctx: _Ctx) -> Recommend:
-    words = _words(rest)
-    opts: dict[str, str] = {}
-    spot = False
-    i = 0
-    while i < len(words):
-        name, eq, value = words[i].partition("=")
-        name = name.lower()
-        if name == "--spot":
-            if eq:
-                raise ctx.fail("`--spot` takes no value.")
-            spot = True
-            i += 1
-            continue
-        if name not in _RECOMMEND_OPTS:
-            raise ctx.fail(
-                f"`{_clip(words[i])}` is not an option here; use --mem, --hours, --gpus, --spot."
-            )
-        if not eq:
-            if i + 1 >= len(words):
-                raise ctx.fail(f"`{name}` needs a value.")
-            value = words[i + 1]
-            i += 1
-        if name in opts:
-            raise ctx.fail(f"`{name}` is given twice.")
-        opts[name] = value
-        i += 1
+    opts, spot, _ = _options(
+        _words(rest),
+        ctx,
+        _RECOMMEND_OPTS,
+        lambda name, tok: (
+            f"`{_clip(tok)}` is not an option here; use --mem, --hours, --gpus, --spot."
+        ),
+        command_follows=False,
+    )
     if "--mem" not in opts:
         raise ctx.fail("Say how much GPU memory the run needs, like `--mem 40` (GB).")
     if "--hours" not in opts:
