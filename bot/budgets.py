@@ -34,12 +34,12 @@ from bot.commands import Budget
 from bot.config import Settings
 from bot.errors import UserError
 from bot.metering import Window, cost_by_user, period_window, to_cents
+from bot.outbox import enqueue
 from db.models import (
     RES_ACTIVE,
     RES_WAITING,
     Gpu,
     Host,
-    Notification,
     Reservation,
     TrainingRun,
     UsageInterval,
@@ -312,20 +312,7 @@ def run_refusal(
 
 
 def _dm(s: Session, user_key: str, view: views.View, now: datetime, dedupe: str) -> None:
-    """An outbox row, as GpuService.notify_dm writes it (this module has no service)."""
-    if s.exec(select(Notification.id).where(Notification.dedupe_key == dedupe)).first():
-        return
-    s.add(
-        Notification(
-            kind="dm",
-            target=user_key,
-            text=view.text,
-            view=view.to_dict(),
-            created_at=now,
-            deliver_after=now,
-            dedupe_key=dedupe,
-        )
-    )
+    enqueue(s, "dm", user_key, view, now, dedupe)
 
 
 # --- /gpu budget -------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from bot.domain import GpuState, HostState, ReservationInfo, StatusSnapshot
 from bot.durations import format_duration
 from bot.errors import UserError
 from bot.metering import Window, cost_by_user, period_window
+from bot.outbox import enqueue
 from db.models import (
     HOST_READY,
     RES_ACTIVE,
@@ -832,25 +833,7 @@ class GpuService:
         dedupe: str | None,
         attachment: tuple[str, bytes] | None = None,
     ) -> None:
-        if dedupe is not None:
-            exists = s.exec(
-                select(Notification.id).where(Notification.dedupe_key == dedupe)
-            ).first()
-            if exists is not None:
-                return
-        s.add(
-            Notification(
-                kind=kind,
-                target=target,
-                text=view.text,
-                view=view.to_dict(),
-                created_at=now,
-                deliver_after=now,
-                dedupe_key=dedupe,
-                attachment_name=attachment[0] if attachment else None,
-                attachment=attachment[1] if attachment else None,
-            )
-        )
+        enqueue(s, kind, target, view, now, dedupe, attachment)
 
     def pending_notifications(self, limit: int = 50) -> list[OutboxItem]:
         with transaction(self.engine, write=False) as s:
