@@ -40,6 +40,7 @@ from bot.scheduler import (
     FleetInstance,
     Launch,
     Place,
+    Preempt,
     QueuedRun,
     SchedulerConfig,
     Start,
@@ -466,6 +467,9 @@ class RunService:
             if isinstance(action, Launch | Start):
                 self._provision(action)
                 continue
+            if isinstance(action, Preempt):
+                self._preempt(int(action.run_id), action.for_run)
+                continue
             if not isinstance(action, Place):
                 log.info("scheduler wants %s; not carried out here, skipped", action)
                 continue
@@ -475,6 +479,47 @@ class RunService:
             if self._start(int(action.run_id), action.instance_ids[0], action.gpus_per_instance):
                 started += 1
         return started
+
+    def _preempt(self, run_id: int, for_run: str) -> None:
+        """Stops a running run with a checkpoint so its GPUs go elsewhere (scheduler's call).
+
+        The same path as a spot notice: the run is marked interrupted, gets SIGTERM, saves
+        a checkpoint and exits 75; poll then copies the checkpoint off and requeues it
+        (bot.agentwatch), and the owner gets a DM saying why and from which step it will
+        resume. Its GPUs are placed on a later tick, once they are really free."""
+        now = self.core.clock.now()
+        with transaction(self.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is None or run.state != RUN_RUNNING:
+                return
+            placement = dict(run.placement)
+            if "pgid" not in placement or "interrupted" in placement:
+                return
+            if for_run.startswith("consolidate:"):
+                reason = "moved so that a half-empty instance can stop"
+            else:
+                other = s.get(TrainingRun, int(for_run)) if for_run.isdigit() else None
+                owner = s.get(User, other.user_id) if other is not None else None
+                who = f" of {owner.key}" if owner is not None else ""
+                reason = f"preempted for run #{for_run}{who}: fair share of the GPUs"
+            placement["interrupted"] = {
+                "reason": reason,
+                "action": "preempt",
+                "at": now.isoformat(),
+            }
+            run.placement = placement
+            s.add(run)
+        access = self.access.runner_for(placement["host"])
+        if access is None:
+            log.warning("preempt: host %s of run %s is not reachable", placement["host"], run_id)
+            return
+        runner, target, _ = access
+        try:
+            runner.kill_group(target, int(placement["pgid"]), "TERM")
+            self._update_placement(run_id, term_sent=True)
+            log.info("run %s preempted (%s)", run_id, reason)
+        except SshError as exc:
+            log.warning("preempt of run %s on %s failed: %s", run_id, placement["host"], exc)
 
     def _provision(self, action: Launch | Start) -> None:
         """A Launch/Start goes to the fleet (bot.fleet), which buys within the pool limits
@@ -538,6 +583,7 @@ class RunService:
                 continue
             hosts[host.name] = host
             by_holder: dict[str, tuple[str, int, float | None]] = {}
+            flags: dict[str, tuple[bool, bool, float | None]] = {}
             for iv, user, res, run in open_rows:
                 if iv.host_id != host.id:
                     continue
@@ -549,6 +595,14 @@ class RunService:
                     )
                     limit = run.max_seconds if run is not None else None
                     key, end = f"{iv.run_id}", (started.timestamp() + limit) if limit else None
+                    if run is not None:
+                        # Recipes checkpoint on SIGTERM (training.loop); a --spot run's
+                        # owner said it resumes. Anything else is never preempted.
+                        flags[key] = (
+                            run.state == RUN_RUNNING and (run.recipe is not None or run.spot),
+                            run.state == RUN_CANCELLING or "interrupted" in run.placement,
+                            started.timestamp(),
+                        )
                 _, n, _ = by_holder.get(key, (user.key, 0, end))
                 by_holder[key] = (user.key, n + 1, end)
             models = sorted({g.model for g in gpus})
@@ -563,7 +617,15 @@ class RunService:
                     state="running",
                     ready_at_s=host.created_at.timestamp(),
                     allocations=tuple(
-                        Allocation(run_id=k, user=u, gpus=n, est_end_s=e)
+                        Allocation(
+                            run_id=k,
+                            user=u,
+                            gpus=n,
+                            est_end_s=e,
+                            preemptible=flags.get(k, (False, False, None))[0],
+                            stopping=flags.get(k, (False, False, None))[1],
+                            started_s=flags.get(k, (False, False, None))[2],
+                        )
                         for k, (u, n, e) in by_holder.items()
                     ),
                 )

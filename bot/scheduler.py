@@ -95,6 +95,9 @@ class Allocation:
     user: str
     gpus: int  # GPUs on THIS instance
     est_end_s: float | None  # when the run is expected to free them; None = unknown
+    preemptible: bool = False  # it checkpoints on SIGTERM and resumes when requeued
+    stopping: bool = False  # told to stop (preempted, interrupted): its GPUs come back soon
+    started_s: float | None = None  # when it (last) started here; None = long ago
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,17 @@ class Start:
 
 
 @dataclass(frozen=True)
+class Preempt:
+    """Stop `run_id` with a checkpoint (SIGTERM; it exits 75) and put it back in line.
+
+    Its GPUs go to `for_run`, whose user is below a fair share of the quota while the
+    preempted run's user is above theirs. The run resumes from the checkpoint later."""
+
+    run_id: str
+    for_run: str
+
+
+@dataclass(frozen=True)
 class Stop:
     instance_id: str
 
@@ -170,7 +184,7 @@ class Terminate:
     instance_id: str
 
 
-Action = Place | Launch | Start | Stop | Terminate
+Action = Place | Launch | Start | Stop | Terminate | Preempt
 
 
 @dataclass(frozen=True)
@@ -201,10 +215,22 @@ class SchedulerConfig:
     idle_stop_s: float | None = None  # None: derived, see idle_stop_after()
     terminate_after_s: float | None = None  # None: derived, see terminate_after()
     fixed_fleet: tuple[tuple[str, int], ...] = ()  # fifo: (instance type, count)
+    preempt: bool = True  # fair: reclaim GPUs for users below their fair share
+    preempt_after_s: float | None = None  # a run waits this long before it may preempt;
+    # None: boot_s + setup_s, one provisioning time (a run that ends or an instance that
+    # comes within it is cheaper than a preemption)
+    resume_s: float = 300.0  # what a preemption costs the preempted run: the checkpoint
+    # write on SIGTERM, a process start and the reload on resume, on its GPUs (5 min is
+    # generous for one GPU's state; the simulator charges it on every resume)
 
     def peer_window(self) -> float:
         if self.peer_window_s is not None:
             return self.peer_window_s
+        return self.boot_s + self.setup_s
+
+    def preempt_after(self) -> float:
+        if self.preempt_after_s is not None:
+            return self.preempt_after_s
         return self.boot_s + self.setup_s
 
     def idle_stop_after(self) -> float:
@@ -508,11 +534,22 @@ def decide(
     raise ValueError(f"unknown policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
 
 
-def next_wakeup(fleet: Sequence[FleetInstance], config: SchedulerConfig) -> float | None:
-    """When decide would act on the fleet by itself (idle stop / terminate timers)."""
+def next_wakeup(
+    fleet: Sequence[FleetInstance],
+    config: SchedulerConfig,
+    queue: Sequence[QueuedRun] = (),
+    now: float | None = None,
+) -> float | None:
+    """When decide would act by itself: idle stop / terminate timers, and the moment the
+    next waiting run has waited long enough to preempt (given `queue` and `now`)."""
     if config.policy != "fair":
         return None
     best: float | None = None
+    if config.preempt and queue and now is not None:
+        after = config.preempt_after()
+        due = [r.submit_s + after for r in queue if r.submit_s + after > now]
+        if due:
+            best = min(due)
     idle = config.idle_stop_after()
     for inst in fleet:
         t: float | None = None
@@ -534,6 +571,151 @@ def _committed(fleet: Iterable[FleetInstance]) -> int:
 
 
 def _decide_fair(
+    queue: Sequence[QueuedRun],
+    fleet: Sequence[FleetInstance],
+    now: float,
+    catalog: Catalog,
+    config: SchedulerConfig,
+    usage: Mapping[str, float],
+) -> list[Action]:
+    actions = _place_fair(queue, fleet, now, catalog, config, usage)
+    if config.preempt and queue:
+        actions.extend(_preempt(queue, fleet, actions, now, catalog, config, usage))
+    if config.preempt:
+        placed = {a.run_id for a in actions if isinstance(a, Place)}
+        waiting: set[tuple[str, str]] = {
+            (r.gpu_model, _market(r)) for r in queue if r.run_id not in placed
+        }
+        actions.extend(_consolidate(fleet, actions, now, config, waiting))
+    return actions
+
+
+def _movable(al: Allocation, now: float, config: SchedulerConfig) -> bool:
+    """Whether a preemption may touch this allocation at all.
+
+    It must checkpoint (preemptible), not be stopping already, and have run at least
+    max(preempt_after(), resume_s) since it last started — Slurm's PreemptExemptTime:
+    a run is never moved again before its last move has paid off, so a decision can
+    not undo the previous one — and not be due to end within preempt_after() anyway."""
+    after = config.preempt_after()
+    if not al.preemptible or al.stopping:
+        return False
+    if al.started_s is not None and now - al.started_s < max(after, config.resume_s, 1.0):
+        return False
+    return al.est_end_s is None or al.est_end_s - now > after
+
+
+def _consolidate(
+    fleet: Sequence[FleetInstance],
+    actions: Sequence[Action],
+    now: float,
+    config: SchedulerConfig,
+    waiting: set[tuple[str, str]],
+) -> list[Action]:
+    """Empties an instance whose runs fit in GPUs idle on others, so it can be stopped.
+
+    What a cluster autoscaler's scale-down does with pods: a draining fleet (runs that
+    ended at different times) otherwise pays for whole instances kept alive by one or two
+    long runs. Each move is a preemption and a resume (`resume_s` on the run's GPUs);
+    an instance is emptied only when the GPU-time it saves (its GPUs until its last run
+    would have ended) exceeds what the moves cost plus the time they add to the targets.
+    Only runs with a known end, preemptible, on one instance, not ending within
+    `preempt_after()` move; nothing moves onto an instance being emptied. Not while
+    runs of the pool wait: idle GPUs are theirs (and the backfill promise to the head of
+    the line covers them), and defragmentation serves them instead."""
+    busy_refs = {a.instance_id for a in actions if isinstance(a, Stop | Terminate)}
+    placed: dict[str, list[tuple[float, int]]] = {}
+    moved_runs: set[str] = set()
+    for a in actions:
+        if isinstance(a, Place):
+            for iid in a.instance_ids:
+                placed.setdefault(iid, []).append((math.inf, a.gpus_per_instance))
+        elif isinstance(a, Preempt):
+            moved_runs.add(a.run_id)
+    spans: dict[str, int] = {}
+    for inst in fleet:
+        for al in inst.allocations:
+            spans[al.run_id] = spans.get(al.run_id, 0) + 1
+    groups: dict[tuple[str, str, str], list[FleetInstance]] = {}
+    for inst in fleet:
+        if inst.state != "running" or inst.ready_at_s > now or inst.instance_id in busy_refs:
+            continue
+        if (inst.gpu_model, inst.market) in waiting:
+            continue
+        groups.setdefault((inst.instance_type, inst.gpu_model, inst.market), []).append(inst)
+    out: list[Action] = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        idle: dict[str, int] = {}
+        horizon: dict[str, float] = {}
+        for inst in group:
+            extra = placed.get(inst.instance_id, [])
+            idle[inst.instance_id] = inst.free_gpus - sum(g for _, g in extra)
+            ends = [al.est_end_s for al in inst.allocations]
+            horizon[inst.instance_id] = (
+                math.inf
+                if extra or any(e is None for e in ends)
+                else max([now, *(e for e in ends if e is not None)])
+            )
+        if sum(max(0, v) for v in idle.values()) == 0:
+            continue
+        emptied: set[str] = set()
+        for inst in sorted(group, key=lambda i: (i.used_gpus, i.instance_id)):
+            iid = inst.instance_id
+            als = inst.allocations
+            if (
+                not als
+                or horizon[iid] == math.inf
+                or any(
+                    not _movable(al, now, config)
+                    or al.run_id in moved_runs
+                    or spans[al.run_id] != 1
+                    or al.est_end_s is None
+                    for al in als
+                )
+            ):
+                continue
+            room = {
+                o.instance_id: idle[o.instance_id]
+                for o in group
+                if o is not inst and o.instance_id not in emptied and idle[o.instance_id] > 0
+            }
+            new_h = {k: horizon[k] for k in room}
+            plan: list[tuple[Allocation, str]] = []
+            for al in sorted(als, key=lambda a: (-a.gpus, -(a.est_end_s or 0.0), a.run_id)):
+                end = (al.est_end_s or now) + config.resume_s
+                # the target whose paid time grows least: one already kept as long
+                fits = [
+                    (max(0.0, end - new_h[k]), left - al.gpus, k)
+                    for k, left in room.items()
+                    if left >= al.gpus and new_h[k] != math.inf
+                ]
+                if not fits:
+                    break
+                _, _, to = min(fits)
+                room[to] -= al.gpus
+                new_h[to] = max(new_h[to], end)
+                plan.append((al, to))
+            if len(plan) < len(als):
+                continue
+            saved = inst.gpus * (horizon[iid] - now)
+            added = sum(inst.gpus * (new_h[k] - horizon[k]) for k in new_h)
+            cost = sum(al.gpus for al in als) * config.resume_s
+            if saved - added - cost <= inst.gpus * config.preempt_after():
+                continue  # not worth the moves and the restart of the emptied instance
+            emptied.add(iid)
+            for al, to in plan:
+                out.append(Preempt(al.run_id, f"consolidate:{iid}"))
+                out.append(Place(al.run_id, (to,), al.gpus))
+                idle[to] -= al.gpus
+                horizon[to] = new_h[to]
+                moved_runs.add(al.run_id)
+            idle[iid] = inst.gpus
+    return out
+
+
+def _place_fair(
     queue: Sequence[QueuedRun],
     fleet: Sequence[FleetInstance],
     now: float,
@@ -709,6 +891,291 @@ def _decide_fair(
         return actions
     actions.extend(_provision(waiting, slots, stopped, headroom, now, catalog, config))
     return actions
+
+
+def fair_shares(
+    demand: Mapping[str, int], capacity: int, weights: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """Max-min fair split of `capacity` GPUs over the users' demands (water-filling).
+
+    A user asking for less than an even split gets all of it; the rest is split evenly
+    among the others, again and again. This is the share preemption defends: a user
+    below theirs may take GPUs back from a user above theirs (YARN's and Kueue's fair
+    sharing preemption), never from one at or below it."""
+    w = {u: max(1e-12, (weights or {}).get(u, 1.0)) for u in demand}
+    shares: dict[str, float] = {}
+    left = float(capacity)
+    wsum = sum(w.values())
+    for user in sorted(demand, key=lambda u: (demand[u] / w[u], u)):
+        give = min(float(demand[user]), left * w[user] / wsum) if wsum > 0 else 0.0
+        shares[user] = give
+        left -= give
+        wsum -= w[user]
+    return shares
+
+
+def _preempt(
+    queue: Sequence[QueuedRun],
+    fleet: Sequence[FleetInstance],
+    actions: Sequence[Action],
+    now: float,
+    catalog: Catalog,
+    config: SchedulerConfig,
+    usage: Mapping[str, float],
+) -> list[Action]:
+    """Preempt-and-place for runs the quota keeps out, where fair share says so.
+
+    Only when nothing else can serve the run: it has waited `preempt_after()` (a run
+    ending or an instance booting within that is cheaper than a preemption) and the
+    quota leaves no room to provision an instance for it. Its user must stay within a
+    max-min fair share of the quota (`fair_shares` over GPUs held + queued) once it
+    runs; a victim must be preemptible, belong to a user who stays at or above their
+    share after losing it, and not be due to end within `preempt_after()` anyway.
+    Victims are taken largest first (one preemption frees the most GPUs for the runs
+    behind), then the most work left (it would hold the GPUs longest). The freed GPUs
+    go to the claimants in fair order; a preempted run goes back in line and resumes
+    from its checkpoint, paying `resume_s` on its GPUs. Users below their share never
+    lose GPUs, so two users cannot take GPUs back and forth."""
+    after = config.preempt_after()
+    stopped_ids = {a.instance_id for a in actions if isinstance(a, Stop | Terminate)}
+    by_id = {r.run_id: r for r in queue}
+    placed: set[str] = set()
+    held: dict[str, int] = {}
+    committed = 0
+    for inst in fleet:
+        if inst.state != "stopped" and inst.instance_id not in stopped_ids:
+            committed += inst.gpus
+        for al in inst.allocations:
+            if not al.stopping:
+                held[al.user] = held.get(al.user, 0) + al.gpus
+    for a in actions:
+        if isinstance(a, Place):
+            placed.add(a.run_id)
+            run = by_id.get(a.run_id)
+            if run is not None:
+                held[run.user] = held.get(run.user, 0) + a.gpus_per_instance * len(a.instance_ids)
+        elif isinstance(a, Launch):
+            t = catalog.get(a.instance_type)
+            committed += t.gpus if t is not None else 0
+        elif isinstance(a, Start):
+            committed += next((i.gpus for i in fleet if i.instance_id == a.instance_id), 0)
+    headroom = config.max_gpus - committed
+    claimants: list[QueuedRun] = []
+    for run in queue:
+        if run.run_id in placed or now - run.submit_s < after:
+            continue
+        shape = run_shape(catalog, run.gpu_model, run.gpus)
+        if shape is not None and (shape[1] > 1 or shape[0].gpus <= headroom):
+            continue  # multi-host runs are not placed by preemption; room to provision
+        claimants.append(run)  # (no shape: owned hosts only, nothing could be bought)
+    if not claimants:
+        return []
+    demand = dict(held)
+    for run in queue:
+        if run.run_id not in placed:
+            demand[run.user] = demand.get(run.user, 0) + run.gpus
+    ordering = _Ordering(claimants, now, usage, config)
+    weights = fairshare_factors(demand, usage)
+    # The GPUs there are to share: at the quota (or on owned hosts, where nothing can be
+    # bought) that is what runs now.
+    shares = fair_shares(demand, min(config.max_gpus, committed), weights)
+    # Instances that can take a claimant: usable now, with preemptible allocations.
+    pool: dict[tuple[str, str], list[FleetInstance]] = {}
+    spans: dict[str, list[str]] = {}  # run -> instances it holds (multi-host victims)
+    for inst in fleet:
+        if inst.instance_id in stopped_ids or inst.state != "running" or inst.ready_at_s > now:
+            continue
+        pool.setdefault((inst.gpu_model, inst.market), []).append(inst)
+        for al in inst.allocations:
+            spans.setdefault(al.run_id, []).append(inst.instance_id)
+    freed: dict[str, int] = {}  # instance -> GPUs freed (or being freed) for claimants
+    for inst in fleet:
+        for al in inst.allocations:
+            if al.stopping:  # told to stop earlier: their GPUs are already promised
+                freed[inst.instance_id] = freed.get(inst.instance_id, 0) + al.gpus
+    gone: set[str] = set()  # runs preempted by this pass
+    out: list[Action] = []
+    eps = 1e-9
+    by_iid = {i.instance_id: i for i in fleet}
+    # Fair order, but one user's runs of one shape that waited together (a sweep) go by
+    # length: the GPUs one preemption frees then hold runs that end together, and the
+    # instance does not stay paid for one straggler.
+    ranked = sorted(claimants, key=ordering.key)
+    first: dict[tuple[str, int, str, bool, int], int] = {}
+    for idx, run in enumerate(ranked):
+        first.setdefault((run.user, run.gpus, run.gpu_model, run.spot, run.priority), idx)
+    order = sorted(
+        ranked,
+        key=lambda r: (
+            first[(r.user, r.gpus, r.gpu_model, r.spot, r.priority)],
+            _est(r, config),
+            r.run_id,
+        ),
+    )
+    pending: dict[tuple[str, str], int] = {}  # GPUs the claimants still ask per pool
+    for run in order:
+        pkey = (run.gpu_model, _market(run))
+        pending[pkey] = pending.get(pkey, 0) + run.gpus
+
+    def end_of(al: Allocation) -> float:
+        return math.inf if al.est_end_s is None else al.est_end_s
+
+    idle: dict[str, int] = {}  # free GPUs nobody was placed on in this decision
+    for group in pool.values():
+        for inst in group:
+            idle[inst.instance_id] = inst.free_gpus
+    for a in actions:
+        if isinstance(a, Place):
+            for iid in a.instance_ids:
+                if iid in idle:
+                    idle[iid] -= a.gpus_per_instance
+
+    def defrag(run: QueuedRun, group: list[FleetInstance]) -> list[Action] | None:
+        """Room for `run` by moving a few small runs into GPUs idle elsewhere.
+
+        The fleet has the GPUs but no instance has enough of them together (a big run
+        behind small ones that ended at different times): moving runs off one instance
+        into the gaps on others makes it whole. Nobody loses GPUs; the moved runs pay
+        `resume_s` each, so it is done only when that costs less GPU-time than the run
+        would wait for `preempt_after()` on its own GPUs."""
+        if sum(max(0, idle[i.instance_id]) for i in group) < run.gpus:
+            return None
+        best: tuple[tuple[int, int, str], FleetInstance, list[tuple[Allocation, str]]] | None
+        best = None
+        for inst in group:
+            need = run.gpus - idle[inst.instance_id]
+            if inst.gpus < run.gpus or need <= 0:
+                continue
+            movable = sorted(
+                (
+                    al
+                    for al in inst.allocations
+                    if _movable(al, now, config)
+                    and al.run_id not in gone
+                    and len(spans[al.run_id]) == 1
+                ),
+                key=lambda al: (al.gpus, end_of(al), al.run_id),
+            )
+            chosen: list[Allocation] = []
+            for al in movable:
+                if need <= 0:
+                    break
+                chosen.append(al)
+                need -= al.gpus
+            if need > 0:
+                continue
+            room = {
+                o.instance_id: idle[o.instance_id]
+                for o in group
+                if o is not inst and idle[o.instance_id] > 0
+            }
+            plan: list[tuple[Allocation, str]] = []
+            for al in sorted(chosen, key=lambda al: (-al.gpus, al.run_id)):
+                fits = [(left - al.gpus, iid) for iid, left in room.items() if left >= al.gpus]
+                if not fits:
+                    break
+                _, to = min(fits)
+                room[to] -= al.gpus
+                plan.append((al, to))
+            if len(plan) < len(chosen):
+                continue
+            moved = sum(al.gpus for al in chosen)
+            if moved * config.resume_s >= run.gpus * after:
+                continue
+            score = (moved, len(chosen), inst.instance_id)
+            if best is None or score < best[0]:
+                best = (score, inst, plan)
+        if best is None:
+            return None
+        _, inst, plan = best
+        acts: list[Action] = [Preempt(al.run_id, run.run_id) for al, _ in plan]
+        for al, to in plan:
+            gone.add(al.run_id)
+            idle[to] -= al.gpus
+            idle[inst.instance_id] += al.gpus
+            acts.append(Place(al.run_id, (to,), al.gpus))
+        idle[inst.instance_id] -= run.gpus
+        acts.append(Place(run.run_id, (inst.instance_id,), run.gpus))
+        return acts
+
+    for run in order:
+        pkey = (run.gpu_model, _market(run))
+        asked = pending[pkey]
+        pending[pkey] -= run.gpus
+        moves = defrag(run, pool.get(pkey, []))
+        if moves is not None:
+            out.extend(moves)
+            held[run.user] = held.get(run.user, 0) + run.gpus
+            continue
+        mine = shares.get(run.user, 0.0)
+        if held.get(run.user, 0) >= mine - eps:
+            continue  # at or above its share: it waits like everyone else
+        best: tuple[tuple[int, int, int, float, str], FleetInstance, list[Allocation]] | None
+        best = None
+        for inst in pool.get(pkey, []):
+            if inst.gpus < run.gpus:
+                continue
+            need = run.gpus - freed.get(inst.instance_id, 0)
+            picks: list[Allocation] = []
+            if need > 0:
+                # Largest first frees the most for the claimants behind, but not more
+                # than they ask for; then the one with the most work left.
+                cands = sorted(
+                    (
+                        al
+                        for al in inst.allocations
+                        if _movable(al, now, config)
+                        and al.run_id not in gone
+                        and al.user != run.user
+                    ),
+                    key=lambda al: (max(0, al.gpus - asked), -al.gpus, -end_of(al), al.run_id),
+                )
+                budget = dict(held)
+                for al in cands:
+                    total = sum(
+                        x.gpus
+                        for iid in spans[al.run_id]
+                        for x in by_iid[iid].allocations
+                        if x.run_id == al.run_id
+                    )
+                    hv, sv = budget.get(al.user, 0), shares.get(al.user, 0.0)
+                    hc = held.get(run.user, 0)
+                    if hv <= sv + eps:
+                        continue  # its user is not above their share
+                    # The swap must bring both users nearer their shares (in whole GPUs
+                    # a share is rarely met exactly): never trade one unfairness for a
+                    # bigger one, so the GPUs cannot swing back and forth.
+                    before = abs(hc - mine) + abs(hv - sv)
+                    after_swap = abs(hc + run.gpus - mine) + abs(hv - total - sv)
+                    if after_swap >= before - eps:
+                        continue
+                    budget[al.user] = budget.get(al.user, 0) - total
+                    picks.append(al)
+                    need -= al.gpus
+                    if need <= 0:
+                        break
+                if need > 0:
+                    continue
+            got = sum(al.gpus for al in picks)
+            waste = max(0, got + freed.get(inst.instance_id, 0) - asked)
+            latest = max((end_of(al) for al in picks), default=0.0)
+            score = (len(picks), waste, -got, -latest, inst.instance_id)
+            if best is None or score < best[0]:
+                best = (score, inst, picks)
+        if best is None:
+            continue
+        _, inst, picks = best
+        for al in picks:
+            gone.add(al.run_id)
+            out.append(Preempt(al.run_id, run.run_id))
+            for iid in spans[al.run_id]:
+                g = sum(x.gpus for x in by_iid[iid].allocations if x.run_id == al.run_id)
+                freed[iid] = freed.get(iid, 0) + g
+                held[al.user] = held.get(al.user, 0) - g
+        freed[inst.instance_id] = freed.get(inst.instance_id, 0) - run.gpus
+        held[run.user] = held.get(run.user, 0) + run.gpus
+        out.append(Place(run.run_id, (inst.instance_id,), run.gpus))
+    return out
 
 
 @lru_cache(maxsize=256)

@@ -15,9 +15,10 @@ Figures (all over the jobs that ran; a job that can never run is reported as rej
 * ``ideal_cost_usd``: every job's GPU-seconds at the cheapest on-demand per-GPU price of
   an instance type of its GPU model: no idle, no boot, perfect packing; the floor.
 * ``cost_efficiency``: ideal / total (1.0 is the floor, higher is impossible).
-* ``avg_jct_s``: mean of end − submit.
-* ``avg_queue_s``, ``p95_queue_s``: mean and 95th percentile (nearest rank) of
-  start − submit.
+* ``avg_jct_s``: mean of (last) end − submit.
+* ``avg_queue_s``, ``p95_queue_s``: mean and 95th percentile (nearest rank) of the time
+  a job spent not running: start − submit, plus, for a preempted job, every gap between
+  its segments.
 * ``gpu_utilization``: busy GPU-seconds (jobs' GPUs × duration) / paid running
   GPU-seconds (each instance's GPUs × its time not stopped, launch to end).
 * ``makespan_s``: last end − first submit.
@@ -27,6 +28,16 @@ up to whole instances), or, under ``fifo``, more than its model's part of the fi
 fleet, can never start. It is left out of the schedule and the figures and named on
 stderr (and in ``SimResult.rejected``), rather than run at a fraction of its size, which
 would change its duration and thus the figures.
+
+Preemption (``fair`` only, ``--no-preempt`` turns it off): the scheduler may stop a
+running job with a checkpoint and start it again later or elsewhere (fair-share
+preemption, defragmentation, consolidation; see `bot.scheduler`). Philly's own jobs were
+restarted this way: the trace's duration is the sum of a job's attempts. Every job is
+taken to checkpoint on SIGTERM, as the bot's runner does. A preempted job keeps the work
+it did and owes ``--resume-s`` more on each resume (the checkpoint write and reload, run
+on its GPUs and billed like any other second). Its schedule has one row per segment, in
+time order, each on the instances it used then; the rows' lengths add up to its duration
+plus ``--resume-s`` per resume.
 
 The trace records each job's run time; the simulator hands it to the scheduler as the
 user's time limit (a perfect estimate), as trace-driven backfill studies do. Spot runs
@@ -53,6 +64,7 @@ from bot.scheduler import (
     FleetInstance,
     Launch,
     Place,
+    Preempt,
     QueuedRun,
     SchedulerConfig,
     Start,
@@ -134,6 +146,7 @@ class SimResult:
     instances: tuple[InstanceRecord, ...] = ()
     rejected: tuple[tuple[str, str], ...] = ()  # (job_id, why)
     wall_s: float = 0.0
+    preemptions: int = 0  # checkpoint-and-requeue events (each a new schedule row)
 
     def figures(self) -> dict[str, object]:
         """Exactly the `--json` object of DESIGN.md."""
@@ -256,6 +269,8 @@ def run_simulation(
     ebs_gb: float = 500.0,
     ebs_usd_gb_month: float = 0.08,
     config: SchedulerConfig | None = None,
+    preempt: bool | None = None,
+    resume_s: float | None = None,
 ) -> SimResult:
     """Replays `trace` (a file or parsed jobs) under `policy`; raises SimInputError."""
     t_wall = time.perf_counter()
@@ -277,6 +292,7 @@ def run_simulation(
         ("--start-s", start_s),
         ("--ebs-gb", ebs_gb),
         ("--ebs-usd-gb-month", ebs_usd_gb_month),
+        ("--resume-s", 0.0 if resume_s is None else resume_s),
     ):
         if not (math.isfinite(v) and v >= 0):
             raise SimInputError(f"{name} must be a number >= 0")
@@ -302,6 +318,8 @@ def run_simulation(
             "setup_s": setup_s,
             "start_s": start_s,
             "ebs_usd_s": cloud.ebs_usd_s,
+            "preempt": base.preempt if preempt is None else preempt,
+            "resume_s": base.resume_s if resume_s is None else resume_s,
         }
     )
     rejected: list[tuple[str, str]] = []
@@ -344,7 +362,7 @@ def run_simulation(
 
     loop = _Loop(runnable, cloud, catalog, cfg)
     loop.run()
-    schedule = tuple(loop.schedule[j.job_id] for j in runnable)
+    schedule = tuple(row for j in runnable for row in loop.schedule[j.job_id])
     records = tuple(cloud.records())
     res = _figures(policy, runnable, schedule, records, catalog, cloud.min_bill_s)
     return SimResult(
@@ -354,6 +372,7 @@ def run_simulation(
             "instances": records,
             "rejected": tuple(rejected),
             "wall_s": time.perf_counter() - t_wall,
+            "preemptions": loop.preemptions,
         }
     )
 
@@ -374,7 +393,10 @@ class _Loop:
         self.queued = 0
         self.usage: dict[str, float] = {}
         self.running: dict[str, int] = {}
-        self.schedule: dict[str, ScheduledJob] = {}
+        self.schedule: dict[str, list[ScheduledJob]] = {}  # a row per run segment
+        self.left: dict[str, float] = {j.job_id: j.duration_s for j in jobs}  # work to do
+        self.seg: dict[str, tuple[float, float, float]] = {}  # running: start, end, resume
+        self.preemptions = 0
         self.placed_on: dict[str, tuple[str, ...]] = {}
         self.per_host: dict[str, int] = {}
         self.wakes: set[float] = set()
@@ -441,6 +463,11 @@ class _Loop:
             j = self.by_id[key]
             self.running[j.user] = self.running.get(j.user, 0) + j.gpus
         elif kind == _END:
+            seg = self.seg.get(key)
+            if seg is None or seg[1] != t:
+                return  # the segment was preempted before this end
+            del self.seg[key]
+            self.left[key] = 0.0
             j = self.by_id[key]
             self.running[j.user] -= j.gpus
             for iid in self.placed_on.pop(key):
@@ -476,7 +503,10 @@ class _Loop:
         if actions:
             self.apply(actions, now)
             fleet = [i.snapshot() for i in self.insts.values()]
-        wake = next_wakeup(fleet, self.cfg)
+            if any(isinstance(a, Preempt) for a in actions):
+                # the window moved on and the shares changed: look again at once
+                self.push(now, _WAKE, "")
+        wake = next_wakeup(fleet, self.cfg, queue, now)
         if wake is not None and wake > now and wake not in self.wakes:
             self.wakes.add(wake)
             self.push(wake, _WAKE, "")
@@ -487,6 +517,8 @@ class _Loop:
         for a in actions:
             if isinstance(a, Place):
                 self.place(a, refs, now)
+            elif isinstance(a, Preempt):
+                self.preempt(a.run_id, now)
             elif isinstance(a, Launch):
                 iid = cloud.launch(a.instance_type, a.market)
                 t = self.catalog.get(a.instance_type)
@@ -526,6 +558,41 @@ class _Loop:
                 cloud.terminate(a.instance_id)
                 del self.insts[a.instance_id]
 
+    def preempt(self, job_id: str, now: float) -> None:
+        """Stops a running job with a checkpoint: the GPUs free at once, the work done
+        is kept, and the job goes back in line owing `resume_s` more on its next start."""
+        seg = self.seg.pop(job_id, None)
+        j = self.by_id[job_id]
+        if seg is None or seg[0] > now:
+            raise RuntimeError(f"scheduler preempted {job_id}, which is not running")
+        start, _, resume = seg
+        self.left[job_id] -= max(0.0, now - start - resume)
+        self.running[j.user] -= j.gpus
+        for iid in self.placed_on.pop(job_id):
+            inst = self.insts[iid]
+            del inst.allocs[job_id]
+            if not inst.allocs:
+                inst.idle_since = now
+            inst.snap = None
+        rows = self.schedule[job_id]
+        last = rows[-1]
+        rows[-1] = ScheduledJob(
+            last.job_id, last.user, last.instance_ids, last.submit_s, last.start_s, now, last.gpus
+        )
+        self.preemptions += 1
+        self.queues.setdefault(j.user, []).append(
+            QueuedRun(
+                run_id=j.job_id,
+                user=j.user,
+                gpus=j.gpus,
+                gpu_model=j.gpu_model,
+                submit_s=j.submit_s,
+                est_duration_s=self.left[job_id] + self.cfg.resume_s,
+            )
+        )
+        self.queues[j.user].sort(key=lambda r: (r.submit_s, r.run_id))
+        self.queued += 1
+
     def place(self, a: Place, refs: dict[str, str], now: float) -> None:
         j = self.by_id[a.run_id]
         iids = tuple(refs.get(i, i) for i in a.instance_ids)
@@ -533,7 +600,8 @@ class _Loop:
         if a.gpus_per_instance * len(insts) != j.gpus:
             raise RuntimeError(f"scheduler split {j.job_id} wrongly")
         start = max([now] + [i.ready_at for i in insts])
-        end = start + j.duration_s
+        resume = self.cfg.resume_s if j.job_id in self.schedule else 0.0
+        end = start + self.left[j.job_id] + resume
         for inst in insts:
             if (
                 inst.state == "stopped"
@@ -541,7 +609,9 @@ class _Loop:
                 or inst.model != j.gpu_model
             ):
                 raise RuntimeError(f"scheduler over-committed {inst.iid} with {j.job_id}")
-            inst.allocs[j.job_id] = Allocation(j.job_id, j.user, a.gpus_per_instance, end)
+            inst.allocs[j.job_id] = Allocation(
+                j.job_id, j.user, a.gpus_per_instance, end, preemptible=True, started_s=start
+            )
             inst.idle_since = None
             inst.snap = None
         self.placed_on[j.job_id] = iids
@@ -551,9 +621,10 @@ class _Loop:
                 del q[idx]
                 break
         self.queued -= 1
-        self.schedule[j.job_id] = ScheduledJob(
-            j.job_id, j.user, iids, j.submit_s, start, end, j.gpus
+        self.schedule.setdefault(j.job_id, []).append(
+            ScheduledJob(j.job_id, j.user, iids, j.submit_s, start, end, j.gpus)
         )
+        self.seg[j.job_id] = (start, end, resume)
         if start > now:
             self.push(start, _START, j.job_id)
         else:
@@ -585,14 +656,22 @@ def _figures(
     for m in {j.gpu_model for j in jobs}:
         per_gpu[m] = min(t.ondemand_per_gpu_hr for t in catalog.for_model(m))
     ideal = sum(j.gpus * j.duration_s * per_gpu[j.gpu_model] / 3600.0 for j in jobs)
-    queue = [s.start_s - s.submit_s for s in schedule]
-    jct = [s.end_s - s.submit_s for s in schedule]
+    # A preempted job has a row per segment: its queueing is all the time it was not
+    # running, before its first start and between its segments.
+    ran: dict[str, float] = {}
+    last: dict[str, ScheduledJob] = {}
+    for s in schedule:
+        ran[s.job_id] = ran.get(s.job_id, 0.0) + (s.end_s - s.start_s)
+        if s.job_id not in last or s.end_s > last[s.job_id].end_s:
+            last[s.job_id] = s
+    queue = [s.end_s - s.submit_s - ran[jid] for jid, s in last.items()]
+    jct = [s.end_s - s.submit_s for s in last.values()]
     busy = sum(j.gpus * j.duration_s for j in jobs)
     paid = 0.0
     for r in records:
         end = r.end_s if r.end_s is not None else r.launch_s
         paid += r.gpus * ((end - r.launch_s) - sum(b - a for a, b in r.stopped))
-    n = len(schedule)
+    n = len(last)
     makespan = (max(s.end_s for s in schedule) - min(s.submit_s for s in schedule)) if n else 0.0
     return SimResult(
         policy=policy,
@@ -664,6 +743,7 @@ def summary_table(res: SimResult) -> str:
         f"GPU utilization  {res.gpu_utilization:.3f}",
         f"makespan         {res.makespan_s / h:.2f} h",
         f"instances        {len(res.instances)}",
+        f"preemptions      {res.preemptions}",
     ]
     return "\n".join(lines)
 
@@ -693,6 +773,15 @@ def simulate(
     ebs_usd_gb_month: float = typer.Option(
         0.08, "--ebs-usd-gb-month", help="volume price, USD per GB-month"
     ),
+    preempt: bool = typer.Option(
+        True,
+        "--preempt/--no-preempt",
+        help="fair: checkpoint-and-move runs (fair-share preemption, defragmentation, "
+        "consolidation); a moved job has a schedule row per segment",
+    ),
+    resume_s: float = typer.Option(
+        300.0, "--resume-s", help="what each preemption costs the job: checkpoint + reload, s"
+    ),
 ) -> None:
     """Replay a job trace through the scheduler on a simulated cloud and report its cost."""
     import json
@@ -709,6 +798,8 @@ def simulate(
             start_s=start_s,
             ebs_gb=ebs_gb,
             ebs_usd_gb_month=ebs_usd_gb_month,
+            preempt=preempt,
+            resume_s=resume_s,
         )
     except SimInputError as exc:
         raise _fail(str(exc)) from None

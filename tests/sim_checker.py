@@ -6,6 +6,10 @@ cannot hide itself here: the figures it reports cannot be better than the schedu
 wrote. Used by the tests and by `bench/simulate.py`; runnable as a script:
 
     python -m tests.sim_checker TRACE SCHEDULE INSTANCES [--max-gpus N] [--json FIGURES]
+
+A job preempted by the scheduler has one schedule row per segment: the segments must not
+overlap each other or start before the submission, and their lengths must add up to the
+job's duration plus --resume-s per resume (the checkpoint reload, run again).
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ def check(
     ebs_gb: float = 500.0,
     ebs_usd_gb_month: float = 0.08,
     min_bill_s: float = 60.0,
+    resume_s: float = 300.0,
     claimed: Mapping[str, object] | None = None,
 ) -> Verdict:
     v = Verdict()
@@ -179,7 +184,7 @@ def check(
             v.fail(f"quota: {level} GPUs running at t={t_} > {max_gpus}")
             break
 
-    # ---- jobs
+    # ---- jobs: one row per segment (a preempted job resumes in a later row)
     seen: set[str] = set()
     per_inst: dict[str, list[tuple[float, int]]] = {}
     queue: list[float] = []
@@ -187,52 +192,59 @@ def check(
     busy = 0.0
     ideal = 0.0
     first_submit, last_end = math.inf, -math.inf
+    segments: dict[str, list[dict[str, str]]] = {}
     for r in sched:
-        jid = r["job_id"]
+        segments.setdefault(r["job_id"], []).append(r)
+    for jid, rows in segments.items():
         j = jobs.get(jid)
         if j is None:
             v.fail(f"{jid}: not in the trace")
             continue
-        if jid in seen:
-            v.fail(f"{jid}: scheduled twice")
-            continue
         seen.add(jid)
-        submit, start, end = float(r["submit_s"]), float(r["start_s"]), float(r["end_s"])
         dur, gpus = float(j["duration_s"]), int(j["gpus"])
-        if abs(submit - float(j["submit_time"])) > EPS or r["user"] != j["user"]:
-            v.fail(f"{jid}: submit/user differ from the trace")
-        if int(r["gpus"]) != gpus:
-            v.fail(f"{jid}: gpus {r['gpus']} != trace {gpus}")
-        if start < submit - EPS:
-            v.fail(f"{jid}: starts {start} before its submission {submit}")
-        if abs((end - start) - dur) > 1e-6 * max(1.0, dur):
-            v.fail(f"{jid}: ran {end - start}s, not its {dur}s")
         model = models.get(_key(j["gpu_type"]), j["gpu_type"]) if j["gpu_type"] else default_model
-        ids = r["instance_ids"].split(";")
-        if gpus % len(ids):
-            v.fail(f"{jid}: {gpus} GPUs do not split over {len(ids)} instances")
-            continue
-        per = gpus // len(ids)
-        kinds = {insts[i]["instance_type"] for i in ids if i in insts}
-        if len(kinds) > 1:
-            v.fail(f"{jid}: spans instance types {sorted(kinds)}")
-        for iid in ids:
-            inst = insts.get(iid)
-            if inst is None or iid not in usable:
-                v.fail(f"{jid}: unknown instance {iid}")
+        submit = float(rows[0]["submit_s"])
+        prev_end = submit
+        ran = 0.0
+        for r in rows:
+            start, end = float(r["start_s"]), float(r["end_s"])
+            if abs(float(r["submit_s"]) - float(j["submit_time"])) > EPS or r["user"] != j["user"]:
+                v.fail(f"{jid}: submit/user differ from the trace")
+            if int(r["gpus"]) != gpus:
+                v.fail(f"{jid}: gpus {r['gpus']} != trace {gpus}")
+            if start < prev_end - EPS or end < start:
+                v.fail(f"{jid}: segment {start}-{end} overlaps its submission or last segment")
+            prev_end = end
+            ran += end - start
+            ids = r["instance_ids"].split(";")
+            if gpus % len(ids):
+                v.fail(f"{jid}: {gpus} GPUs do not split over {len(ids)} instances")
                 continue
-            t = types[inst["instance_type"]]
-            if t["gpu_model"] != model:
-                v.fail(f"{jid}: wants {model}, {iid} has {t['gpu_model']}")
-            if not any(a - EPS <= start and end <= b + EPS for a, b in usable[iid]):
-                v.fail(f"{jid}: runs {start}-{end} on {iid} outside its usable windows")
-            per_inst.setdefault(iid, []).extend([(start, per), (end, -per)])
-        queue.append(start - submit)
-        jct.append(end - submit)
+            per = gpus // len(ids)
+            kinds = {insts[i]["instance_type"] for i in ids if i in insts}
+            if len(kinds) > 1:
+                v.fail(f"{jid}: spans instance types {sorted(kinds)}")
+            for iid in ids:
+                inst = insts.get(iid)
+                if inst is None or iid not in usable:
+                    v.fail(f"{jid}: unknown instance {iid}")
+                    continue
+                t = types[inst["instance_type"]]
+                if t["gpu_model"] != model:
+                    v.fail(f"{jid}: wants {model}, {iid} has {t['gpu_model']}")
+                if not any(a - EPS <= start and end <= b + EPS for a, b in usable[iid]):
+                    v.fail(f"{jid}: runs {start}-{end} on {iid} outside its usable windows")
+                per_inst.setdefault(iid, []).extend([(start, per), (end, -per)])
+        # every resume re-runs resume_s on the job's GPUs; the work itself is done once
+        owed = dur + resume_s * (len(rows) - 1)
+        if abs(ran - owed) > 1e-6 * max(1.0, owed) + 1e-6 * len(rows):
+            v.fail(f"{jid}: ran {ran}s in {len(rows)} segment(s), not {owed}s")
+        queue.append(prev_end - submit - ran)
+        jct.append(prev_end - submit)
         busy += gpus * dur
         ideal += gpus * dur * per_gpu_floor.get(model, math.inf) / 3600.0
         first_submit = min(first_submit, submit)
-        last_end = max(last_end, end)
+        last_end = max(last_end, prev_end)
     for jid, j in jobs.items():
         if jid not in seen and int(j["gpus"]) <= max_gpus:
             v.fail(f"{jid}: never ran")
@@ -280,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-s", type=float, default=60.0)
     p.add_argument("--ebs-gb", type=float, default=500.0)
     p.add_argument("--ebs-usd-gb-month", type=float, default=0.08)
+    p.add_argument("--resume-s", type=float, default=300.0)
     p.add_argument("--json", type=Path, help="figures the simulator claimed")
     a = p.parse_args(argv)
     claimed = json.loads(a.json.read_text()) if a.json else None
@@ -293,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         start_s=a.start_s,
         ebs_gb=a.ebs_gb,
         ebs_usd_gb_month=a.ebs_usd_gb_month,
+        resume_s=a.resume_s,
         claimed=claimed,
     )
     print(json.dumps({"ok": v.ok, "errors": v.errors, "figures": v.figures}, indent=2))

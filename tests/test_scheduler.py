@@ -14,6 +14,7 @@ from bot.scheduler import (
     FleetInstance,
     Launch,
     Place,
+    Preempt,
     QueuedRun,
     SchedulerConfig,
     Start,
@@ -21,6 +22,7 @@ from bot.scheduler import (
     Terminate,
     decay_usage,
     decide,
+    fair_shares,
     fairshare_factors,
     next_wakeup,
     order_queue,
@@ -93,7 +95,16 @@ def fleets(draw: st.DrawFn) -> list[FleetInstance]:
         used = 0
         for a in draw(st.lists(alloc_st, max_size=4)):
             if used + a.gpus <= 8:
-                allocs.append(Allocation(f"{a.run_id}-{n}", a.user, a.gpus, a.est_end_s))
+                allocs.append(
+                    Allocation(
+                        f"{a.run_id}-{n}",
+                        a.user,
+                        a.gpus,
+                        a.est_end_s,
+                        preemptible=draw(st.booleans()),
+                        started_s=NOW - draw(st.sampled_from([0.0, 100.0, 10_000.0])),
+                    )
+                )
                 used += a.gpus
         kind = draw(st.sampled_from(["running", "running", "pending", "stopped"]))
         if kind == "stopped":
@@ -125,6 +136,9 @@ def _capacity_after(fleet: list[FleetInstance], actions: list[Action]) -> dict[s
     for a in actions:
         if isinstance(a, Launch):
             used[a.ref] = 0
+        if isinstance(a, Preempt):
+            for i in fleet:
+                used[i.instance_id] -= sum(x.gpus for x in i.allocations if x.run_id == a.run_id)
         if isinstance(a, Place):
             for iid in a.instance_ids:
                 used[iid] += a.gpus_per_instance
@@ -153,10 +167,19 @@ def test_no_instance_overcommitted_and_quota_kept(
         assert u <= 8, f"{iid} over-committed: {u}"
     placed = [a.run_id for a in actions if isinstance(a, Place)]
     assert len(placed) == len(set(placed)), "a run placed twice"
-    queued = {r.run_id: r for r in queue}
+    queued = {r.run_id: r.gpus for r in queue}
+    preempted: set[str] = set()
     for a in actions:
+        if isinstance(a, Preempt):
+            assert a.run_id not in preempted, "preempted twice"
+            preempted.add(a.run_id)
+            al = [x for i in fleet for x in i.allocations if x.run_id == a.run_id]
+            assert al and all(x.preemptible for x in al), "preempted a run that cannot resume"
+            assert all(x.started_s is None or NOW - x.started_s >= c.preempt_after() for x in al)
+            queued[a.run_id] = sum(x.gpus for x in al)
         if isinstance(a, Place):
-            assert a.gpus_per_instance * len(a.instance_ids) == queued[a.run_id].gpus
+            # a queued run, or one this decision preempted (moved elsewhere)
+            assert a.gpus_per_instance * len(a.instance_ids) == queued[a.run_id]
             for iid in a.instance_ids:
                 if iid in by_id:
                     assert by_id[iid].state != "stopped" or any(
@@ -201,6 +224,7 @@ def test_backfill_never_delays_the_head(queue: list[QueuedRun], fleet: list[Flee
         policy="fair",
         max_gpus=sum(i.gpus for i in fleet if i.state != "stopped"),
         peer_window_s=0.0,
+        preempt=False,  # preemption is judged by its own properties below
     )
     actions = decide(queue, fleet, NOW, catalog=CAT, config=c)
     assert not any(isinstance(a, Launch | Start) for a in actions)  # no headroom
@@ -428,3 +452,172 @@ def test_shapes() -> None:
 def test_unknown_policy_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         decide([], [], NOW, catalog=CAT, config=cfg(policy="lottery"))
+
+
+# ---------------------------------------------------------------- preemption
+
+LONG_AGO = NOW - 50_000.0
+
+
+def held(
+    user: str, n: int, gpus: int = 1, end: float = NOW + 90_000, **kw: object
+) -> list[Allocation]:
+    return [
+        Allocation(f"{user}-{k}", user, gpus, end, preemptible=True, started_s=LONG_AGO, **kw)  # type: ignore[arg-type]
+        for k in range(n)
+    ]
+
+
+def test_fair_shares_water_fill() -> None:
+    assert fair_shares({"a": 2, "b": 100, "c": 100}, 10) == {"a": 2, "b": 4, "c": 4}
+    assert fair_shares({"a": 3, "b": 3}, 10) == {"a": 3, "b": 3}
+    # weights: a user with little recent usage is entitled to more now
+    w = fair_shares({"a": 100, "b": 100}, 30, {"a": 2.0, "b": 1.0})
+    assert w == pytest.approx({"a": 20.0, "b": 10.0})
+    assert fair_shares({}, 8) == {}
+
+
+def test_a_user_below_their_share_takes_gpus_from_one_above() -> None:
+    fleet = [inst("i0", tuple(held("heavy", 8)))]
+    waiting = run("light-1", "light", submit=NOW - 1000, dur=7200)
+    usage = {"heavy": 1e7, "light": 0.0}
+    actions = decide([waiting], fleet, NOW, catalog=CAT, config=cfg(max_gpus=8), usage=usage)
+    pre = [a for a in actions if isinstance(a, Preempt)]
+    assert len(pre) == 1 and pre[0].run_id.startswith("heavy-") and pre[0].for_run == "light-1"
+    assert Place("light-1", ("i0",), 1) in actions
+    assert actions.index(pre[0]) < actions.index(Place("light-1", ("i0",), 1))
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["not waited long enough", "not preemptible", "ends soon", "just started", "room to launch"],
+)
+def test_no_preemption_when_something_else_serves(why: str) -> None:
+    allocs = held("heavy", 8)
+    submit, quota = NOW - 1000, 8
+    if why == "not waited long enough":
+        submit = NOW - 10
+    elif why == "not preemptible":
+        allocs = [Allocation(a.run_id, a.user, 1, a.est_end_s) for a in allocs]
+    elif why == "ends soon":
+        allocs = held("heavy", 8, end=NOW + 60)
+    elif why == "just started":
+        allocs = [
+            Allocation(a.run_id, a.user, 1, a.est_end_s, True, False, NOW - 5) for a in allocs
+        ]
+    else:
+        quota = 16
+    fleet = [inst("i0", tuple(allocs))]
+    usage = {"heavy": 1e7}
+    actions = decide(
+        [run("l", "light", submit=submit)],
+        fleet,
+        NOW,
+        catalog=CAT,
+        config=cfg(max_gpus=quota),
+        usage=usage,
+    )
+    assert not any(isinstance(a, Preempt) for a in actions), why
+
+
+def test_nobody_is_pushed_below_their_own_share() -> None:
+    # two users with equal recent usage, 8 GPUs: 4 each is fair, and each holds 4
+    fleet = [inst("i0", tuple(held("heavy", 4)) + tuple(held("light", 4)))]
+    queue = [run("l9", "light", submit=NOW - 5000)]
+    usage = {"heavy": 1e6, "light": 1e6}
+    actions = decide(queue, fleet, NOW, catalog=CAT, config=cfg(max_gpus=8), usage=usage)
+    assert not any(isinstance(a, Preempt) for a in actions)
+    # with far more recent usage, the heavy user's weighted share shrinks below 4
+    usage = {"heavy": 1e9, "light": 0.0}
+    actions = decide(queue, fleet, NOW, catalog=CAT, config=cfg(max_gpus=8), usage=usage)
+    assert any(isinstance(a, Preempt) and a.run_id.startswith("heavy") for a in actions)
+
+
+def test_big_run_gets_a_whole_instance_by_moving_small_ones() -> None:
+    # 4 + 4 GPUs idle, but on two instances: the 8-GPU run waits for a whole one
+    fleet = [
+        inst("i0", tuple(held("a", 4))),
+        inst(
+            "i1",
+            tuple(
+                Allocation(f"b-{k}", "b", 1, NOW + 80_000, True, False, LONG_AGO) for k in range(4)
+            ),
+        ),
+    ]
+    big = run("big", "c", gpus=8, submit=NOW - 1000, dur=50_000)
+    actions = decide([big], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16))
+    moved = [a.run_id for a in actions if isinstance(a, Preempt)]
+    assert len(moved) == 4
+    target = next(a for a in actions if isinstance(a, Place) and a.run_id == "big")
+    emptied = target.instance_ids[0]
+    other = "i1" if emptied == "i0" else "i0"
+    for rid in moved:
+        assert Place(rid, (other,), 1) in actions
+    used = _capacity_after(fleet, actions)
+    assert used == {"i0": 8, "i1": 8}
+
+
+def test_a_draining_fleet_is_consolidated_so_an_instance_can_stop() -> None:
+    fleet = [
+        inst("i0", tuple(held("a", 2, end=NOW + 40_000))),
+        inst(
+            "i1",
+            tuple(
+                Allocation(f"b-{k}", "b", 1, NOW + 50_000, True, False, LONG_AGO) for k in range(3)
+            ),
+        ),
+    ]
+    actions = decide([], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16))
+    moves = [a for a in actions if isinstance(a, Preempt)]
+    assert [m.run_id for m in moves] == ["a-0", "a-1"] or [m.run_id for m in moves] == [
+        "a-1",
+        "a-0",
+    ]
+    assert all(m.for_run == "consolidate:i0" for m in moves)
+    assert _capacity_after(fleet, actions) == {"i0": 0, "i1": 5}
+    # not worth it for runs about to end, nor with preemption off
+    short = [inst("i0", tuple(held("a", 2, end=NOW + 300))), fleet[1]]
+    assert not any(
+        isinstance(a, Preempt) for a in decide([], short, NOW, catalog=CAT, config=cfg())
+    )
+    assert decide([], fleet, NOW, catalog=CAT, config=cfg(preempt=False)) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    heavy=st.integers(0, 8),
+    light=st.integers(0, 8),
+    waiting=st.lists(st.sampled_from(["heavy", "light", "new"]), max_size=10),
+    usage=st.dictionaries(st.sampled_from(["heavy", "light", "new"]), st.floats(0, 1e8)),
+)
+def test_preemption_respects_shares(
+    heavy: int, light: int, waiting: list[str], usage: dict[str, float]
+) -> None:
+    """Across random holdings: GPUs are taken only from a user above their weighted share,
+    only for a user below theirs, and a user never preempts itself."""
+    light = min(light, 16 - heavy if heavy <= 8 else 0)
+    a0 = held("heavy", heavy)
+    a1 = held("light", min(light, 8))
+    fleet = [inst("i0", tuple(a0)), inst("i1", tuple(a1))]
+    queue = [run(f"w{k}-{u}", u, submit=NOW - 5000) for k, u in enumerate(waiting)]
+    actions = decide(queue, fleet, NOW, catalog=CAT, config=cfg(max_gpus=16), usage=usage)
+    by_run = {a.run_id: a for i in fleet for a in i.allocations}
+    demand = {"heavy": heavy, "light": len(a1)}
+    for r in queue:
+        demand[r.user] = demand.get(r.user, 0) + r.gpus
+    demand = {u: d for u, d in demand.items() if d}
+    shares = fair_shares(demand, 16, fairshare_factors(demand, usage))
+    moved = {a.run_id for a in actions if isinstance(a, Place)}  # moves lose nobody GPUs
+    have = {u: sum(x.gpus for x in by_run.values() if x.user == u) for u in demand}
+    for r in queue:
+        if r.run_id in moved:  # placed by this decision before any preemption
+            have[r.user] = have.get(r.user, 0) + r.gpus
+    for a in actions:
+        if isinstance(a, Preempt) and a.run_id not in moved:
+            victim = by_run[a.run_id]
+            claimant = next(r for r in queue if r.run_id == a.for_run)
+            assert claimant.user != victim.user
+            # only from a user above their share, for one below theirs
+            assert have[victim.user] > shares[victim.user] + 1e-9, (victim, have, shares)
+            assert have[claimant.user] - claimant.gpus < shares[claimant.user] - 1e-9
+    assert all(v <= 8 for v in _capacity_after(fleet, actions).values())
