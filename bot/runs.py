@@ -457,8 +457,8 @@ class RunService:
         now = self.core.clock.now()
         with transaction(self.engine, write=False) as s:
             queue, fleet, hosts, usage = self._scheduler_inputs(s, now)
-        if not queue:
-            return 0
+        if not queue and not any(a.preemptible for i in fleet for a in i.allocations):
+            return 0  # nothing to place and nothing the scheduler could move
         actions = decide(
             queue, fleet, now.timestamp(), catalog=self.catalog, config=self.config, usage=usage
         )
@@ -471,7 +471,8 @@ class RunService:
                 self._preempt(int(action.run_id), action.for_run)
                 continue
             if not isinstance(action, Place):
-                log.info("scheduler wants %s; not carried out here, skipped", action)
+                # Stop/Terminate: bot.fleet owns instance lifetimes (idle stop, terminate)
+                log.debug("scheduler wants %s; the fleet decides that, skipped", action)
                 continue
             if len(action.instance_ids) != 1 or action.instance_ids[0] not in hosts:
                 log.info("placement %s needs hosts this provider does not have; skipped", action)

@@ -135,6 +135,29 @@ class FleetInstance:
     def unknown_end_gpus(self) -> int:
         return sum(a.gpus for a in self.allocations if a.est_end_s is None)
 
+    # Summaries the preemption pass reads on every decision; cached per snapshot, which
+    # the simulator reuses while an instance does not change.
+    @cached_property
+    def holders(self) -> dict[str, int]:
+        """GPUs per user, of allocations not already stopping."""
+        out: dict[str, int] = {}
+        for a in self.allocations:
+            if not a.stopping:
+                out[a.user] = out.get(a.user, 0) + a.gpus
+        return out
+
+    @cached_property
+    def stopping_gpus(self) -> int:
+        return sum(a.gpus for a in self.allocations if a.stopping)
+
+    @cached_property
+    def run_ids(self) -> frozenset[str]:
+        return frozenset(a.run_id for a in self.allocations)
+
+    @cached_property
+    def preemptible_users(self) -> frozenset[str]:
+        return frozenset(a.user for a in self.allocations if a.preemptible and not a.stopping)
+
 
 @dataclass(frozen=True)
 class Place:
@@ -219,6 +242,9 @@ class SchedulerConfig:
     preempt_after_s: float | None = None  # a run waits this long before it may preempt;
     # None: boot_s + setup_s, one provisioning time (a run that ends or an instance that
     # comes within it is cheaper than a preemption)
+    preempt_scan: int = 4  # claimants (of distinct user and size) that may search for
+    # victims in vain per decision; the next decision, after the next event, goes on
+    preempt_group: int = 16  # claimants per user and shape considered per decision
     resume_s: float = 300.0  # what a preemption costs the preempted run: the checkpoint
     # write on SIGTERM, a process start and the reload on resume, on its GPUs (5 min is
     # generous for one GPU's state; the simulator charges it on every resume)
@@ -232,6 +258,14 @@ class SchedulerConfig:
         if self.preempt_after_s is not None:
             return self.preempt_after_s
         return self.boot_s + self.setup_s
+
+    def preempt_exempt(self) -> float:
+        """How long a run runs, once (re)started, before it may be moved again.
+
+        Slurm's PreemptExemptTime, derived: every move costs the run `resume_s`, so ten
+        of those keep the overhead at 10% of its time however busy the fleet is; and never
+        less than preempt_after(), so a decision cannot undo the one before it."""
+        return max(self.preempt_after(), 10.0 * self.resume_s, 1.0)
 
     def idle_stop_after(self) -> float:
         """Stop an idle instance after it has idled as long as a stop/restart costs.
@@ -590,17 +624,19 @@ def _decide_fair(
     return actions
 
 
+_shape = lru_cache(maxsize=4096)(run_shape)  # run_shape is pure; decide asks it per run
+
+
 def _movable(al: Allocation, now: float, config: SchedulerConfig) -> bool:
     """Whether a preemption may touch this allocation at all.
 
-    It must checkpoint (preemptible), not be stopping already, and have run at least
-    max(preempt_after(), resume_s) since it last started — Slurm's PreemptExemptTime:
-    a run is never moved again before its last move has paid off, so a decision can
-    not undo the previous one — and not be due to end within preempt_after() anyway."""
+    It must checkpoint (preemptible), not be stopping already, have run at least
+    `preempt_exempt()` since it last started, and not be due to end within
+    preempt_after() anyway."""
     after = config.preempt_after()
     if not al.preemptible or al.stopping:
         return False
-    if al.started_s is not None and now - al.started_s < max(after, config.resume_s, 1.0):
+    if al.started_s is not None and now - al.started_s < config.preempt_exempt():
         return False
     return al.est_end_s is None or al.est_end_s - now > after
 
@@ -940,20 +976,18 @@ def _preempt(
     stopped_ids = {a.instance_id for a in actions if isinstance(a, Stop | Terminate)}
     by_id = {r.run_id: r for r in queue}
     placed: set[str] = set()
-    held: dict[str, int] = {}
     committed = 0
     for inst in fleet:
         if inst.state != "stopped" and inst.instance_id not in stopped_ids:
             committed += inst.gpus
-        for al in inst.allocations:
-            if not al.stopping:
-                held[al.user] = held.get(al.user, 0) + al.gpus
+    placed_gpus: dict[str, int] = {}
     for a in actions:
         if isinstance(a, Place):
             placed.add(a.run_id)
             run = by_id.get(a.run_id)
             if run is not None:
-                held[run.user] = held.get(run.user, 0) + a.gpus_per_instance * len(a.instance_ids)
+                n = a.gpus_per_instance * len(a.instance_ids)
+                placed_gpus[run.user] = placed_gpus.get(run.user, 0) + n
         elif isinstance(a, Launch):
             t = catalog.get(a.instance_type)
             committed += t.gpus if t is not None else 0
@@ -964,39 +998,125 @@ def _preempt(
     for run in queue:
         if run.run_id in placed or now - run.submit_s < after:
             continue
-        shape = run_shape(catalog, run.gpu_model, run.gpus)
+        shape = _shape(catalog, run.gpu_model, run.gpus)
         if shape is not None and (shape[1] > 1 or shape[0].gpus <= headroom):
             continue  # multi-host runs are not placed by preemption; room to provision
         claimants.append(run)  # (no shape: owned hosts only, nothing could be bought)
     if not claimants:
         return []
+    # Per instance, from its cached summaries: a decision over a busy fleet must not walk
+    # every allocation (what may move is worked out only where a claimant looks).
+    exempt, horizon = config.preempt_exempt(), now + after
+    held = dict(placed_gpus)
+    freed: dict[str, int] = {}  # instance -> GPUs freed (or being freed) for claimants
+    pool: dict[tuple[str, str], list[FleetInstance]] = {}
+    idle: dict[str, int] = {}  # free GPUs nobody was placed on in this decision
+    mov_users: set[str] = set()
+    usable_fleet: list[FleetInstance] = []
+    for inst in fleet:
+        iid = inst.instance_id
+        for user, g in inst.holders.items():
+            held[user] = held.get(user, 0) + g
+        if inst.stopping_gpus:  # told to stop earlier: their GPUs are already promised
+            freed[iid] = inst.stopping_gpus
+        if iid in stopped_ids or inst.state != "running" or inst.ready_at_s > now:
+            continue
+        usable_fleet.append(inst)
+        pool.setdefault((inst.gpu_model, inst.market), []).append(inst)
+        idle[iid] = inst.free_gpus
+        mov_users |= inst.preemptible_users
+    if not mov_users and not freed:
+        return []  # nothing may be moved and nothing is being freed
+    by_iid = {i.instance_id: i for i in fleet}
+    movable_of: dict[str, list[Allocation]] = {}
+
+    def movable(iid: str) -> list[Allocation]:
+        got = movable_of.get(iid)
+        if got is None:
+            got = [
+                al
+                for al in by_iid[iid].allocations
+                if al.preemptible
+                and not al.stopping
+                and (al.started_s is None or now - al.started_s >= exempt)
+                and (al.est_end_s is None or al.est_end_s > horizon)
+            ]
+            movable_of[iid] = got
+        return got
+
+    span_of: dict[str, list[str]] = {}
+    seen_once: set[str] = set()
+    multi: set[str] = set()  # runs on more than one usable instance (multi-host)
+    for inst in usable_fleet:
+        multi |= seen_once & inst.run_ids
+        seen_once |= inst.run_ids
+
+    def spans(rid: str, where: str) -> list[str]:
+        """The usable instances a run holds GPUs on; `where` is one of them."""
+        if rid not in multi:
+            return [where]
+        got = span_of.get(rid)
+        if got is None:
+            got = [i.instance_id for i in usable_fleet if rid in i.run_ids]
+            span_of[rid] = got
+        return got
+
+    def run_total(al: Allocation, where: str) -> int:
+        if al.run_id not in multi:
+            return al.gpus
+        return sum(
+            x.gpus
+            for iid in spans(al.run_id, where)
+            for x in by_iid[iid].allocations
+            if x.run_id == al.run_id
+        )
+
     demand = dict(held)
     for run in queue:
         if run.run_id not in placed:
             demand[run.user] = demand.get(run.user, 0) + run.gpus
-    ordering = _Ordering(claimants, now, usage, config)
     weights = fairshare_factors(demand, usage)
     # The GPUs there are to share: at the quota (or on owned hosts, where nothing can be
     # bought) that is what runs now.
     shares = fair_shares(demand, min(config.max_gpus, committed), weights)
-    # Instances that can take a claimant: usable now, with preemptible allocations.
-    pool: dict[tuple[str, str], list[FleetInstance]] = {}
-    spans: dict[str, list[str]] = {}  # run -> instances it holds (multi-host victims)
-    for inst in fleet:
-        if inst.instance_id in stopped_ids or inst.state != "running" or inst.ready_at_s > now:
-            continue
-        pool.setdefault((inst.gpu_model, inst.market), []).append(inst)
-        for al in inst.allocations:
-            spans.setdefault(al.run_id, []).append(inst.instance_id)
-    freed: dict[str, int] = {}  # instance -> GPUs freed (or being freed) for claimants
-    for inst in fleet:
-        for al in inst.allocations:
-            if al.stopping:  # told to stop earlier: their GPUs are already promised
-                freed[inst.instance_id] = freed.get(inst.instance_id, 0) + al.gpus
+    eps = 1e-9
+    for a in actions:
+        if isinstance(a, Place):
+            for iid in a.instance_ids:
+                if iid in idle:
+                    idle[iid] -= a.gpus_per_instance
+    # The usual case ends here, cheaply: nobody above their share has a run that may be
+    # moved, nothing is being freed, and no gap sits beside a movable run.
+    over = {u for u in mov_users if held.get(u, 0) > shares.get(u, 0.0) + eps}
+    any_freed = any(v > 0 for v in freed.values())
+    gaps: dict[tuple[str, str], int] = {
+        key: sum(max(0, idle[i.instance_id]) for i in group)
+        for key, group in pool.items()
+        if any(i.preemptible_users for i in group)
+    }
+    claimants = [
+        r
+        for r in claimants
+        if (over and held.get(r.user, 0) < shares.get(r.user, 0.0) - eps)
+        or r.gpus <= gaps.get((r.gpu_model, _market(r)), 0)
+        or any_freed
+    ]
+    if not claimants:
+        return []
+    # Per user and shape, the first few only: the rest of a group fares as its first do
+    # within one decision, and the simulator decides again at once after a preemption.
+    per_group: dict[tuple[str, int, str, bool], int] = {}
+    capped: list[QueuedRun] = []
+    for r in sorted(claimants, key=_submit_key):
+        gkey = (r.user, r.gpus, r.gpu_model, r.spot)
+        n = per_group.get(gkey, 0)
+        if n < config.preempt_group:
+            per_group[gkey] = n + 1
+            capped.append(r)
+    claimants = capped
+    ordering = _Ordering(claimants, now, usage, config)
     gone: set[str] = set()  # runs preempted by this pass
     out: list[Action] = []
-    eps = 1e-9
-    by_iid = {i.instance_id: i for i in fleet}
     # Fair order, but one user's runs of one shape that waited together (a sweep) go by
     # length: the GPUs one preemption frees then hold runs that end together, and the
     # instance does not stay paid for one straggler.
@@ -1020,15 +1140,8 @@ def _preempt(
     def end_of(al: Allocation) -> float:
         return math.inf if al.est_end_s is None else al.est_end_s
 
-    idle: dict[str, int] = {}  # free GPUs nobody was placed on in this decision
-    for group in pool.values():
-        for inst in group:
-            idle[inst.instance_id] = inst.free_gpus
-    for a in actions:
-        if isinstance(a, Place):
-            for iid in a.instance_ids:
-                if iid in idle:
-                    idle[iid] -= a.gpus_per_instance
+    version = 0  # bumped by every preemption: what failed before may succeed now
+    no_room: set[tuple[str, str, int, int]] = set()
 
     def defrag(run: QueuedRun, group: list[FleetInstance]) -> list[Action] | None:
         """Room for `run` by moving a few small runs into GPUs idle elsewhere.
@@ -1038,6 +1151,10 @@ def _preempt(
         into the gaps on others makes it whole. Nobody loses GPUs; the moved runs pay
         `resume_s` each, so it is done only when that costs less GPU-time than the run
         would wait for `preempt_after()` on its own GPUs."""
+        memo = (run.gpu_model, _market(run), run.gpus, version)
+        if memo in no_room:
+            return None
+        no_room.add(memo)  # a success bumps the version, so this only remembers failures
         if sum(max(0, idle[i.instance_id]) for i in group) < run.gpus:
             return None
         best: tuple[tuple[int, int, str], FleetInstance, list[tuple[Allocation, str]]] | None
@@ -1052,7 +1169,7 @@ def _preempt(
                     for al in inst.allocations
                     if _movable(al, now, config)
                     and al.run_id not in gone
-                    and len(spans[al.run_id]) == 1
+                    and al.run_id not in multi
                 ),
                 key=lambda al: (al.gpus, end_of(al), al.run_id),
             )
@@ -1098,58 +1215,128 @@ def _preempt(
         acts.append(Place(run.run_id, (inst.instance_id,), run.gpus))
         return acts
 
+    # What a decision over a long queue must not redo per claimant: the movable runs of
+    # each instance and each run's GPUs over all its instances; and, per state of the
+    # holdings, which claimants already found nothing (same pool, size and user).
+    hopeless: set[tuple[tuple[str, str], int, str, int]] = set()
+    takable_of: dict[tuple[str, int], set[str]] = {}
+    gains: dict[tuple[str, int, str, int, int], bool] = {}
+
+    def first_gain(run: QueuedRun, mine: float, user: str, t: int) -> bool:
+        """The swap test below for a first pick (a later pick of the same user only
+        gains less), cached per claimant user and size, victim user and size."""
+        key = (run.user, run.gpus, user, t, version)
+        ok = gains.get(key)
+        if ok is None:
+            hc, hv, sv = held.get(run.user, 0), held.get(user, 0), shares.get(user, 0.0)
+            before = abs(hc - mine) + abs(hv - sv)
+            after_swap = abs(hc + run.gpus - mine) + abs(hv - t - sv)
+            ok = before - after_swap >= (run.gpus + t) / 2 - eps
+            gains[key] = ok
+        return ok
+
+    victim_lists: dict[str, list[Allocation]] = {}
+
+    def victims(iid: str) -> list[Allocation]:
+        """Movable runs of users above their share on an instance, largest then longest
+        first; built on first use, as most decisions look at few instances."""
+        got = victim_lists.get(iid)
+        if got is None:
+            got = sorted(
+                (al for al in movable(iid) if al.user in over),
+                key=lambda al: (-al.gpus, -end_of(al), al.run_id),
+            )
+            victim_lists[iid] = got
+        return got
+
+    over = {u for u in mov_users if held.get(u, 0) > shares.get(u, 0.0) + eps}
+    any_freed = any(v > 0 for v in freed.values())
+    if (
+        not over
+        and not any(v > 0 for v in freed.values())
+        and not any(v > 0 and by_iid[k].preemptible_users for k, v in idle.items())
+    ):
+        return []  # nobody to take from, nothing freed, no gaps to fill: the usual case
+
     for run in order:
         pkey = (run.gpu_model, _market(run))
         asked = pending[pkey]
         pending[pkey] -= run.gpus
-        moves = defrag(run, pool.get(pkey, []))
+        group = pool.get(pkey, [])
+        moves = defrag(run, group)
         if moves is not None:
             out.extend(moves)
             held[run.user] = held.get(run.user, 0) + run.gpus
+            version += 1
             continue
         mine = shares.get(run.user, 0.0)
         if held.get(run.user, 0) >= mine - eps:
             continue  # at or above its share: it waits like everyone else
+        memo = (pkey, run.gpus, run.user, version)
+        if memo in hopeless:
+            continue
+        tkey = (run.user, version)
+        takable = takable_of.get(tkey)
+        if takable is None:
+            wc = weights.get(run.user, 1.0)
+            takable = {
+                v
+                for v in over
+                if v != run.user
+                and wc >= 2.0 * weights.get(v, 1.0) - eps
+                and held.get(v, 0) > shares.get(v, 0.0) + eps
+            }
+            takable_of[tkey] = takable
+        if not takable and not any_freed:
+            continue  # nobody it may take from (see the band below): no instance to scan
         best: tuple[tuple[int, int, int, float, str], FleetInstance, list[Allocation]] | None
         best = None
-        for inst in pool.get(pkey, []):
+        for inst in group:
             if inst.gpus < run.gpus:
+                continue
+            if not freed.get(inst.instance_id) and takable.isdisjoint(inst.preemptible_users):
                 continue
             need = run.gpus - freed.get(inst.instance_id, 0)
             picks: list[Allocation] = []
             if need > 0:
                 # Largest first frees the most for the claimants behind, but not more
                 # than they ask for; then the one with the most work left.
-                cands = sorted(
-                    (
-                        al
-                        for al in inst.allocations
-                        if _movable(al, now, config)
+                fit: list[Allocation] = []
+                over_ask: list[Allocation] = []
+                room = 0
+                for al in victims(inst.instance_id):  # largest, then longest, first
+                    if (
+                        al.user in takable
                         and al.run_id not in gone
-                        and al.user != run.user
-                    ),
-                    key=lambda al: (max(0, al.gpus - asked), -al.gpus, -end_of(al), al.run_id),
-                )
-                budget = dict(held)
+                        and first_gain(run, mine, al.user, al.gpus)
+                    ):
+                        (fit if al.gpus <= asked else over_ask).append(al)
+                        room += al.gpus
+                if room < need:
+                    continue
+                cands = fit + over_ask[::-1]  # overshooting ones last, the smallest first
+                budget: dict[str, int] = {}
                 for al in cands:
-                    total = sum(
-                        x.gpus
-                        for iid in spans[al.run_id]
-                        for x in by_iid[iid].allocations
-                        if x.run_id == al.run_id
-                    )
-                    hv, sv = budget.get(al.user, 0), shares.get(al.user, 0.0)
+                    total = run_total(al, inst.instance_id)
+                    hv, sv = budget.get(al.user, held.get(al.user, 0)), shares.get(al.user, 0.0)
                     hc = held.get(run.user, 0)
                     if hv <= sv + eps:
                         continue  # its user is not above their share
-                    # The swap must bring both users nearer their shares (in whole GPUs
-                    # a share is rarely met exactly): never trade one unfairness for a
-                    # bigger one, so the GPUs cannot swing back and forth.
+                    if weights.get(run.user, 1.0) < 2.0 * weights.get(al.user, 1.0) - eps:
+                        # Only from a user who has used at least one fair share (1/N of
+                        # everybody's recent GPU time) more than the claimant's: usage
+                        # follows the GPUs, so without this band two busy users would
+                        # take them back and forth as their usage crosses.
+                        continue
+                    # The swap must bring the two users nearer their shares by at least
+                    # half the GPUs it moves (in whole GPUs a share is rarely met exactly,
+                    # and shares drift with usage): a small gain in fairness is not worth
+                    # a checkpoint, and GPUs cannot swing back and forth.
                     before = abs(hc - mine) + abs(hv - sv)
                     after_swap = abs(hc + run.gpus - mine) + abs(hv - total - sv)
-                    if after_swap >= before - eps:
+                    if before - after_swap < (run.gpus + total) / 2 - eps:
                         continue
-                    budget[al.user] = budget.get(al.user, 0) - total
+                    budget[al.user] = hv - total
                     picks.append(al)
                     need -= al.gpus
                     if need <= 0:
@@ -1163,12 +1350,16 @@ def _preempt(
             if best is None or score < best[0]:
                 best = (score, inst, picks)
         if best is None:
+            hopeless.add(memo)
+            if len(hopeless) >= config.preempt_scan:
+                break  # like Slurm's bf_max_job_test: a long queue is not searched to the end
             continue
+        version += 1
         _, inst, picks = best
         for al in picks:
             gone.add(al.run_id)
             out.append(Preempt(al.run_id, run.run_id))
-            for iid in spans[al.run_id]:
+            for iid in spans(al.run_id, inst.instance_id):
                 g = sum(x.gpus for x in by_iid[iid].allocations if x.run_id == al.run_id)
                 freed[iid] = freed.get(iid, 0) + g
                 held[al.user] = held.get(al.user, 0) - g

@@ -46,6 +46,7 @@ are not in the trace format, so every simulated job is on-demand.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import heapq
 import math
@@ -580,7 +581,10 @@ class _Loop:
             last.job_id, last.user, last.instance_ids, last.submit_s, last.start_s, now, last.gpus
         )
         self.preemptions += 1
-        self.queues.setdefault(j.user, []).append(
+        # back in its place in line (by submission): the user's queue stays sorted, and
+        # with an overloaded trace it is long, so insert rather than sort
+        bisect.insort(
+            self.queues.setdefault(j.user, []),
             QueuedRun(
                 run_id=j.job_id,
                 user=j.user,
@@ -588,9 +592,9 @@ class _Loop:
                 gpu_model=j.gpu_model,
                 submit_s=j.submit_s,
                 est_duration_s=self.left[job_id] + self.cfg.resume_s,
-            )
+            ),
+            key=lambda r: (r.submit_s, r.run_id),
         )
-        self.queues[j.user].sort(key=lambda r: (r.submit_s, r.run_id))
         self.queued += 1
 
     def place(self, a: Place, refs: dict[str, str], now: float) -> None:

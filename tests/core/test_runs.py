@@ -194,3 +194,77 @@ def test_two_workers_dispatch_each_run_exactly_once(pg_engine: Engine, tmp_path:
         ivs = s.exec(select(UsageInterval).where(col(UsageInterval.run_id).is_not(None))).all()
     assert len(placed) == 4 and len(ivs) == 4 and len({iv.gpu_id for iv in ivs}) == 4
     run_until(runs_a, lambda: all(state(pg_engine, i).state == "succeeded" for i in ids))
+
+
+def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """The scheduler's Preempt through the worker: SIGTERM via the real local runner, the
+    run requeued (not failed) with a DM saying why, the claimant started, and the
+    preempted run back on the GPU once the claimant is done."""
+    from datetime import timedelta
+
+    svc, clock = make_service(engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    alice, bob = actor(svc, "alice"), actor(svc, "bob")
+    hog = runs.submit(
+        alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
+    ).extra["run_id"]
+    run_until(runs, lambda: state(engine, hog).state == "running")
+    # Marked as a --spot run (its owner said it resumes), which the local host, having no
+    # spot market, would not have started; a recipe run is preemptible the same way.
+    with Session(engine) as s:
+        row = s.get(TrainingRun, hog)
+        assert row is not None
+        row.spot = True
+        s.add(row)
+        s.commit()
+    late = runs.submit(bob, Run(command=(sys.executable, "-c", "print('bob was here')"))).extra[
+        "run_id"
+    ]
+    runs.dispatch()
+    assert state(engine, hog).state == "running"  # bob has not waited long enough
+    clock.advance(timedelta(hours=1))  # alice has used the GPU for an hour; bob waited
+    run_until(runs, lambda: state(engine, late).state == "succeeded", timeout=60)
+    hog_row = state(engine, hog)
+    assert hog_row.state in ("queued", "starting", "running")
+    assert (
+        hog_row.placement.get("resume_from", {})
+        .get("reason", "")
+        .startswith(f"preempted for run #{late} of bob")
+    )
+    assert any(
+        f"Run #{hog} was interrupted" in t and "preempted" in t
+        for t in dms_to(engine, "alice")
+    )
+    # bob is done, so alice gets the GPU back (as an on-demand run: no spot market here)
+    with Session(engine) as s:
+        row = s.get(TrainingRun, hog)
+        assert row is not None
+        row.spot = False
+        s.add(row)
+        s.commit()
+    run_until(runs, lambda: state(engine, hog).state == "running", timeout=60)
+    runs.cancel(alice, Cancel(hog))
+    run_until(runs, lambda: state(engine, hog).state == "cancelled", timeout=60)
+
+
+def test_runs_that_cannot_resume_are_never_preempted(sqlite_engine: Engine, tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    svc, clock = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    alice, bob = actor(svc, "alice"), actor(svc, "bob")
+    hog = runs.submit(
+        alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
+    ).extra["run_id"]
+    run_until(runs, lambda: state(sqlite_engine, hog).state == "running")
+    late = runs.submit(bob, Run(command=(sys.executable, "-c", "pass"))).extra["run_id"]
+    clock.advance(timedelta(hours=1))
+    for _ in range(3):
+        runs.dispatch()
+        runs.poll()
+    assert state(sqlite_engine, hog).state == "running"
+    assert state(sqlite_engine, late).state == "queued"
+    runs.cancel(alice, Cancel(hog))
+    run_until(runs, lambda: state(sqlite_engine, hog).state == "cancelled", timeout=60)
