@@ -234,8 +234,7 @@ def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
         .startswith(f"preempted for run #{late} of bob")
     )
     assert any(
-        f"Run #{hog} was interrupted" in t and "preempted" in t
-        for t in dms_to(engine, "alice")
+        f"Run #{hog} was interrupted" in t and "preempted" in t for t in dms_to(engine, "alice")
     )
     # bob is done, so alice gets the GPU back (as an on-demand run: no spot market here)
     with Session(engine) as s:
