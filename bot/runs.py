@@ -45,6 +45,7 @@ from bot.scheduler import (
     SchedulerConfig,
     Start,
     decide,
+    preempt_slot,
 )
 from bot.service import Actor, GpuService
 from db.models import (
@@ -105,6 +106,7 @@ class RunService:
         self.access = access
         self.catalog = catalog
         self.config = SchedulerConfig(policy="fair")
+        self._preempt_slot = -(2**62)  # the last preemption slot dispatch looked at
         # file:// git URLs: tests only (a bare repository in tmp); never in production.
         self.allow_file_git = False
 
@@ -459,8 +461,19 @@ class RunService:
             queue, fleet, hosts, usage = self._scheduler_inputs(s, now)
         if not queue and not any(a.preemptible for i in fleet for a in i.allocations):
             return 0  # nothing to place and nothing the scheduler could move
+        # Preemption is looked at once per preempt_period_s, as the simulator does.
+        slot = preempt_slot(now.timestamp(), self.config)
+        due = slot > self._preempt_slot
+        if due:
+            self._preempt_slot = slot
         actions = decide(
-            queue, fleet, now.timestamp(), catalog=self.catalog, config=self.config, usage=usage
+            queue,
+            fleet,
+            now.timestamp(),
+            catalog=self.catalog,
+            config=self.config,
+            usage=usage,
+            preempt_due=due,
         )
         started = 0
         for action in actions:

@@ -244,6 +244,9 @@ class SchedulerConfig:
     # comes within it is cheaper than a preemption)
     preempt_scan: int = 4  # claimants (of distinct user and size) that may search for
     # victims in vain per decision; the next decision, after the next event, goes on
+    preempt_period_s: float = 300.0  # callers pass preempt_due once per period: moving
+    # runs is a slow decision (runs wait preempt_after() first, and stay put for
+    # preempt_exempt()), so a look every 5 minutes loses little and costs little
     preempt_group: int = 16  # claimants per user and shape considered per decision
     resume_s: float = 300.0  # what a preemption costs the preempted run: the checkpoint
     # write on SIGTERM, a process start and the reload on resume, on its GPUs (5 min is
@@ -553,19 +556,28 @@ def decide(
     config: SchedulerConfig,
     usage: Mapping[str, float] | None = None,
     more_expected: bool = True,
+    preempt_due: bool = True,
 ) -> list[Action]:
     """Actions to take now. Execute them in order: Launch refs are used by later Places.
 
-    `usage`: decayed GPU-seconds per user as of `now` (see decay_usage). `more_expected`:
+    `preempt_due`: whether this decision may preempt (fair); callers say so once per
+    `preempt_period_s` (`preempt_slot`). `usage`: decayed GPU-seconds per user as of `now` (see decay_usage). `more_expected`:
     False when no further runs can arrive (the simulator's end of trace), which lets
     fifo release its fixed fleet."""
     if config.policy == "fair":
-        return _decide_fair(queue, fleet, now, catalog, config, usage or {})
+        return _decide_fair(queue, fleet, now, catalog, config, usage or {}, preempt_due)
     if config.policy == "per-job":
         return _decide_per_job(queue, fleet, now, catalog, config)
     if config.policy == "fifo":
         return _decide_fifo(queue, fleet, now, catalog, config, more_expected)
     raise ValueError(f"unknown policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def preempt_slot(now: float, config: SchedulerConfig) -> int:
+    """Which preemption period `now` falls in; a caller passes preempt_due=True to the
+    first decision of each slot (the worker and the simulator alike)."""
+    period = config.preempt_period_s
+    return int(now // period) if period > 0 else int(now * 1e6)
 
 
 def next_wakeup(
@@ -611,16 +623,18 @@ def _decide_fair(
     catalog: Catalog,
     config: SchedulerConfig,
     usage: Mapping[str, float],
+    preempt_due: bool = True,
 ) -> list[Action]:
     actions = _place_fair(queue, fleet, now, catalog, config, usage)
-    if config.preempt and queue:
+    if not (config.preempt and preempt_due):
+        return actions
+    if queue:
         actions.extend(_preempt(queue, fleet, actions, now, catalog, config, usage))
-    if config.preempt:
-        placed = {a.run_id for a in actions if isinstance(a, Place)}
-        waiting: set[tuple[str, str]] = {
-            (r.gpu_model, _market(r)) for r in queue if r.run_id not in placed
-        }
-        actions.extend(_consolidate(fleet, actions, now, config, waiting))
+    placed = {a.run_id for a in actions if isinstance(a, Place)}
+    waiting: set[tuple[str, str]] = {
+        (r.gpu_model, _market(r)) for r in queue if r.run_id not in placed
+    }
+    actions.extend(_consolidate(fleet, actions, now, config, waiting))
     return actions
 
 

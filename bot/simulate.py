@@ -75,6 +75,7 @@ from bot.scheduler import (
     decide,
     fifo_fleet,
     next_wakeup,
+    preempt_slot,
     run_shape,
 )
 from provisioning.catalog import Catalog
@@ -398,6 +399,7 @@ class _Loop:
         self.left: dict[str, float] = {j.job_id: j.duration_s for j in jobs}  # work to do
         self.seg: dict[str, tuple[float, float, float]] = {}  # running: start, end, resume
         self.preemptions = 0
+        self.pslot = -(2**62)  # the last preemption slot looked at (see preempt_slot)
         self.placed_on: dict[str, tuple[str, ...]] = {}
         self.per_host: dict[str, int] = {}
         self.wakes: set[float] = set()
@@ -492,6 +494,18 @@ class _Loop:
         fleet = [i.snapshot() for i in self.insts.values()]
         if not queue and not fleet and self.arrivals_left:
             return
+        due = False
+        if self.fair and self.cfg.preempt:
+            slot = preempt_slot(now, self.cfg)
+            due = slot > self.pslot
+            if due:
+                self.pslot = slot
+            elif self.queued or any(i.allocs for i in self.insts.values()):
+                # look again at the next slot even if nothing else happens by then
+                nxt = (self.pslot + 1) * self.cfg.preempt_period_s
+                if nxt not in self.wakes:
+                    self.wakes.add(nxt)
+                    self.push(nxt, _WAKE, "")
         actions = decide(
             queue,
             fleet,
@@ -500,12 +514,14 @@ class _Loop:
             config=self.cfg,
             usage=self.usage,
             more_expected=self.arrivals_left > 0,
+            preempt_due=due,
         )
         if actions:
             self.apply(actions, now)
             fleet = [i.snapshot() for i in self.insts.values()]
             if any(isinstance(a, Preempt) for a in actions):
                 # the window moved on and the shares changed: look again at once
+                self.pslot -= 1
                 self.push(now, _WAKE, "")
         wake = next_wakeup(fleet, self.cfg, queue, now)
         if wake is not None and wake > now and wake not in self.wakes:

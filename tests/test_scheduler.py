@@ -26,6 +26,7 @@ from bot.scheduler import (
     fairshare_factors,
     next_wakeup,
     order_queue,
+    preempt_slot,
     run_shape,
     split_hosts,
 )
@@ -621,3 +622,17 @@ def test_preemption_respects_shares(
             assert have[victim.user] > shares[victim.user] + 1e-9, (victim, have, shares)
             assert have[claimant.user] - claimant.gpus < shares[claimant.user] - 1e-9
     assert all(v <= 8 for v in _capacity_after(fleet, actions).values())
+
+
+def test_preemption_only_when_due() -> None:
+    fleet = [inst("i0", tuple(held("heavy", 8)))]
+    waiting = run("light-1", "light", submit=NOW - 1000, dur=7200)
+    usage = {"heavy": 1e7}
+    c = cfg(max_gpus=8)
+    off = decide([waiting], fleet, NOW, catalog=CAT, config=c, usage=usage, preempt_due=False)
+    on = decide([waiting], fleet, NOW, catalog=CAT, config=c, usage=usage)
+    assert not any(isinstance(a, Preempt) for a in off)
+    assert any(isinstance(a, Preempt) for a in on)
+    # one look per period: the slot changes every preempt_period_s
+    p = c.preempt_period_s
+    assert preempt_slot(0.0, c) == preempt_slot(p - 1, c) != preempt_slot(p, c)
