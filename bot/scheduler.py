@@ -35,6 +35,9 @@ Policies (``SchedulerConfig.policy``):
     instance that the bundle leaves empty for its duration (the pessimistic "nobody else
     comes" case). No constant fitted to a trace.
   * Idle stop and terminate, as ski rental (see ``SchedulerConfig.idle_stop_after``).
+  * Preemption of runs that checkpoint (``Preempt``, once per ``preempt_period_s``):
+    fair-share reclaim and defragmentation for runs the quota keeps out (`_preempt`),
+    and consolidation of a draining fleet so whole instances stop (`_consolidate`).
 
 ``per-job`` — what a launch-per-job tool does: each run, in submit order, gets its own
 instance(s) of the cheapest type that fits it; an instance is terminated once its run ends.
@@ -973,19 +976,21 @@ def _preempt(
     config: SchedulerConfig,
     usage: Mapping[str, float],
 ) -> list[Action]:
-    """Preempt-and-place for runs the quota keeps out, where fair share says so.
+    """Preempt-and-place for runs the quota keeps out: defragmentation, then fair share.
 
-    Only when nothing else can serve the run: it has waited `preempt_after()` (a run
-    ending or an instance booting within that is cheaper than a preemption) and the
-    quota leaves no room to provision an instance for it. Its user must stay within a
-    max-min fair share of the quota (`fair_shares` over GPUs held + queued) once it
-    runs; a victim must be preemptible, belong to a user who stays at or above their
-    share after losing it, and not be due to end within `preempt_after()` anyway.
-    Victims are taken largest first (one preemption frees the most GPUs for the runs
-    behind), then the most work left (it would hold the GPUs longest). The freed GPUs
-    go to the claimants in fair order; a preempted run goes back in line and resumes
-    from its checkpoint, paying `resume_s` on its GPUs. Users below their share never
-    lose GPUs, so two users cannot take GPUs back and forth."""
+    A claimant has waited `preempt_after()` (a run ending or an instance booting within
+    that is cheaper than a preemption) and the quota leaves no room to provision an
+    instance for it (on owned hosts nothing can be bought at all). First, if the pool
+    has the GPUs but scattered, small runs are moved into the gaps (`defrag`). Else, if
+    its user is below a usage-weighted max-min share of the GPUs in use (`fair_shares`,
+    weights: the fair-share factor), it may take GPUs from a victim whose user is above
+    theirs, has used at least one fair share more than the claimant's lately, and ends
+    up nearer their share by at least half the GPUs moved. Victims are movable runs
+    (`_movable`: preemptible, past `preempt_exempt()`, not ending soon), largest first
+    (one preemption frees the most for the runs behind), not more than the claimants
+    ask for, then the most work left. The freed GPUs go to the claimants in fair order;
+    a preempted run goes back in line and resumes from its checkpoint, paying
+    `resume_s` on its GPUs. Users at or below their share never lose GPUs."""
     after = config.preempt_after()
     stopped_ids = {a.instance_id for a in actions if isinstance(a, Stop | Terminate)}
     by_id = {r.run_id: r for r in queue}
