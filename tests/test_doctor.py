@@ -317,13 +317,15 @@ def test_ssh_provider_without_hosts_fails() -> None:
 def test_ssh_targets_from_env() -> None:
     targets = ssh_targets_from_env(
         {
-            "GPUBOT_SSH_HOSTS": "gpu1=ubuntu@10.0.0.5:2200, box2",
+            "GPUBOT_SSH_HOSTS": "gpu1=ubuntu@gpu1.lab.example:2200, box2",
             "GPUBOT_SSH_USER": "ops",
             "GPUBOT_SSH_KEY": "/keys/bot",
         }
     )
     assert targets == (
-        SshTarget(host="10.0.0.5", port=2200, user="ubuntu", key_path="/keys/bot", name="gpu1"),
+        SshTarget(
+            host="gpu1.lab.example", port=2200, user="ubuntu", key_path="/keys/bot", name="gpu1"
+        ),
         SshTarget(host="box2", port=22, user="ops", key_path="/keys/bot", name=""),
     )
 

@@ -77,6 +77,6 @@ def test_serve_over_http(fake_slack: FakeSlack, tmp_path: Path) -> None:
 def test_default_bind_address_follows_the_platform() -> None:
     assert default_host({}) == "127.0.0.1"
     assert default_host({"PORT": "8080"}) == "0.0.0.0"
-    assert default_host({"PORT": "8080", "GPUBOT_HOST": "10.1.2.3"}) == "10.1.2.3"
+    assert default_host({"PORT": "8080", "GPUBOT_HOST": "bot.lab.example"}) == "bot.lab.example"
     assert default_port({}) == 3000
     assert default_port({"PORT": "8080"}) == 8080

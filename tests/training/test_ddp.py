@@ -20,11 +20,11 @@ def test_multi_host_uses_the_callers_endpoint() -> None:
         ["python", "train.py"],
         nnodes=2,
         node_rank=1,
-        rdzv_endpoint="10.0.0.5:29400",
+        rdzv_endpoint="node0.lab.example:29400",
         rdzv_id="job7",
     )
     assert "--nnodes=2" in cmd and "--node-rank=1" in cmd
-    assert "--rdzv-endpoint=10.0.0.5:29400" in cmd and "--rdzv-id=job7" in cmd
+    assert "--rdzv-endpoint=node0.lab.example:29400" in cmd and "--rdzv-id=job7" in cmd
     assert cmd[-3:] == ["--no-python", "python", "train.py"]
     with pytest.raises(ValueError, match="rendezvous"):
         torchrun_command(8, ["python", "train.py"], nnodes=2)
