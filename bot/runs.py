@@ -597,6 +597,7 @@ class RunService:
                 continue
             hosts[host.name] = host
             by_holder: dict[str, tuple[str, int, float | None]] = {}
+            # run -> (preemptible, stopping, started_s), as Allocation takes them
             flags: dict[str, tuple[bool, bool, float | None]] = {}
             for iv, user, res, run in open_rows:
                 if iv.host_id != host.id:
@@ -631,15 +632,7 @@ class RunService:
                     state="running",
                     ready_at_s=host.created_at.timestamp(),
                     allocations=tuple(
-                        Allocation(
-                            run_id=k,
-                            user=u,
-                            gpus=n,
-                            est_end_s=e,
-                            preemptible=flags.get(k, (False, False, None))[0],
-                            stopping=flags.get(k, (False, False, None))[1],
-                            started_s=flags.get(k, (False, False, None))[2],
-                        )
+                        Allocation(k, u, n, e, *flags.get(k, (False, False, None)))
                         for k, (u, n, e) in by_holder.items()
                     ),
                 )

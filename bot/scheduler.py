@@ -1025,7 +1025,6 @@ def _preempt(
         return []
     # Per instance, from its cached summaries: a decision over a busy fleet must not walk
     # every allocation (what may move is worked out only where a claimant looks).
-    exempt, horizon = config.preempt_exempt(), now + after
     held = dict(placed_gpus)
     freed: dict[str, int] = {}  # instance -> GPUs freed (or being freed) for claimants
     pool: dict[tuple[str, str], list[FleetInstance]] = {}
@@ -1052,14 +1051,7 @@ def _preempt(
     def movable(iid: str) -> list[Allocation]:
         got = movable_of.get(iid)
         if got is None:
-            got = [
-                al
-                for al in by_iid[iid].allocations
-                if al.preemptible
-                and not al.stopping
-                and (al.started_s is None or now - al.started_s >= exempt)
-                and (al.est_end_s is None or al.est_end_s > horizon)
-            ]
+            got = [al for al in by_iid[iid].allocations if _movable(al, now, config)]
             movable_of[iid] = got
         return got
 
