@@ -471,14 +471,7 @@ class _Loop:
                 return  # the segment was preempted before this end
             del self.seg[key]
             self.left[key] = 0.0
-            j = self.by_id[key]
-            self.running[j.user] -= j.gpus
-            for iid in self.placed_on.pop(key):
-                inst = self.insts[iid]
-                del inst.allocs[key]
-                if not inst.allocs:
-                    inst.idle_since = t
-                inst.snap = None
+            self.release(key, t)
         elif kind == _WAKE:
             self.wakes.discard(t)
 
@@ -575,6 +568,17 @@ class _Loop:
                 cloud.terminate(a.instance_id)
                 del self.insts[a.instance_id]
 
+    def release(self, job_id: str, t: float) -> None:
+        """A job's GPUs go back (it ended or was preempted); emptied instances idle from t."""
+        j = self.by_id[job_id]
+        self.running[j.user] -= j.gpus
+        for iid in self.placed_on.pop(job_id):
+            inst = self.insts[iid]
+            del inst.allocs[job_id]
+            if not inst.allocs:
+                inst.idle_since = t
+            inst.snap = None
+
     def preempt(self, job_id: str, now: float) -> None:
         """Stops a running job with a checkpoint: the GPUs free at once, the work done
         is kept, and the job goes back in line owing `resume_s` more on its next start."""
@@ -584,13 +588,7 @@ class _Loop:
             raise RuntimeError(f"scheduler preempted {job_id}, which is not running")
         start, _, resume = seg
         self.left[job_id] -= max(0.0, now - start - resume)
-        self.running[j.user] -= j.gpus
-        for iid in self.placed_on.pop(job_id):
-            inst = self.insts[iid]
-            del inst.allocs[job_id]
-            if not inst.allocs:
-                inst.idle_since = now
-            inst.snap = None
+        self.release(job_id, now)
         rows = self.schedule[job_id]
         last = rows[-1]
         rows[-1] = ScheduledJob(

@@ -196,6 +196,15 @@ def test_two_workers_dispatch_each_run_exactly_once(pg_engine: Engine, tmp_path:
     run_until(runs_a, lambda: all(state(pg_engine, i).state == "succeeded" for i in ids))
 
 
+def set_spot(engine: Engine, run_id: int, spot: bool) -> None:
+    with Session(engine) as s:
+        row = s.get(TrainingRun, run_id)
+        assert row is not None
+        row.spot = spot
+        s.add(row)
+        s.commit()
+
+
 def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
     engine: Engine, tmp_path: Path
 ) -> None:
@@ -213,12 +222,7 @@ def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
     run_until(runs, lambda: state(engine, hog).state == "running")
     # Marked as a --spot run (its owner said it resumes), which the local host, having no
     # spot market, would not have started; a recipe run is preemptible the same way.
-    with Session(engine) as s:
-        row = s.get(TrainingRun, hog)
-        assert row is not None
-        row.spot = True
-        s.add(row)
-        s.commit()
+    set_spot(engine, hog, True)
     late = runs.submit(bob, Run(command=(sys.executable, "-c", "print('bob was here')"))).extra[
         "run_id"
     ]
@@ -237,12 +241,7 @@ def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
         f"Run #{hog} was interrupted" in t and "preempted" in t for t in dms_to(engine, "alice")
     )
     # bob is done, so alice gets the GPU back (as an on-demand run: no spot market here)
-    with Session(engine) as s:
-        row = s.get(TrainingRun, hog)
-        assert row is not None
-        row.spot = False
-        s.add(row)
-        s.commit()
+    set_spot(engine, hog, False)
     run_until(runs, lambda: state(engine, hog).state == "running", timeout=60)
     runs.cancel(alice, Cancel(hog))
     run_until(runs, lambda: state(engine, hog).state == "cancelled", timeout=60)
