@@ -94,7 +94,8 @@ def fleets(draw: st.DrawFn) -> list[FleetInstance]:
     for n in range(draw(st.integers(0, 5))):
         allocs: list[Allocation] = []
         used = 0
-        for a in draw(st.lists(alloc_st, max_size=4)):
+        # one allocation per run and instance, as the worker and the simulator build them
+        for a in draw(st.lists(alloc_st, max_size=4, unique_by=lambda a: a.run_id)):
             if used + a.gpus <= 8:
                 allocs.append(
                     Allocation(
