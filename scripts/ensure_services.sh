@@ -19,3 +19,4 @@ else
     [ "${CI:-}" = "true" ] && exit 1
 fi
 bash "$(dirname "$0")/sshd_hosts.sh"
+bash "$(dirname "$0")/run_account.sh"

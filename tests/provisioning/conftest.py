@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import tempfile
@@ -101,10 +102,35 @@ class Bench:
         self.runner.close(self.target)
 
 
-@pytest.fixture(params=["ssh", "local"])
+RUN_ACCOUNT = os.environ.get("GPUBOT_TEST_RUN_AS", "gpubot-run")
+
+
+def run_account_missing() -> str | None:
+    """Why the LocalRunner cannot run as the test run account here, or None."""
+    try:
+        pwd.getpwnam(RUN_ACCOUNT)
+    except KeyError:
+        return f"no account {RUN_ACCOUNT} (scripts/run_account.sh creates it)"
+    if os.geteuid() != 0 and shutil.which("sudo") is None:
+        return "switching to the run account needs root or sudo"
+    return None
+
+
+@pytest.fixture(params=["ssh", "local", "local-as"])
 def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
     runner: SshRunner
-    if request.param == "ssh":
+    if request.param == "local-as":
+        # The LocalRunner as GPUBOT_RUN_AS sets it up: every command and file operation
+        # as the unprivileged run account, in a directory of its own home.
+        reason = run_account_missing()
+        if reason is not None:
+            pytest.skip(reason)
+        runner = LocalRunner(command_timeout=20, run_as=RUN_ACCOUNT)
+        made = runner.run(LOCAL_TARGET, 'mktemp -d "$HOME/gpubot-bench.XXXXXX"', timeout=20)
+        assert made.ok, made.stderr
+        root = made.stdout.strip()
+        target = LOCAL_TARGET
+    elif request.param == "ssh":
         lab: SshLab = request.getfixturevalue("ssh_lab")
         host = lab.hosts["gpu-a"]
         host.root.mkdir(parents=True, exist_ok=True)
