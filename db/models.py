@@ -196,6 +196,37 @@ class Notification(SQLModel, table=True):
     # replica can deliver it; Slack gets it through the two-step external upload.
     attachment: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
     attachment_name: str | None = Field(default=None, max_length=128)
+    # What is known of the delivery, so that any process (a restart, another replica) tells
+    # a maybe-sent message from one never sent without guessing: the conversation an attempt
+    # went to and when it started (committed before the call, cleared when Slack refused
+    # it), Slack's ts once the message is known to exist, and the same two facts for the
+    # attachment's upload (bot.outbox.DeliveryLog).
+    attempt_channel: str | None = Field(default=None, max_length=128)
+    attempt_started_at: datetime | None = _ts(nullable=True)
+    posted_ts: str | None = Field(default=None, max_length=32)
+    upload_started_at: datetime | None = _ts(nullable=True)
+    uploaded_at: datetime | None = _ts(nullable=True)
+
+
+class SlackConversation(SQLModel, table=True):
+    """Where a notification target lives in Slack (a channel name's id, a user's DM
+    channel), learnt once and kept: a restarted process must know where a maybe-sent
+    post went, and conversations.history takes only ids."""
+
+    # "channel" (name is the channel name without '#') or "dm" (name is the user key).
+    kind: str = Field(primary_key=True, max_length=16)
+    name: str = Field(primary_key=True, max_length=128)
+    channel_id: str = Field(max_length=32)
+    resolved_at: datetime = _ts()
+
+
+class DeliveryPause(SQLModel, table=True):
+    """Slack answered 429: nobody calls it again before `until` (its Retry-After).
+    Stored so that every deliverer, and the next process after a restart, waits too."""
+
+    name: str = Field(primary_key=True, max_length=32)
+    until: datetime = _ts()
+    reason: str = Field(default="", max_length=200)
 
 
 class WorkerLock(SQLModel, table=True):

@@ -10,6 +10,7 @@ from sqlmodel import Session, select
 
 from bot.clock import VirtualClock
 from bot.commands import Release, Reserve
+from bot.outbox import DeliveryFacts, StoredDeliveryLog
 from bot.service import GpuService, OutboxItem
 from bot.worker import DeliveryRetry, deliver
 from db.models import Notification
@@ -88,3 +89,36 @@ def test_an_unexpected_failure_backs_off_and_keeps_the_message(engine: Engine) -
     assert n.sent_at is None and n.last_error is not None and "ConnectionError" in n.last_error
     clock.advance(timedelta(minutes=1))
     assert deliver(svc, rec) == 1
+
+
+def test_delivery_facts_outlive_the_process_that_wrote_them(engine: Engine) -> None:
+    """What one deliverer writes down, a second one on the same database reads: where a
+    target lives, how far each notification got, and Slack's pause (which never shrinks)."""
+    svc, clock = _one_dm(engine)
+    (item,) = svc.pending_notifications()
+    first, second = StoredDeliveryLog(engine, clock), StoredDeliveryLog(engine, clock)
+
+    assert second.conversation("channel", "gpu") is None
+    first.remember_conversation("channel", "gpu", "C0GPU0001")
+    first.remember_conversation("dm", "bob", "D0BOB0001")
+    assert second.conversation("channel", "gpu") == "C0GPU0001"
+    assert second.conversation("dm", "bob") == "D0BOB0001"
+    assert second.conversation("dm", "gpu") is None
+
+    assert second.facts(item.id) == DeliveryFacts()
+    first.attempt_started(item.id, "D0BOB0001")
+    maybe = second.facts(item.id)
+    assert maybe.attempt_channel == "D0BOB0001" and maybe.attempt_started_at == clock.now()
+    assert maybe.posted_ts is None
+    first.attempt_refused(item.id)
+    assert second.facts(item.id).attempt_started_at is None
+    first.attempt_started(item.id, "D0BOB0001")
+    first.posted(item.id, "D0BOB0001", "1767600000.000100")
+    done = second.facts(item.id)
+    assert done.posted_ts == "1767600000.000100" and done.attempt_started_at is None
+
+    assert second.paused_until() is None
+    later = clock.now() + timedelta(seconds=30)
+    first.pause(later, "chat.postMessage: 429")
+    second.pause(clock.now() + timedelta(seconds=5), "conversations.history: 429")
+    assert first.paused_until() == later, "a shorter Retry-After never cuts a longer one"

@@ -39,6 +39,7 @@ __all__ = [
     "Call",
     "FakeSlack",
     "FakeUser",
+    "Hold",
     "MethodSpec",
     "ResponsePost",
     "SlackReference",
@@ -55,7 +56,7 @@ UPLOAD_ENDPOINT = "upload_url"
 RESPONSE_URL_ENDPOINT = "response_url"
 
 JsonDict = dict[str, Any]
-FaultKind = Literal["disconnect", "disconnect_after", "error", "ratelimit"]
+FaultKind = Literal["disconnect", "disconnect_after", "error", "ratelimit", "hold"]
 Responder = Callable[["Call"], JsonDict]
 
 _TOKEN_RE = re.compile(r"^(xoxe\.)?xox[a-z]-[A-Za-z0-9-]+$")
@@ -571,10 +572,28 @@ class ResponsePost:
 
 @dataclass
 class _Fault:
-    kind: FaultKind
+    # "pass": no fault, a placeholder that lets the calls before a fault through.
+    kind: FaultKind | Literal["pass"]
     retry_after: int = 1
     error: str = "internal_error"
     status: int = 500
+    hold: Hold | None = None
+
+
+class Hold:
+    """A call the fake has carried out and holds open without answering (`hold_next`), as
+    Slack looks to a sender that dies mid-call: `arrived` is set once the call has taken
+    effect; after `release()` the connection closes without a reply."""
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait_released(self, timeout: float) -> None:
+        self._released.wait(timeout)
 
 
 @dataclass
@@ -846,9 +865,20 @@ class FakeSlack:
                 self._dm_channels[user_id] = f"DFAKE{next(self._ids):06d}"
             return self._dm_channels[user_id]
 
-    def rate_limit(self, method: str, times: int = 1, retry_after: int = 1) -> None:
-        """The next `times` calls of `method` ('*' for any) get HTTP 429 with Retry-After."""
-        self._add_fault(method, times, _Fault("ratelimit", retry_after=retry_after))
+    def rate_limit(
+        self, method: str, times: int = 1, retry_after: int = 1, *, after: int = 0
+    ) -> None:
+        """The next `times` calls of `method` ('*' for any) get HTTP 429 with Retry-After;
+        `after`: that many calls first go through untouched."""
+        self._add_fault(method, times, _Fault("ratelimit", retry_after=retry_after), after)
+
+    def hold_next(self, method: str) -> Hold:
+        """The next call of `method` takes effect, then is held open unanswered until the
+        returned Hold is released (then its connection closes): a sender killed meanwhile
+        died after Slack acted and before it learnt so."""
+        hold = Hold()
+        self._add_fault(method, 1, _Fault("hold", hold=hold))
+        return hold
 
     def fail_next(
         self,
@@ -857,8 +887,11 @@ class FakeSlack:
         kind: FaultKind = "disconnect",
         error: str = "internal_error",
         status: int = 500,
+        *,
+        after: int = 0,
     ) -> None:
-        """The next `times` calls of `method` ('*' for any) fail.
+        """The next `times` calls of `method` ('*' for any) fail; `after`: that many calls
+        first go through untouched.
 
         `disconnect`: the connection is closed before the call takes effect (a network error).
         `disconnect_after`: the call takes effect, then the connection is closed without a reply:
@@ -866,11 +899,12 @@ class FakeSlack:
         `error`: `{"ok": false, "error": error}` (for the upload and response_url endpoints,
         HTTP `status` instead). `ratelimit`: as `rate_limit()`.
         """
-        self._add_fault(method, times, _Fault(kind, error=error, status=status))
+        self._add_fault(method, times, _Fault(kind, error=error, status=status), after)
 
-    def _add_fault(self, method: str, times: int, fault: _Fault) -> None:
+    def _add_fault(self, method: str, times: int, fault: _Fault, after: int = 0) -> None:
         with self._lock:
             queue = self._faults.setdefault(method, deque())
+            queue.extend(_Fault("pass") for _ in range(after))
             queue.extend(fault for _ in range(times))
 
     def on(self, method: str, responder: Responder) -> None:
@@ -983,7 +1017,8 @@ class FakeSlack:
             for key in (name, "*"):
                 queue = self._faults.get(key)
                 if queue:
-                    return queue.popleft()
+                    fault = queue.popleft()
+                    return None if fault.kind == "pass" else fault
         return None
 
     @staticmethod
@@ -1017,7 +1052,7 @@ class FakeSlack:
         with self._lock:
             self.calls.append(call)
         fault = self._take_fault(method)
-        if fault is not None and fault.kind != "disconnect_after":
+        if fault is not None and fault.kind not in ("disconnect_after", "hold"):
             call.fault = fault.kind
             reply = self._fault_reply(fault, api=True)
             call.status = reply.status
@@ -1048,6 +1083,9 @@ class FakeSlack:
         call.error = None if response.get("ok") else str(response.get("error"))
         if fault is not None:
             call.fault = fault.kind
+            if fault.hold is not None:
+                fault.hold.arrived.set()
+                fault.hold.wait_released(timeout=60)
             return _Reply(drop=True)
         return _Reply(200, response)
 
@@ -1188,6 +1226,10 @@ class FakeSlack:
             out["thread_ts"] = msg.thread_ts
         if msg.metadata is not None:
             out["metadata"] = msg.metadata
+        if msg.files:
+            # A file share, as history shows it: the files themselves and "upload".
+            out["files"] = [self._file_json(self.files[f]) for f in msg.files if f in self.files]
+            out["upload"] = True
         return out
 
     def message_json(self, msg: Message) -> JsonDict:
