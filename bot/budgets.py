@@ -29,6 +29,7 @@ from zoneinfo import ZoneInfo
 from sqlmodel import Session, col, func, select
 
 from bot import views
+from bot.access import audit
 from bot.billing import load_usages
 from bot.commands import Budget
 from bot.config import Settings
@@ -374,6 +375,8 @@ def budget_command(service: GpuService, actor: Actor, cmd: Budget) -> views.Repl
             user.budget_usd = None if cmd.clear else cmd.amount_usd
             user.budget_period = cmd.period
             s.add(user)
+            limit = "none" if cmd.clear else f"${cmd.amount_usd:g}/{cmd.period}"
+            audit(actor, "budget", f"{user.key} to {limit}", session=s)
             s.flush()
         else:
             found = s.exec(select(User).where(User.key == target)).first()

@@ -8,6 +8,7 @@ so that logging a Settings object can never leak them.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -42,6 +43,15 @@ class Settings:
     expiry_warning: timedelta = timedelta(minutes=10)
     # User ids (Slack ids, or names in the shell) allowed to release anyone's GPUs.
     admins: tuple[str, ...] = ()
+    # Who may start runs (`/gpu run`, the run form, `gpubot submit`): these user ids (Slack
+    # ids, or names in the shell) and the members of these Slack user group ids. Both
+    # empty: everyone who can use /gpu. Admins always may.
+    run_users: tuple[str, ...] = ()
+    run_groups: tuple[str, ...] = ()
+    # Slack channel ids where `/gpu run` is accepted; empty: any channel, and DMs.
+    run_channels: tuple[str, ...] = ()
+    # Whether anyone may read any run's log; off: the run's owner and admins only.
+    shared_logs: bool = False
     # Channel for team posts (utilization snapshots, digest, pool notes).
     channel: str = "gpu"
     # Seconds between worker ticks (expiry, grants, notification delivery).
@@ -120,6 +130,10 @@ _ENV = {
     "GPUBOT_MAX_DURATION": "max_duration",
     "GPUBOT_EXPIRY_WARNING": "expiry_warning",
     "GPUBOT_ADMINS": "admins",
+    "GPUBOT_RUN_USERS": "run_users",
+    "GPUBOT_RUN_GROUPS": "run_groups",
+    "GPUBOT_RUN_CHANNELS": "run_channels",
+    "GPUBOT_SHARED_LOGS": "shared_logs",
     "GPUBOT_CHANNEL": "channel",
     "GPUBOT_TICK_SECONDS": "tick_seconds",
     "GPUBOT_STATUS_CACHE_SECONDS": "status_cache_s",
@@ -173,6 +187,13 @@ _DURATIONS = {
     "idle_grace",
 }
 _WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+# Settings that hold Slack ids, the shape of each, and an example for the error.
+_SLACK_IDS = {
+    "run_groups": (r"S[A-Z0-9]{2,}", "S0614TZR7 (a user group's id, not its @handle)"),
+    "run_channels": (r"[CGD][A-Z0-9]{2,}", "C0123ABCD (a channel's id, not its #name)"),
+}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 
 def parse_weekly_time(raw: str) -> tuple[int, int, int]:
@@ -230,9 +251,23 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         if delta is None:
             raise ConfigError(f"{where} must be a duration like 2h or 30m, not {raw!r}")
         return delta
-    if name == "admins":
+    if name in {"admins", "run_users"}:
         items = raw if isinstance(raw, list) else str(raw).split(",")
         return tuple(str(i).strip().lstrip("@") for i in items if str(i).strip())
+    if name in _SLACK_IDS:
+        pattern, example = _SLACK_IDS[name]
+        items = raw if isinstance(raw, list) else str(raw).split(",")
+        ids = tuple(str(i).strip() for i in items if str(i).strip())
+        for item in ids:
+            if not re.fullmatch(pattern, item):
+                # A name instead of an id would match nothing and lock everyone out.
+                raise ConfigError(f"{where} takes Slack ids like {example}, not {item!r}")
+        return ids
+    if name == "shared_logs":
+        flag = str(raw).strip().lower()
+        if flag not in _TRUE | _FALSE:
+            raise ConfigError(f"{where} must be true or false, not {raw!r}")
+        return flag in _TRUE
     if name == "provider":
         provider = str(raw).strip().lower()
         if provider not in PROVIDERS:

@@ -43,6 +43,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, func, select
 
 from bot import views
+from bot.access import audit
 from bot.billing import note_host_state
 from bot.budgets import check_budget
 from bot.commands import Pool
@@ -1218,6 +1219,8 @@ def pool(service: GpuService, actor: Actor, cmd: Pool) -> views.Reply:
         row.updated_by = actor.key
         row.updated_at = now
         s.add(row)
+        caps = f"max={row.max_instances} spend={row.max_usd_per_hour}"
+        audit(actor, "pool-set", f"{cmd.instance_type} {caps}", session=s)
     return views.Reply(pool_view(service, changed=cmd.instance_type), ephemeral=False)
 
 

@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from sqlmodel import Session, col, select
 
 from bot import views
+from bot.access import audit
 from bot.durations import format_duration
 from bot.errors import UserError
 from bot.service import Actor, GpuService
@@ -348,6 +349,14 @@ def keep(service: GpuService, actor: Actor, res_id: int) -> views.Reply:
         res.idle_keep_until = now + service.settings.idle_window
         res.idle_prompted_at = None
         s.add(res)
+        if res.user_id != user.id:
+            holder = s.get(User, res.user_id)
+            audit(
+                actor,
+                "keep",
+                f"reservation #{res_id} of {holder.key if holder else '?'}",
+                session=s,
+            )
         until = res.idle_keep_until
     return views.message(
         f"Keeping reservation #{res_id}. I won't ask about idle GPUs again before "

@@ -32,6 +32,7 @@ from sqlalchemy import update
 from sqlmodel import Session, col, select
 
 from bot import budgets, estimates, sources, views
+from bot.access import RunGate, StaticMembership, audit
 from bot.commands import Cancel, Logs, Queue, Run
 from bot.durations import format_duration
 from bot.errors import UserError
@@ -109,6 +110,9 @@ class RunService:
         self._preempt_slot = -(2**62)  # the last preemption slot dispatch looked at
         # file:// git URLs: tests only (a bare repository in tmp); never in production.
         self.allow_file_git = False
+        # Who may start runs and read logs (bot.access); the Slack app puts in a gate that
+        # knows Slack's user groups, the shell keeps this one (no groups).
+        self.gate = RunGate(core.settings, StaticMembership())
 
     @property
     def engine(self) -> Any:
@@ -117,6 +121,10 @@ class RunService:
     # --- submit ----------------------------------------------------------------------
 
     def submit(self, actor: Actor, cmd: Run, request_key: str | None = None) -> views.Reply:
+        # Every way a run starts comes here (/gpu run, the run form, gpubot submit).
+        refusal = self.gate.run_refusal(actor)
+        if refusal is not None:
+            raise UserError(refusal, USAGE_RUN)
         if cmd.interactive:
             raise UserError(
                 "Say what to run: `--recipe digits` or `-- python train.py`.", USAGE_RUN
@@ -406,6 +414,8 @@ class RunService:
                 )
             if run.state not in RUN_OPEN_STATES:
                 raise UserError(f"Run #{run.id} already {run.state}.", "/gpu cancel ID")
+            if owner.key != actor.key:
+                audit(actor, "cancel", f"run #{run.id} of {owner.key}", session=s)
             if run.state == RUN_QUEUED:
                 run.state = RUN_CANCELLED
                 run.finished_at = self.core.clock.now()
@@ -422,7 +432,17 @@ class RunService:
             run = s.get(TrainingRun, cmd.run_id)
             if run is None:
                 raise UserError(f"There is no run #{cmd.run_id}.", "/gpu logs ID [LINES]")
+            owner = s.get(User, run.user_id)
+            # A log may hold what its owner printed (data, paths, tokens): theirs unless
+            # the team shares logs (GPUBOT_SHARED_LOGS).
+            if owner is None or not self.gate.may_read_log(actor, owner.key):
+                raise UserError(
+                    f"Run #{cmd.run_id} is not yours; only its owner or an admin can read its log.",
+                    "/gpu logs ID [LINES]",
+                )
             placement = dict(run.placement)
+        if owner.key != actor.key and actor.admin and not self.gate.settings.shared_logs:
+            audit(actor, "read-log", f"run #{cmd.run_id} of {owner.key}")
         if "log" not in placement:
             return views.message(f"Run #{cmd.run_id} has not started yet, so it has no log.")
         access = self.access.runner_for(placement["host"])

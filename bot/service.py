@@ -27,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from bot import budgets, views
+from bot.access import audit
 from bot.billing import TeamBill, load_usages, note_host_state, team_bill
 from bot.clock import Clock
 from bot.commands import Extend, Release, Reserve, Status
@@ -472,6 +473,7 @@ class GpuService:
                 info = self._info(s, res)
                 done.append(info)
                 if res.user_id != user.id:
+                    audit(actor, "release", f"reservation #{res.id} of {info.user_key}", session=s)
                     self.notify_dm(
                         s,
                         info.user_key,
@@ -532,6 +534,10 @@ class GpuService:
                     f"#{res.id} can take {can}.",
                     usage,
                 )
+            if res.user_id != user.id:
+                holder = s.get(User, res.user_id)
+                target = f"reservation #{res.id} of {holder.key if holder else res.user_id}"
+                audit(actor, "extend", f"{target} by {format_duration(cmd.duration)}", session=s)
             res.duration_s = int(total.total_seconds())
             if res.state == RES_ACTIVE:
                 assert res.granted_at is not None

@@ -35,6 +35,7 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError
 
 from bot import views
+from bot.access import RunGate
 from bot.commands import Run
 from bot.config import Settings
 from bot.dispatch import handle_text, known_models, parse_text
@@ -43,6 +44,7 @@ from bot.service import Actor, GpuService
 from bot.slack import modal
 from bot.slack.blocks import message
 from bot.slack.home import publish_home
+from bot.slack.membership import SlackMembership
 from bot.worker import Notifier, deliver
 
 log = logging.getLogger(__name__)
@@ -205,9 +207,25 @@ class SlackFace:
         except Exception as exc:
             failure_message(exc, f"after-command work for {actor.key}")
 
+    def run_channel_refusal(self, line: str, channel: str | None) -> str | None:
+        """Why `/gpu run` is not taken from this channel (GPUBOT_RUN_CHANNELS), if it isn't."""
+        if _verb(line) != "run" or self.service.runs is None:
+            return None
+        return self.service.runs.gate.channel_refusal(channel)
+
     def run_line(
-        self, user_id: str, fallback_name: str, line: str, key: str | None
+        self,
+        user_id: str,
+        fallback_name: str,
+        line: str,
+        key: str | None,
+        channel: str | None = None,
     ) -> Future[views.Reply]:
+        refusal = self.run_channel_refusal(line, channel)
+        if refusal is not None:
+            refused: Future[views.Reply] = Future()
+            refused.set_result(views.error(refusal))
+            return refused
         fut, _first = self.memo.get_or_start(
             key, lambda: self.pool.submit(self._execute, user_id, fallback_name, line, key)
         )
@@ -291,12 +309,15 @@ def build_face(
         # Socket Mode has no signing secret; Bolt skips verification there by itself.
         request_verification_enabled=True,
     )
+    quick = _quick_client(client)
+    if service.runs is not None:  # who may run: with Slack's user groups (bot.access)
+        service.runs.gate = RunGate(settings, SlackMembership(quick))
     face = SlackFace(
         service=service,
         settings=settings,
         app=app,
         client=client,
-        identity=Identity(service, _quick_client(client)),
+        identity=Identity(service, quick),
         notifier=notifier,
         deliver_after_commands=deliver_after_commands,
         ack_deadline_s=ack_deadline_s,
@@ -318,6 +339,10 @@ def _register(face: SlackFace) -> None:
             cmd = parse_text(line)
         except UserError:
             cmd = None
+        refusal = face.run_channel_refusal(line, str(body.get("channel_id", "")))
+        if refusal is not None:
+            ack(**reply_body(views.error(refusal)))
+            return
         if isinstance(cmd, Run) and cmd.interactive and trigger:
             metadata = {
                 "response_url": str(body.get("response_url", "")),
@@ -340,7 +365,9 @@ def _register(face: SlackFace) -> None:
             # Reads only: answered on this thread, no hand-off (a redelivery reads again).
             ack(**reply_body(face._execute(user_id, str(body.get("user_name", "")), line, key)))
             return
-        fut = face.run_line(user_id, str(body.get("user_name", "")), line, key)
+        fut = face.run_line(
+            user_id, str(body.get("user_name", "")), line, key, str(body.get("channel_id", ""))
+        )
         try:
             reply = fut.result(timeout=face.ack_deadline_s)
         except FutureTimeout:
@@ -368,8 +395,11 @@ def _register(face: SlackFace) -> None:
             )
             return
         trigger = body.get("trigger_id") or f"{action.get('action_ts')}:{user_id}"
-        fut = face.run_line(user_id, str(user.get("name", "")), line, f"slack:act:{trigger}")
         container = body.get("container") or {}
+        channel = (body.get("channel") or {}).get("id") or container.get("channel_id")
+        fut = face.run_line(
+            user_id, str(user.get("name", "")), line, f"slack:act:{trigger}", channel
+        )
         on_home = container.get("type") == "view" and (body.get("view") or {}).get("type") == "home"
         _answer_later(
             fut,
@@ -396,7 +426,10 @@ def _register(face: SlackFace) -> None:
             meta = {}
         url = meta.get("response_url") if isinstance(meta, dict) else None
         trigger = body.get("trigger_id") or view.get("id")
-        fut = face.run_line(user_id, str(user.get("name", "")), sub.line, f"slack:view:{trigger}")
+        channel = meta.get("channel") if isinstance(meta, dict) else None
+        fut = face.run_line(
+            user_id, str(user.get("name", "")), sub.line, f"slack:view:{trigger}", channel
+        )
         respond: Respond | None = None
         if url:
             respond = Respond(response_url=url)

@@ -21,6 +21,8 @@ METHOD_SCOPES: dict[str, tuple[str, ...]] = {
     # The duplicate check before resending a maybe-sent notification: DMs and the team channel.
     "conversations.history": ("im:history", "channels:history"),
     "users.info": ("users:read",),
+    # Members of the user groups in GPUBOT_RUN_GROUPS (bot.slack.membership).
+    "usergroups.users.list": ("usergroups:read",),
     "views.open": (),
     "views.publish": (),
     # files.getUploadURLExternal / completeUploadExternal (charts) add files:write when used.

@@ -729,6 +729,7 @@ class FakeSlack:
         "chat.delete": "_chat_delete",
         "conversations.open": "_conversations_open",
         "users.info": "_users_info",
+        "usergroups.users.list": "_usergroups_users_list",
         "views.open": "_views_open",
         "views.push": "_views_open",
         "views.update": "_views_update",
@@ -767,6 +768,7 @@ class FakeSlack:
         self.internal_errors: list[str] = []
         self.messages: list[Message] = []
         self.users: dict[str, FakeUser] = {}
+        self.usergroups: dict[str, list[str]] = {}
         self.files: dict[str, UploadedFile] = {}
         self.views: dict[str, JsonDict] = {}
         self.home_views: dict[str, JsonDict] = {}
@@ -857,6 +859,11 @@ class FakeSlack:
         with self._lock:
             self.users[user_id] = user
         return user
+
+    def add_usergroup(self, group_id: str, members: list[str]) -> None:
+        """A user group (id `S…`) and its members, for usergroups.users.list."""
+        with self._lock:
+            self.usergroups[group_id] = list(members)
 
     def dm_channel_for(self, user_id: str) -> str:
         """The DM channel id the fake gives the bot's conversation with `user_id`."""
@@ -1444,6 +1451,14 @@ class FakeSlack:
             "updated": 1700000000,
         }
         return {"ok": True, "user": user}
+
+    def _usergroups_users_list(self, call: Call, token: str) -> JsonDict:
+        # An unknown group: Slack's documented error (the 2020 spec's enum predates it).
+        with self._lock:
+            members = self.usergroups.get(str(call.params["usergroup"]))
+        if members is None:
+            raise _SlackError("no_such_subteam")
+        return {"ok": True, "users": list(members)}
 
     def _check_view(self, method: str, view: Any) -> None:
         problems = _Problems(self.ref)

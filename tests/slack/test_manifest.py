@@ -45,17 +45,25 @@ def test_scopes_are_exactly_those_of_the_methods_called() -> None:
     called: set[str] = set()
     for path in (ROOT / "bot" / "slack").glob("*.py"):
         for name in re.findall(
-            r"client\.((?:chat|conversations|users|views|files|apps)_[A-Za-z_0-9]+)",
+            r"client\.((?:chat|conversations|users|usergroups|views|files|apps)_[A-Za-z_0-9]+)",
             path.read_text(),
         ):
             called.add(name)
     # files_upload_v2 is the upload helper (scope added when charts use it); Bolt calls auth.test.
-    as_methods = {n.replace("_", ".", 1) for n in called} - {"files.upload_v2"} | {"auth.test"}
+    as_methods = {n.replace("_", ".") for n in called} - {"files.upload.v2"} | {"auth.test"}
     assert as_methods == set(m.METHOD_SCOPES), (
         "a Web API call without a scope entry, or a stale one"
     )
     assert m.bot_scopes() == sorted(
-        {"commands", "chat:write", "im:write", "im:history", "channels:history", "users:read"}
+        {
+            "commands",
+            "chat:write",
+            "im:write",
+            "im:history",
+            "channels:history",
+            "users:read",
+            "usergroups:read",
+        }
     )
 
 
