@@ -112,7 +112,7 @@ class GpuService:
     # --- users and hosts ---------------------------------------------------------
 
     def actor(self, key: str, display_name: str | None = None) -> Actor:
-        """Creates the user on first sight; admins come from config or the user's role."""
+        """Creates the user on first sight; admins come from configuration only."""
         key = key.strip().lstrip("@")
         if not key:
             raise UserError("Who are you? A user name is needed.")
@@ -126,7 +126,10 @@ class GpuService:
         return Actor(key=user.key, name=user.display_name, admin=self._is_admin(user))
 
     def _is_admin(self, user: User) -> bool:
-        return user.role == "admin" or self.settings.is_admin(user.key)
+        # Only Settings.admins (GPUBOT_ADMINS, the config file): `user.role` is a database
+        # row, and anything that can write a row (a run that once read DATABASE_URL, a
+        # psql session) must not be able to make itself an admin. The column stays unread.
+        return self.settings.is_admin(user.key)
 
     def user_row(self, s: Session, key: str, display_name: str | None = None) -> User:
         user = s.exec(select(User).where(User.key == key)).first()
