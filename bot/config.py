@@ -34,6 +34,10 @@ class Settings:
     local_slots: int = 1
     # "auto": offer this machine's NVIDIA GPUs if it has any; "none": CPU slots only.
     local_gpus: str = "auto"
+    # The unprivileged unix account that runs training runs on this machine (its home
+    # holds their directories); None: runs are refused by `gpubot serve` on the local
+    # provider, and `gpubot shell` (one trusted person) runs them as itself.
+    run_as: str | None = None
     # GPU model a bare `/gpu reserve` asks for; None means any free GPU.
     default_gpu: str | None = None
     # Length of a reservation when the user gives none, and the most one may last.
@@ -125,6 +129,7 @@ _ENV = {
     "GPUBOT_PROVIDER": "provider",
     "GPUBOT_LOCAL_SLOTS": "local_slots",
     "GPUBOT_LOCAL_GPUS": "local_gpus",
+    "GPUBOT_RUN_AS": "run_as",
     "GPUBOT_DEFAULT_GPU": "default_gpu",
     "GPUBOT_DEFAULT_DURATION": "default_duration",
     "GPUBOT_MAX_DURATION": "max_duration",
@@ -273,6 +278,11 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         if provider not in PROVIDERS:
             raise ConfigError(f"{where} must be one of {', '.join(PROVIDERS)}, not {raw!r}")
         return provider
+    if name == "run_as":
+        account = str(raw).strip()
+        if not re.fullmatch(r"[a-z_][a-z0-9_.-]{0,31}", account):
+            raise ConfigError(f"{where} must be a unix account name like gpubot-run, not {raw!r}")
+        return account
     if name == "local_gpus":
         mode = str(raw).strip().lower()
         if mode not in {"auto", "none"}:

@@ -112,6 +112,7 @@ def run_checks(
         "SSH", lambda: check_ssh(ssh_targets, provider=settings.provider, timeout_s=ssh_timeout_s)
     )
     checks += _guarded("This machine's GPUs", lambda: check_gpus(settings, nvml_probe))
+    checks += _guarded("Run account", lambda: check_run_account(settings))
     return [_scrub(c, _secrets(settings)) for c in checks]
 
 
@@ -580,6 +581,67 @@ def check_gpus(settings: Settings, probe: NvmlProbe | None = None) -> list[Check
             )
         ]
     return [Check(name, True, summary)]
+
+
+# --- the run account --------------------------------------------------------------------
+
+_RUN_AS_FIX = (
+    "Create an unprivileged account (`sudo useradd --create-home --shell /bin/sh gpubot-run`) "
+    "and set GPUBOT_RUN_AS=gpubot-run; a bot that is not root also needs the sudoers line "
+    "`BOTUSER ALL=(gpubot-run) NOPASSWD: /usr/bin/env` (README, Configuration)."
+)
+
+
+def check_run_account(settings: Settings) -> list[Check]:
+    """Runs on this machine must not run as the bot, next to its secrets (bot.runtime)."""
+    name = "Run account"
+    if settings.provider != "local":
+        return [Check(name, True, "runs go to the GPU hosts, which get none of the bot's secrets")]
+    if not settings.run_as:
+        return [
+            Note(
+                name,
+                True,
+                "GPUBOT_RUN_AS is not set: `gpubot serve` refuses runs (they would run as the "
+                "bot's own user, able to read its tokens and database); `gpubot shell` runs "
+                "them as you. Reservations work either way",
+                _RUN_AS_FIX,
+            )
+        ]
+    import pwd
+
+    try:
+        account = pwd.getpwnam(settings.run_as)
+    except KeyError:
+        return [
+            Check(name, False, f"GPUBOT_RUN_AS={settings.run_as}: no such account", _RUN_AS_FIX)
+        ]
+    if account.pw_uid == os.geteuid():
+        return [
+            Check(
+                name,
+                False,
+                f"GPUBOT_RUN_AS={settings.run_as} is the bot's own account: runs could read its secrets",
+                _RUN_AS_FIX,
+            )
+        ]
+    home = settings.home
+    if home.exists() and home.stat().st_mode & 0o077:
+        return [
+            Check(
+                name,
+                False,
+                f"{home} (GPUBOT_HOME) is open to other accounts, the run account among them",
+                f"chmod 700 {home} (every gpubot command also does this on start)",
+            )
+        ]
+    return [
+        Check(
+            name,
+            True,
+            f"runs run as {settings.run_as} (uid {account.pw_uid}), in {account.pw_dir}/.gpubot/runs",
+        )
+    ]
 
 
 # --- the command -----------------------------------------------------------------------

@@ -91,7 +91,8 @@ def serve(
             "docs/SLACK_SETUP.md says where to find them."
         )
     try:
-        runtime = build_runtime(settings)
+        # Slack users are strangers to this machine: runs only as GPUBOT_RUN_AS.
+        runtime = build_runtime(settings, runs_as_self=False)
     except UserError as exc:
         raise _fail(exc.text) from None
     notifier = from_settings(settings)
