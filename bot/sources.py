@@ -251,15 +251,20 @@ def collect(
         base = Path(dirpath)
         rel_base = base.relative_to(root).as_posix()
         dirnames[:] = sorted(d for d in dirnames if not excluded(_join(rel_base, d), patterns))
+        for name in dirnames:  # os.walk lists a link to a directory here and never enters it
+            if (base / name).is_symlink():
+                raise _link_refused(base / name)
         for name in sorted(filenames):
             rel = _join(rel_base, name)
             if excluded(rel, patterns):
                 continue
             path = base / name
             try:
-                st = path.stat()
+                st = path.lstat()
             except OSError:
-                continue  # a dangling symlink: nothing to send
+                continue  # gone since the listing: nothing to send
+            if stat.S_ISLNK(st.st_mode):
+                raise _link_refused(path)
             if not stat.S_ISREG(st.st_mode):
                 continue
             total += st.st_size
@@ -280,6 +285,16 @@ def collect(
     if not out:
         raise SourceError(f"{root} has no files to upload (after the excludes).")
     return sorted(out)
+
+
+def _link_refused(path: Path) -> SourceError:
+    """Staging never follows a symbolic link (to a file or a directory, inside the tree or
+    out of it): a link to /etc/shadow would upload the file, and a link kept as a link
+    would point at the host's files instead. The user decides what the link meant."""
+    return SourceError(
+        f"{path} is a symbolic link; links are not uploaded. Replace it with a copy of "
+        f"what it points to, or leave it out with a `{IGNORE_FILE}` line."
+    )
 
 
 def stage(
@@ -316,7 +331,10 @@ def stage(
         for rel, path, _ in files:
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, target)  # keeps the mode: an executable stays one
+            # Keeps the mode (an executable stays one). Never follows a link: a file
+            # swapped for one since `collect` is copied as a link, which the upload
+            # (provisioning.ssh.local_tree) then refuses.
+            shutil.copy2(path, target, follow_symlinks=False)
         try:
             tmp.rename(dest)
         except OSError:

@@ -413,8 +413,19 @@ class LocalFile:
         return bool(self.mode & stat.S_IXUSR)
 
 
+class SymlinkRefused(ProvisioningError):
+    """A tree to upload holds a symbolic link; the message names it."""
+
+
 def local_tree(local_dir: str | os.PathLike[str], exclude: Sequence[str]) -> list[LocalFile]:
-    """Every regular file under local_dir (symlinked files by content), sorted by path."""
+    """Every regular file under local_dir, sorted by path.
+
+    A symbolic link anywhere in the tree (to a file or a directory, pointing inside the
+    tree or out of it) is refused with its path named, never followed: following one
+    would send whatever it points at (a link to /etc/shadow would upload the file), and
+    sending it as a link would point at the host's files instead. Excluded paths are
+    not looked at, so an excluded `.venv` link is fine. Other special files (sockets,
+    fifos) are skipped."""
     root = Path(local_dir)
     if not root.is_dir():
         raise ProvisioningError(f"{root} is not a directory")
@@ -422,12 +433,18 @@ def local_tree(local_dir: str | os.PathLike[str], exclude: Sequence[str]) -> lis
     for dirpath, dirnames, filenames in os.walk(root):
         base = Path(dirpath)
         dirnames.sort()
+        for name in dirnames:  # os.walk lists a link to a directory here, and skips it
+            rel = (base / name).relative_to(root).as_posix()
+            if (base / name).is_symlink() and not _excluded(rel, exclude):
+                raise SymlinkRefused(f"{base / name} is a symbolic link; links are not uploaded")
         for name in sorted(filenames):
             path = base / name
             rel = path.relative_to(root).as_posix()
             if _excluded(rel, exclude):
                 continue
-            st = path.stat()
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                raise SymlinkRefused(f"{path} is a symbolic link; links are not uploaded")
             if not stat.S_ISREG(st.st_mode):
                 continue
             files.append(LocalFile(rel, path, stat.S_IMODE(st.st_mode), sha256_file(path)))

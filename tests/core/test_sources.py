@@ -171,6 +171,83 @@ def test_staging_refuses_too_much_and_says_what_to_leave_out(tmp_path: Path) -> 
         stage(proj / "train.py", tmp_path / "home")
 
 
+@pytest.mark.parametrize(
+    "link",
+    [
+        "file outside",  # the reported case: a link to a secret staged for upload
+        "file inside",  # even one that points inside the tree: the user decides
+        "dir outside",
+        "dir inside",
+        "dangling",
+    ],
+)
+def test_staging_refuses_every_symlink_and_names_it(tmp_path: Path, link: str) -> None:
+    proj = make_project(tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:$6$hash\n")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "x.py").write_text("X = 2\n")
+    target = {
+        "file outside": secret,
+        "file inside": proj / "train.py",
+        "dir outside": tmp_path / "elsewhere",
+        "dir inside": proj / "pkg",
+        "dangling": tmp_path / "gone",
+    }[link]
+    where = proj / "pkg" / "shadow"
+    where.symlink_to(target)
+    home = tmp_path / "home"
+    with pytest.raises(SourceError) as err:
+        stage(proj, home)
+    assert f"{where} is a symbolic link" in str(err.value)
+    staged = home / "staged"
+    assert not staged.exists() or not any(staged.iterdir()), "nothing was staged"
+    # An excluded link is never looked at (a `.venv` link is common).
+    (proj / ".gpubotignore").write_text("shadow\n")
+    got = stage(proj, home)
+    assert not any(p.is_symlink() for p in got.path.rglob("*"))
+    assert b"root:" not in b"".join(p.read_bytes() for p in got.path.rglob("*") if p.is_file())
+
+
+def test_the_upload_refuses_a_symlink_too(tmp_path: Path) -> None:
+    """local_tree (what upload_dir sends) checks on its own: a staged copy or a package
+    directory that holds a link is refused, never sent by content."""
+    from provisioning.local_runner import LOCAL_TARGET, LocalRunner
+    from provisioning.ssh import SymlinkRefused, local_tree
+
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.py").write_text("A = 1\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2\n")
+    (tree / "sub" / "leak").symlink_to(secret)
+    with pytest.raises(SymlinkRefused, match=f"{tree / 'sub' / 'leak'} is a symbolic link"):
+        local_tree(tree, ())
+    with pytest.raises(SymlinkRefused):
+        LocalRunner().upload_dir(LOCAL_TARGET, tree, str(tmp_path / "dest"))
+    assert not (tmp_path / "dest" / "sub" / "leak").exists()
+    (tree / "sub" / "leak").unlink()
+    (tree / "sub" / "loop").symlink_to(tree)
+    with pytest.raises(SymlinkRefused, match="loop"):
+        local_tree(tree, ())
+    assert [f.rel for f in local_tree(tree, ("loop",))] == ["a.py"]
+
+
+def test_gpubot_submit_refuses_a_link_to_a_file_outside_the_tree(tmp_path: Path) -> None:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text("print('hi')\n")
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$hash\n")
+    (proj / "creds").symlink_to(secret)
+    home = tmp_path / "home"
+    done = _submit(home, proj)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{proj / 'creds'} is a symbolic link" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (home / "staged").exists() or not any((home / "staged").iterdir())
+
+
 # --- gpubot submit, end to end on this machine ------------------------------------------------
 
 
