@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import sys
 import threading
 import time
@@ -79,6 +78,7 @@ from db.models import (
     User,
 )
 from db.session import transaction
+from provisioning import shell
 from provisioning.base import Compute, Instance, ProvisioningError
 from provisioning.bootstrap import AgentInstall, bootstrap
 from provisioning.catalog import Catalog, InstanceType
@@ -166,7 +166,8 @@ class _HostRunner:
     command line with the bot's own interpreter; on a remote host it must be the host's
     (the bootstrap venv) with the uploaded package on PYTHONPATH."""
 
-    _PREFIX = shlex.quote(sys.executable) + " -m training."
+    # The runner's interpreter and module as `bot.runs._runner_command` puts them first.
+    _RUNNER = (sys.executable, "-m", "training.runner")
 
     def __init__(self, inner: SshRunner, host: PreparedHost) -> None:
         self.inner = inner
@@ -235,8 +236,12 @@ class _HostRunner:
         env: Mapping[str, str] | None = None,
     ) -> int:
         extra = dict(env or {})
-        if command.startswith(self._PREFIX):
-            command = shlex.quote(self.host.python) + " -m training." + command[len(self._PREFIX) :]
+        # Whole words are swapped (provisioning.shell), never spliced into the text.
+        swapped = shell.replace_program(
+            command, self._RUNNER, (self.host.python, *self._RUNNER[1:])
+        )
+        if swapped is not None:
+            command = swapped
             if self.host.code_dir:
                 extra["PYTHONPATH"] = self.host.code_dir
         return self.inner.start_detached(target, command, log_path, cwd=cwd, env=extra or None)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-import shlex
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from db.models import RES_ACTIVE, Reservation, TrainingRun
+from provisioning import shell
 from provisioning.ssh import SshError, SshRunner, SshTarget
 from training.agent import (
     HEARTBEAT_NAME,
@@ -111,9 +111,7 @@ def renew_lease(
     final = posixpath.join(agent_dir, LEASE_NAME)
     temp = posixpath.join(agent_dir, f".{LEASE_NAME}.tmp")
     runner.write_file(target, temp, lease.to_json().encode() + b"\n")
-    moved = runner.run(
-        target, f"mv -f -- {shlex.quote(temp)} {shlex.quote(final)}", LEASE_TIMEOUT_S
-    )
+    moved = runner.run(target, shell.join(["mv", "-f", "--", temp, final]), LEASE_TIMEOUT_S)
     if not moved.ok:
         raise SshError(
             f"could not renew the lease on {target.label}: "

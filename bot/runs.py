@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import shlex
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -60,6 +59,7 @@ from db.models import (
     User,
 )
 from db.session import is_postgres, transaction
+from provisioning import shell
 from provisioning.catalog import Catalog
 from provisioning.ssh import SshError, SshRunner, SshTarget
 from training.exitcodes import EXIT_OOM
@@ -160,7 +160,7 @@ class RunService:
             )
             run = TrainingRun(
                 user_id=user.id,  # type: ignore[arg-type]
-                command=shlex.join(cmd.command),
+                command=_command_text(cmd.command),
                 recipe=cmd.recipe,
                 gpu_count=cmd.gpus,
                 gpu_model=model,
@@ -767,7 +767,7 @@ class RunService:
             "GPUBOT_PGID_FILE": str(placement["pgid_file"]),
         }
         try:
-            runner.run(target, f"mkdir -p {shlex.quote(str(run_dir))}", timeout=30)
+            runner.run(target, shell.join(["mkdir", "-p", "--", str(run_dir)]), timeout=30)
             if placement.get("resume_from"):  # the checkpoint it resumes from, first
                 from bot.agentwatch import upload_checkpoints
 
@@ -835,8 +835,8 @@ class RunService:
                 run_id, code={"uploaded": list(upload.uploaded), "skipped": len(upload.skipped)}
             )
         with contextlib.suppress(SshError):
-            line = shlex.quote(f"[gpubot] {done.note}")
-            runner.run(target, f"printf '%s\\n' {line} >> {shlex.quote(log_path)}", timeout=30)
+            line = shell.join(["printf", "%s\\n", f"[gpubot] {done.note}"])
+            runner.run(target, f"{line} >> {shell.path(log_path)}", timeout=30)
 
     # --- the worker: poll ------------------------------------------------------------------
 
@@ -959,7 +959,7 @@ class RunService:
         with contextlib.suppress(SshError):
             old = [placement.get("status"), placement.get("pgid_file")]
             runner.run(
-                target, "rm -f -- " + " ".join(shlex.quote(str(p)) for p in old if p), timeout=30
+                target, shell.join(["rm", "-f", "--", *(str(p) for p in old if p)]), timeout=30
             )
         half = used // 2 if isinstance(used, int) else None
         now = self.core.clock.now()
@@ -1161,17 +1161,29 @@ def _runner_command(run: TrainingRun, placement: dict[str, Any]) -> str:
         parts += ["--recipe", run.recipe]
         if batch is not None:  # an OOM retry; without a known batch `auto` probes again
             parts += ["--batch-size", str(batch)]
-        return shlex.join(parts)
+        return shell.join(parts)
     head = ""
     if retried:
         # The runner hands its own --batch-size to recipes only; a script reads these.
-        env = ["GPUBOT_OOM_RETRY=1", "GPUBOT_BATCH_SCALE=0.5"]
+        env = {"GPUBOT_OOM_RETRY": "1", "GPUBOT_BATCH_SCALE": "0.5"}
         if batch is not None:
-            env.append(f"GPUBOT_BATCH_SIZE={batch}")
-        head += "env " + " ".join(env) + " "
+            env["GPUBOT_BATCH_SIZE"] = str(batch)
+        head += shell.env_prefix(env)
     if run.source:  # bot.sources: the command starts in its code directory
         head += sources.in_code_dir(run.source, placement["dir"]) + " "
-    return shlex.join(parts) + " -- " + head + run.command
+    # run.command is the owner's own shell text (`_command_text`), run as they typed it.
+    return shell.join(parts) + " -- " + head + run.command
+
+
+def _command_text(argv: tuple[str, ...] | list[str]) -> str:
+    """The run's command as one shell line whose words are exactly what the user gave
+    ("" for a recipe, which has none)."""
+    if not argv:
+        return ""
+    try:
+        return shell.join(argv)
+    except ValueError:
+        raise UserError("A command cannot hold a NUL character.", USAGE_RUN) from None
 
 
 def _clip(text: str, limit: int = 60) -> str:

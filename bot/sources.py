@@ -26,13 +26,14 @@ import hashlib
 import os
 import posixpath
 import re
-import shlex
 import shutil
 import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from provisioning import shell
 
 if TYPE_CHECKING:
     from provisioning.ssh import SshRunner, SshTarget, UploadReport
@@ -355,42 +356,89 @@ def staged_dir(home: Path, source: StagedSource) -> Path:
 # --- on the host, right before the runner starts -------------------------------------------
 
 
+# Git never prompts on the host: a private repository without a key there fails at
+# once instead of hanging the run.
+_GIT_ENV = {
+    "GIT_TERMINAL_PROMPT": "0",
+    "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new",
+}
+
+
+def _git_words(src: GitSource) -> None:
+    """The last check before a URL and a ref become git's arguments: neither may look
+    like an option (``--upload-pack=...``) nor hold what no argument can (NUL, a
+    newline). `parse_git` is stricter; this guards a `GitSource` built any other way."""
+    for what, word in (("git URL", src.url), ("git ref", src.ref)):
+        if word.startswith("-") or "\0" in word or "\n" in word:
+            raise SourceError(f"`{_clip(word)}` is not a {what} the bot will pass to git.")
+    if not src.url:
+        raise SourceError("a git source needs a repository URL.")
+
+
 def git_fetch_line(src: GitSource, dest: str) -> str:
     """A shell line that leaves `dest` holding the repository at the ref, shallowly.
 
     A branch or tag: ``git clone --depth 1 --branch``. A full commit id: init + a
     shallow fetch of that commit (servers that allow fetching by id: GitHub, GitLab,
-    and git itself over protocol v2). Never prompts: a private repository without a
-    key on the host fails at once instead of hanging the run."""
-    q_dest, q_url = shlex.quote(dest), shlex.quote(src.url)
-    env = (
-        "GIT_TERMINAL_PROMPT=0 "
-        "GIT_SSH_COMMAND='ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new' "
-    )
+    and git itself over protocol v2). Every operand follows ``--``, so none is an option."""
+    _git_words(src)
+    env = shell.env_prefix(_GIT_ENV)
     if src.is_commit:
-        fetch = (
-            f"git init -q {q_dest} && cd {q_dest} && git remote add origin {q_url} && "
-            f"{env}git fetch -q --depth 1 origin {src.ref} && git -c advice.detachedHead=false "
-            "checkout -q FETCH_HEAD"
+        inside = " && ".join(
+            [
+                shell.join(["git", "remote", "add", "--", "origin", src.url]),
+                env + shell.join(["git", "fetch", "-q", "--depth", "1", "--", "origin", src.ref]),
+                shell.join(
+                    ["git", "-c", "advice.detachedHead=false", "checkout", "-q", "FETCH_HEAD"]
+                ),
+            ]
         )
+        fetch = shell.join(["git", "init", "-q", "--", dest]) + " && " + shell.in_dir(dest, inside)
     else:
-        branch = f"--branch {shlex.quote(src.ref)} " if src.ref else ""
-        fetch = f"{env}git clone -q --depth 1 {branch}-- {q_url} {q_dest}"
-    return f"rm -rf {q_dest} && {fetch}"
+        argv = ["git", "clone", "-q", "--depth", "1"]
+        argv += ["--branch", src.ref] if src.ref else []
+        fetch = env + shell.join([*argv, "--", src.url, dest])
+    return shell.join(["rm", "-rf", "--", dest]) + " && " + fetch
+
+
+# What `path_check_line` exits with; any other failure is the shell's or the link's.
+PATH_MISSING = 3
+PATH_NOT_DIR = 4
 
 
 def path_check_line(src: PathSource) -> str:
-    q = shlex.quote(src.path)
-    return f"test -d {q} || {{ echo 'there is no directory {src.path} on this host' >&2; exit 1; }}"
+    """Exits 0 when the path is a directory there, PATH_MISSING when nothing is there,
+    PATH_NOT_DIR when something else is. It prints nothing: the user's sentence is
+    written here from the path as typed, never from the host's words."""
+    where = shell.path(src.path)
+    return (
+        f"if [ -d {where} ]; then exit 0; "
+        f"elif [ -e {where} ] || [ -L {where} ]; then exit {PATH_NOT_DIR}; "
+        f"else exit {PATH_MISSING}; fi"
+    )
+
+
+def path_problem(src: PathSource, host: str, exit_code: int) -> str:
+    """The sentence a user reads when `--path` did not name a directory on the host."""
+    path = _clip(src.path, 200)
+    if exit_code == PATH_MISSING:
+        return f"there is no directory {path} on {host}"
+    if exit_code == PATH_NOT_DIR:
+        return f"{path} on {host} is not a directory"
+    return f"could not check {path} on {host} (exit code {exit_code})"
 
 
 def copy_listed_line(cache_dir: str, list_file: str, dest: str) -> str:
     """Copies exactly the staged files from the host's cache into the run's directory:
     the cache may still hold files an older version had."""
-    return (
-        f"rm -rf {shlex.quote(dest)} && mkdir -p {shlex.quote(dest)} && "
-        f"tar -C {shlex.quote(cache_dir)} -cf - --null -T {shlex.quote(list_file)} | "
-        f"tar -C {shlex.quote(dest)} -xpf -"
+    return " && ".join(
+        [
+            shell.join(["rm", "-rf", "--", dest]),
+            shell.join(["mkdir", "-p", "--", dest]),
+            shell.join(["tar", "-C", cache_dir, "-cf", "-", "--null", "-T", list_file])
+            + " | "
+            + shell.join(["tar", "-C", dest, "-xpf", "-"]),
+        ]
     )
 
 
@@ -409,7 +457,7 @@ def in_code_dir(text: str, run_dir: str) -> str:
     The stored source was checked when it was accepted, file:// tests included."""
     src = parse_source(text, allow_file=True)
     assert src is not None
-    return 'sh -c \'cd "$0" && exec "$@"\' ' + shlex.quote(code_dir(src, run_dir))
+    return shell.join(["sh", "-c", 'cd "$0" && exec "$@"', shell.cd_target(code_dir(src, run_dir))])
 
 
 @dataclass(frozen=True)
@@ -437,7 +485,7 @@ def prepare_code(
     if isinstance(source, PathSource):
         result = runner.run(target, path_check_line(source), timeout=30)
         if not result.ok:
-            raise SourceError(_why(result.stderr, f"{source.path} is not a directory there"))
+            raise SourceError(path_problem(source, target.name or target.host, result.exit_code))
         return Prepared(cwd=source.path, note=f"code: {source.path} on the host")
     dest = code_dir(source, run_dir)
     if isinstance(source, GitSource):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shlex
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -43,6 +42,7 @@ from db.models import (
     User,
 )
 from db.session import transaction
+from provisioning import shell
 from provisioning.ssh import SshError, SshRunner, SshTarget
 from training.telemetry import NO_DRIVER, HostSnapshot, parse_snapshot
 
@@ -83,7 +83,7 @@ def probe(
     """One snapshot from the host, or ProbeFailed saying why in words."""
     try:
         result = runner.run(
-            target, f"{shlex.quote(python)} -m training.telemetry --json", timeout=timeout
+            target, shell.join([python, "-m", "training.telemetry", "--json"]), timeout=timeout
         )
     except SshError as exc:
         raise ProbeFailed(str(exc)) from exc

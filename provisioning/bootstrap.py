@@ -31,13 +31,13 @@ import json
 import os
 import posixpath
 import re
-import shlex
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from provisioning import shell
 from provisioning.base import ProvisioningError
 from provisioning.ssh import RunResult, SshRunner, SshTarget, local_tree
 
@@ -199,8 +199,7 @@ class _Bootstrap:
             self.progress(step)
 
     def _run(self, argv: list[str], timeout: float, *, cwd: str | None = None) -> RunResult:
-        line = " ".join(shlex.quote(a) for a in argv)
-        return self.runner.run(self.target, line, timeout, cwd=cwd, env=self.env)
+        return self.runner.run(self.target, shell.join(argv), timeout, cwd=cwd, env=self.env)
 
     def _fail(self, what: str, result: RunResult) -> ProvisioningError:
         detail = (result.stderr.strip() or result.stdout.strip())[-400:]
@@ -555,6 +554,9 @@ class AgentInstall:
 
 def agent_unit(user: str, code_dir: str, argv: list[str]) -> str:
     """The systemd unit: restarted whenever it exits, started at every boot."""
+    if any(ch in value for value in (user, code_dir, *argv) for ch in "\n\r"):
+        # One line per setting: a line break would start a setting of its own.
+        raise ProvisioningError("the host agent's unit cannot hold a line break")
     return (
         "[Unit]\n"
         "Description=gpubot host agent (dead-man switch, spot notices, lost runs)\n"
@@ -562,7 +564,7 @@ def agent_unit(user: str, code_dir: str, argv: list[str]) -> str:
         "[Service]\n"
         f"User={user}\n"
         f"WorkingDirectory={code_dir}\n"
-        f"ExecStart={_systemd_escape(' '.join(shlex.quote(a) for a in argv))}\n"
+        f"ExecStart={_systemd_escape(shell.join(argv))}\n"
         "Restart=always\n"
         "RestartSec=5\n\n"
         "[Install]\n"
@@ -577,12 +579,12 @@ def _systemd_escape(line: str) -> str:
 
 def agent_supervisor_script(code_dir: str, argv: list[str], pidfile: str) -> str:
     """Where there is no systemd: a loop that brings the agent back whenever it exits."""
-    line = " ".join(shlex.quote(a) for a in argv)
+    line = shell.join(argv)
     return (
         "#!/bin/sh\n"
         "# gpubot host agent supervisor, written by bootstrap: restarts the agent if it dies.\n"
-        f"echo $$ > {shlex.quote(pidfile)}\n"
-        f"cd {shlex.quote(code_dir)} || exit 1\n"
+        f"echo $$ > {shell.path(pidfile)}\n"
+        f"{shell.cd(code_dir)} || exit 1\n"
         "while :; do\n"
         f"  {line}\n"
         '  echo "gpubot-agent exited with $?; restarting in 5 s" >&2\n'
@@ -626,10 +628,12 @@ def install_agent(
         staged = posixpath.join(agent_dir, AGENT_UNIT)
         runner.write_file(target, staged, agent_unit(user, code_dir, argv).encode())
         sudo = 'S=; [ "$(id -u)" = 0 ] || S="sudo -n"; '
-        dest = shlex.quote(f"/etc/systemd/system/{AGENT_UNIT}")
+        dest = f"/etc/systemd/system/{AGENT_UNIT}"
         done = sh(
-            f"{sudo}$S install -m 0644 {shlex.quote(staged)} {dest} && $S systemctl daemon-reload"
-            f" && $S systemctl enable {AGENT_UNIT} && $S systemctl restart {AGENT_UNIT}",
+            f"{sudo}$S {shell.join(['install', '-m', '0644', '--', staged, dest])}"
+            f" && $S {shell.join(['systemctl', 'daemon-reload'])}"
+            f" && $S {shell.join(['systemctl', 'enable', AGENT_UNIT])}"
+            f" && $S {shell.join(['systemctl', 'restart', AGENT_UNIT])}",
             VENV_TIMEOUT_S,
         )
         if not done.ok:
@@ -644,17 +648,15 @@ def install_agent(
     runner.write_file(
         target, script, agent_supervisor_script(code_dir, argv, pidfile).encode(), mode=0o755
     )
-    pgid = runner.start_detached(target, f"exec /bin/sh {shlex.quote(script)}", log)
+    pgid = runner.start_detached(target, "exec " + shell.join(["/bin/sh", script]), log)
     runner.write_file(target, pidfile, f"{pgid}\n".encode())
     steps = [f"host agent: supervised process started (group {pgid})"]
-    cron_line = (
-        f"@reboot (setsid /bin/sh {shlex.quote(script)} >>{shlex.quote(log)} 2>&1 "
-        f"</dev/null &) {AGENT_CRON_TAG}"
-    )
+    cron_line = agent_cron_line(script, log)
+    keep_others = shell.join(["grep", "-vF", "--", AGENT_CRON_TAG])
+    add_ours = shell.join(["printf", "%s\\n", cron_line])
     cron = sh(
         "command -v crontab >/dev/null 2>&1 || exit 3; "
-        f"{{ crontab -l 2>/dev/null | grep -vF {shlex.quote(AGENT_CRON_TAG)}; "
-        f"echo {shlex.quote(cron_line)}; }} | crontab -"
+        f"{{ crontab -l 2>/dev/null | {keep_others}; {add_ours}; }} | crontab -"
     )
     if cron.ok:
         steps.append("host agent: @reboot crontab line installed")
@@ -663,6 +665,15 @@ def install_agent(
             "host agent: no crontab here, so after a reboot it runs again at the next bootstrap"
         )
     return "supervisor", steps
+
+
+def agent_cron_line(script: str, log: str) -> str:
+    """The crontab line that starts the supervisor again after a reboot. The tag is a
+    comment at the end, so the next install finds (and replaces) its own line. cron reads
+    an unescaped `%` as a line break, so every `%` is escaped."""
+    start = shell.join(["setsid", "/bin/sh", script])
+    line = f"({start} >>{shell.path(log)} 2>&1 </dev/null &)".replace("%", "\\%")
+    return f"@reboot {line} {AGENT_CRON_TAG}"
 
 
 def _supervisor_pidfile(root: str) -> str:

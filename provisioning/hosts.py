@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from provisioning import shell
 from provisioning.base import GpuDevice, Instance, ProvisioningError
 from provisioning.ssh import SshRunner, SshTarget, parse_address
 
@@ -223,7 +224,7 @@ class StaticHostsCompute:
         hosts: Sequence[StaticHost],
         runner: SshRunner | None = None,
         *,
-        inventory_command: str = "python3 -m training.inventory --json",
+        inventory_command: str = shell.join(["python3", "-m", "training.inventory", "--json"]),
         probe_timeout_s: float = 60.0,
     ) -> None:
         self.hosts = tuple(hosts)

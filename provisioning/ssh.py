@@ -11,8 +11,8 @@ Rules every operation keeps, because the worker polls many hosts from one proces
 - Nothing blocks forever: connects, commands and file transfers all carry a timeout.
 - A failure to reach a host is an `SshError` with a plain message; a command that
   exits non-zero is not an error (the caller reads `exit_code`).
-- Every shell argument goes through `shlex.quote`; secrets (env values, keys) are
-  never logged.
+- Every shell word is built by `provisioning.shell` (the one quoting path); secrets
+  (env values, keys) are never logged.
 - `GPUBOT_SSH_LOOPBACK_ONLY=1` makes the client refuse any non-loopback address
   before dialing, so a test can never reach an address a fake cloud made up.
 """
@@ -24,8 +24,6 @@ import ipaddress
 import logging
 import os
 import posixpath
-import re
-import shlex
 import stat
 import threading
 import time
@@ -39,6 +37,7 @@ import paramiko
 from fabric import Config, Connection
 from invoke.exceptions import CommandTimedOut, ThreadException
 
+from provisioning import shell
 from provisioning.base import Instance, ProvisioningError
 
 log = logging.getLogger(__name__)
@@ -50,7 +49,6 @@ DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 # Signals a caller may send to a process group; anything else is a bug, not a wish.
 SIGNALS = frozenset({"TERM", "KILL", "INT", "HUP", "QUIT", "USR1", "USR2", "CONT", "STOP"})
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Runs the user's login shell, as `ssh host cmd` does, so commands mean the same
 # thing whether they are sent raw or wrapped below.
 _LOGIN_SHELL = '"${SHELL:-/bin/sh}"'
@@ -259,12 +257,7 @@ class SshRunner(Protocol):
 
 
 def env_prefix(env: Mapping[str, str] | None) -> str:
-    if not env:
-        return ""
-    for key in env:
-        if not _ENV_NAME.match(key):
-            raise ValueError(f"not an environment variable name: {key!r}")
-    return "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " "
+    return shell.env_prefix(env)
 
 
 # What coreutils `timeout` exits with when it killed the command (TERM, then KILL after -k).
@@ -283,7 +276,7 @@ def run_command_line(
     `nvidia-smi` would pile up; coreutils `timeout` (where the host has it) kills
     the command's whole group a little after the caller's own deadline.
     """
-    inner = f"{env_prefix(env)}{_LOGIN_SHELL} -c {shlex.quote(command)}"
+    inner = f"{shell.env_prefix(env)}{_LOGIN_SHELL} -c {shell.quote(command)}"
     if timeout is not None:
         limit = f"{timeout + 1:.3f}"
         inner = (
@@ -291,7 +284,7 @@ def run_command_line(
             f"else exec {inner}; fi"
         )
     if cwd:
-        inner = f"cd {shlex.quote(cwd)} && {{ {inner}; }}"
+        inner = shell.in_dir(cwd, inner)
     return inner
 
 
@@ -313,13 +306,13 @@ def detached_command_line(
     steps = []
     # cd first: a relative log path then means the same to mkdir and to the redirect.
     if cwd:
-        steps.append(f"cd {shlex.quote(cwd)}")
+        steps.append(shell.cd(cwd))
     log_dir = posixpath.dirname(log_path)
     if log_dir:
-        steps.append(f"mkdir -p {shlex.quote(log_dir)}")
+        steps.append(mkdir_command_line([log_dir]))
     launch = (
-        f"{env_prefix(env)}setsid nohup {_LOGIN_SHELL} -c {shlex.quote(command)} "
-        f"</dev/null >>{shlex.quote(log_path)} 2>&1 & p=$!; i=0; "
+        f"{shell.env_prefix(env)}setsid nohup {_LOGIN_SHELL} -c {shell.quote(command)} "
+        f"</dev/null >>{shell.path(log_path)} 2>&1 & p=$!; i=0; "
         'while [ "$i" -lt 300 ] && [ -r "/proc/$p/stat" ]; do '
         '{ read -r line <"/proc/$p/stat"; } 2>/dev/null || break; '
         'set -- ${line##*) }; [ "$3" = "$p" ] && break; i=$((i+1)); sleep 0.01; done; '
@@ -357,10 +350,15 @@ def kill_group_command_line(pgid: int, signal: str) -> str:
     return f'{live}; kill -s {name} -- -{pgid} 2>/dev/null && [ "$live" = 1 ]'
 
 
+def mkdir_command_line(directories: Sequence[str]) -> str:
+    """``mkdir -p`` of each directory; none of them is read as an option."""
+    return shell.join(["mkdir", "-p", "--", *directories])
+
+
 def tail_command_line(path: str, lines: int) -> str:
     if lines < 1:
         raise ValueError("lines must be at least 1")
-    quoted = shlex.quote(path)
+    quoted = shell.path(path)
     return f"if [ -e {quoted} ]; then tail -n {int(lines)} -- {quoted}; fi"
 
 
@@ -456,9 +454,8 @@ _EXEC_MARK = "\n::gpubot-exec::\n"
 
 def remote_manifest_command_line(remote_dir: str) -> str:
     """One round trip: every file's sha256, then the executable ones (NUL-separated)."""
-    quoted = shlex.quote(remote_dir)
     return (
-        f"mkdir -p {quoted} && cd {quoted} && "
+        f"{mkdir_command_line([remote_dir])} && {shell.cd(remote_dir)} && "
         "{ find . -type f -exec sha256sum -- {} + 2>/dev/null; "
         f"printf '{_EXEC_MARK.encode('unicode_escape').decode()}'; "
         "find . -type f -perm -u=x -print0 2>/dev/null; true; }"
@@ -805,7 +802,7 @@ class SshClient:
         for chunk in _chunks(dirs, 200):
             made = self._exec(
                 target,
-                "mkdir -p -- " + " ".join(shlex.quote(d) for d in chunk),
+                mkdir_command_line(chunk),
                 None,
                 "creating directories",
                 retry=True,
@@ -871,7 +868,7 @@ class SshClient:
         parent = posixpath.dirname(remote_path)
         if parent:
             made = self._exec(
-                target, f"mkdir -p -- {shlex.quote(parent)}", None, "creating a directory", True
+                target, mkdir_command_line([parent]), None, "creating a directory", True
             )
             if not made.ok:
                 raise SshError(f"cannot create {parent} on {target.label}: {made.stderr.strip()}")

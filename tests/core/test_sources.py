@@ -447,6 +447,44 @@ def test_a_run_from_git_and_one_from_a_host_path_run_in_their_code(
         runs.submit(alice, Run(command=("python", "t.py"), source="staged:gone-0123"))
 
 
+def test_a_path_that_is_shell_code_runs_nothing_through_the_service_and_worker(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """The reported attack, as typed in Slack, through the real grammar, service, worker
+    and local runner: the path is one word wherever it goes. A missing one fails the run
+    with a sentence naming it (no shell's stderr); an existing one is where the command
+    runs."""
+    from bot.dispatch import handle_text
+
+    svc, _ = make_service(sqlite_engine, [local_host(1)], home=tmp_path / "home")
+    runs = runs_for(svc, tmp_path)
+    alice = actor(svc, "alice")
+    pwned = tmp_path / "pwned"
+    missing = f"{tmp_path}/x';touch {pwned};'"
+    reply = handle_text(svc, alice, f'/gpu run --path "{missing}" -- echo hi')
+    assert not reply.error and "queued" in reply.view.text, reply.view.text
+    rid = reply.extra["run_id"]
+    weird = tmp_path / f"ok';touch {pwned}2;'$(touch {pwned}3)`touch {pwned}4`"
+    weird.mkdir(parents=True)
+    script = "import os; open('where.txt', 'w').write(os.getcwd())"
+    reply2 = handle_text(svc, alice, f'/gpu run --path "{weird}" -- python -c "{script}"')
+    assert not reply2.error, reply2.view.text
+    rid2 = reply2.extra["run_id"]
+    run_until(
+        runs,
+        lambda: all(state(sqlite_engine, r).state in {"succeeded", "failed"} for r in (rid, rid2)),
+    )
+    bad = state(sqlite_engine, rid)
+    assert bad.state == "failed"
+    assert bad.metrics["summary"]["error"] == (
+        f"could not start: could not get the code: there is no directory {missing} on local"
+    )
+    good = state(sqlite_engine, rid2)
+    assert good.state == "succeeded", good.metrics
+    assert (weird / "where.txt").read_text() == str(weird)
+    assert not list(tmp_path.glob("pwned*")), "no injected command ran"
+
+
 def test_the_runner_stays_in_the_run_dir_and_the_command_moves_to_its_code() -> None:
     from datetime import UTC, datetime
 
