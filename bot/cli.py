@@ -244,8 +244,7 @@ def worker(
     settings = _settings()
     _log_to_stderr(settings, _log_format(log_format))
     try:
-        # It starts the runs `gpubot serve` accepted: only as GPUBOT_RUN_AS, never as itself.
-        runtime = build_runtime(settings, SystemClock(), runs_as_self=False)
+        runtime = build_runtime(settings, SystemClock())
     except UserError as exc:
         typer.echo(f"gpubot: {exc.text}", err=True)
         raise typer.Exit(2) from None

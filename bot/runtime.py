@@ -321,6 +321,10 @@ def local_access(settings: Settings) -> LocalAccess:
             raise ConfigError(str(exc)) from None
         runs_dir = Path(runner.account.home) / ".gpubot" / "runs"
         return LocalAccess(RunAccountRunner(runner), LOCAL_TARGET, runs_dir)
+    log.warning(
+        "GPUBOT_RUN_AS is not set: runs on this machine run as the bot's own user (fine "
+        "for gpubot shell; set it wherever a worker starts runs that Slack users submit)"
+    )
     return LocalAccess(LocalRunner(), LOCAL_TARGET, (settings.home / "runs").resolve())
 
 
