@@ -98,6 +98,13 @@ TICK_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=EVENTS,
 )
+HTTP_REFUSED = Counter(
+    "gpubot_http_refused",
+    "HTTP requests answered with an error before any listener ran, by reason (unsigned, "
+    "too_large, timeout, malformed, ...). Counted, not logged: strangers choose how many.",
+    ["reason"],
+    registry=EVENTS,
+)
 
 
 @dataclass
