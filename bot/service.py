@@ -111,8 +111,12 @@ class GpuService:
 
     # --- users and hosts ---------------------------------------------------------
 
-    def actor(self, key: str, display_name: str | None = None) -> Actor:
-        """Creates the user on first sight; admins come from configuration only."""
+    def actor(
+        self, key: str, display_name: str | None = None, *, name_if_new: str | None = None
+    ) -> Actor:
+        """Creates the user on first sight; admins come from configuration only.
+        `display_name` renames a known user; `name_if_new` only names a new one (the
+        Slack face's payload name, until users.info answers after the ack)."""
         key = key.strip().lstrip("@")
         if not key:
             raise UserError("Who are you? A user name is needed.")
@@ -121,8 +125,9 @@ class GpuService:
         with transaction(self.engine, write=False) as s:
             user = s.exec(select(User).where(User.key == key)).first()
         if user is None or (display_name and user.display_name != display_name):
+            name = display_name or (name_if_new if user is None else None)
             with transaction(self.engine) as s:
-                user = self.user_row(s, key, display_name)
+                user = self.user_row(s, key, name)
         return Actor(key=user.key, name=user.display_name, admin=self._is_admin(user))
 
     def _is_admin(self, user: User) -> bool:
@@ -212,16 +217,18 @@ class GpuService:
                 # every path takes GPUs before the user row (no lock-order deadlock).
                 if is_postgres(self.engine):
                     s.exec(select(Gpu.id).order_by(col(Gpu.id)).with_for_update()).all()
-                budgets.check_budget(
-                    s,
-                    user,
-                    budgets.reservation_estimate(
-                        s, model, cmd.count, int(duration.total_seconds())
-                    ),
-                    now,
-                    self.settings,
-                    what=f"Reserving {views.gpu_phrase(cmd.count, model)} for {format_duration(duration)}",
-                )
+                # No estimate (a query, under the lock) for the many without a budget.
+                if user.budget_usd is not None:
+                    budgets.check_budget(
+                        s,
+                        user,
+                        budgets.reservation_estimate(
+                            s, model, cmd.count, int(duration.total_seconds())
+                        ),
+                        now,
+                        self.settings,
+                        what=f"Reserving {views.gpu_phrase(cmd.count, model)} for {format_duration(duration)}",
+                    )
                 res = Reservation(
                     user_id=user.id,  # type: ignore[arg-type]
                     gpu_model=model,
@@ -252,17 +259,24 @@ class GpuService:
         return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
 
     def _check_feasible(self, s: Session, model: str | None, count: int) -> None:
-        """Refuses up front what could never be granted, instead of an endless wait."""
-        hosts = self._hosts(s)
-        fits = [
-            h for h in hosts if sum(1 for g in h.gpus if model is None or g.model == model) >= count
-        ]
-        if fits:
+        """Refuses up front what could never be granted, instead of an endless wait.
+        One grouped count, not the status read model: it runs in every reservation's
+        transaction, under the pool lock, so a burst of them waits on its length."""
+        per_host: dict[int, int] = {}
+        seen: set[str] = set()
+        for host_id, gpu_model, n in s.exec(
+            select(Gpu.host_id, Gpu.model, func.count())
+            .join(Host, col(Host.id) == col(Gpu.host_id))
+            .where(Host.state != "terminated", col(Gpu.present).is_(True))
+            .group_by(col(Gpu.host_id), col(Gpu.model))
+        ).all():
+            seen.add(gpu_model)
+            if model is None or gpu_model == model:
+                per_host[host_id] = per_host.get(host_id, 0) + int(n)
+        biggest = max(per_host.values(), default=0)
+        if biggest >= count:
             return
-        have = sorted({f"{g.model}" for h in hosts for g in h.gpus})
-        biggest = max(
-            (sum(1 for g in h.gpus if model is None or g.model == model) for h in hosts), default=0
-        )
+        have = sorted(seen)
         what = views.gpu_phrase(count, model)
         if biggest == 0:
             models = ", ".join(have) if have else "none"

@@ -24,13 +24,13 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from slack_bolt import Ack, App, BoltContext, Respond
+from slack_bolt import Ack, App, BoltContext, BoltRequest, Respond
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError
 
@@ -55,14 +55,28 @@ CHANGING_VERBS = frozenset({"reserve", "release", "extend", "run", "cancel"})
 # hand-off (measured: ~20% more requests per second at 16 clients). Anything that may
 # wait on the outside world (SSH, EC2) must not be here: it needs the ack deadline.
 INLINE_VERBS = frozenset({"status", "help", "prices"})
-ACK_DEADLINE_S = 2.0
+# How long a command's reply may take to be the ack itself; past it the ack says
+# "working on it" and the reply follows by response_url. Far inside Slack's 3 s, which
+# also covers the trip from Slack and any proxy: under a burst (50 first reservations
+# at once wait in line for the database, ~1-2 s for the last) acks would otherwise
+# come near that limit. A lone reservation takes tens of milliseconds.
+ACK_DEADLINE_S = 0.5
+# Set by the HTTP front (bot.slack.server): when the request had fully arrived, on this
+# process's monotonic clock. The ack deadline counts from there, so time spent queued
+# for a worker is not added on top of it.
+RECEIVED_AT_HEADER = "x-gpubot-received-at"
 DEFAULT_API_URL = "https://slack.com/api/"
 
 
 class Identity:
     """Slack user id -> Actor. Display names come from users.info, cached, because a
     name lookup per command would double the Web API traffic; a failed lookup falls
-    back to the name in the payload instead of failing the command."""
+    back to the name in the payload instead of failing the command.
+
+    With `later` set (SlackFace.after), a name not yet known is looked up after the
+    ack, never before it: a burst of first commands would otherwise wait a Web API
+    round trip each. Meanwhile the command runs as the user the database knows, or
+    a new user under the payload's name, renamed once users.info answers."""
 
     def __init__(self, service: GpuService, client: WebClient, name_ttl_s: float = 3600.0) -> None:
         self._service = service
@@ -70,14 +84,18 @@ class Identity:
         self._ttl = name_ttl_s
         self._names: dict[str, tuple[float, str]] = {}
         self._actors: dict[tuple[str, str], tuple[float, Actor]] = {}
+        self._looking: set[str] = set()
         self._lock = threading.Lock()
+        self.later: Callable[..., None] | None = None
 
-    def display_name(self, user_id: str, fallback: str) -> str:
-        now = time.monotonic()
+    def _cached_name(self, user_id: str) -> str | None:
         with self._lock:
             hit = self._names.get(user_id)
-        if hit is not None and now - hit[0] < self._ttl:
-            return hit[1]
+        return hit[1] if hit is not None and time.monotonic() - hit[0] < self._ttl else None
+
+    def _look_up(self, user_id: str) -> str | None:
+        """users.info, cached on success; None when Slack did not answer."""
+        now = time.monotonic()
         try:
             resp = self._client.users_info(user=user_id)
             user = resp["user"] or {}
@@ -87,29 +105,53 @@ class Identity:
                 or profile.get("real_name")
                 or user.get("real_name")
                 or user.get("name")
-                or fallback
                 or user_id
             )
         except (SlackApiError, OSError) as exc:
-            log.warning(
-                "users.info for %s failed (%s); using %r", user_id, type(exc).__name__, fallback
-            )
-            return fallback or user_id
+            log.warning("users.info for %s failed (%s)", user_id, type(exc).__name__)
+            return None
         with self._lock:
             self._names[user_id] = (now, name)
         return name
 
+    def display_name(self, user_id: str, fallback: str) -> str:
+        return self._cached_name(user_id) or self._look_up(user_id) or fallback or user_id
+
+    def _rename_later(self, user_id: str) -> None:
+        with self._lock:
+            if user_id in self._looking:
+                return
+            self._looking.add(user_id)
+        assert self.later is not None
+        self.later(self._rename, user_id)
+
+    def _rename(self, user_id: str) -> None:
+        try:
+            name = self._look_up(user_id)
+            if name is not None:
+                self._service.actor(user_id, name)
+        except Exception as exc:
+            failure_message(exc, f"display name of {user_id}")
+        finally:
+            with self._lock:
+                self._looking.discard(user_id)
+
     def actor(self, user_id: str, fallback_name: str = "") -> Actor:
         """Creates the user on first sight (service.actor); the Actor is then cached for a
         minute so a burst of `/gpu status` does not queue on the database's write lock."""
-        name = self.display_name(user_id, fallback_name)
+        name = self._cached_name(user_id)
+        if name is None:
+            if self.later is None:
+                name = self.display_name(user_id, fallback_name)
+            else:
+                self._rename_later(user_id)
         now = time.monotonic()
-        key = (user_id, name)
+        key = (user_id, name or "")
         with self._lock:
             hit = self._actors.get(key)
         if hit is not None and now - hit[0] < 60.0:
             return hit[1]
-        actor = self._service.actor(user_id, name)
+        actor = self._service.actor(user_id, name, name_if_new=fallback_name or None)
         with self._lock:
             self._actors[key] = (now, actor)
         return actor
@@ -191,6 +233,14 @@ class SlackFace:
         if not reply.error and _verb(line) in CHANGING_VERBS:
             self.after(self._after_change, actor)
         return reply
+
+    def ack_wait(self, headers: Mapping[str, Sequence[str]]) -> float:
+        """Seconds left of the ack deadline for a request with these headers."""
+        try:
+            received = float((headers.get(RECEIVED_AT_HEADER) or [""])[0])
+        except ValueError:
+            return self.ack_deadline_s
+        return max(0.0, self.ack_deadline_s - (time.monotonic() - received))
 
     def after(self, fn: Callable[..., None], *args: object) -> None:
         """Work that follows a reply (Home, DMs); dropped quietly once shutting down."""
@@ -322,6 +372,7 @@ def build_face(
         deliver_after_commands=deliver_after_commands,
         ack_deadline_s=ack_deadline_s,
     )
+    face.identity.later = face.after  # names from users.info after the ack
     _register(face)
     return face
 
@@ -330,7 +381,9 @@ def _register(face: SlackFace) -> None:
     app = face.app
 
     @app.command("/gpu")
-    def on_command(ack: Ack, body: dict[str, Any], respond: Respond, client: WebClient) -> None:
+    def on_command(
+        ack: Ack, body: dict[str, Any], respond: Respond, client: WebClient, request: BoltRequest
+    ) -> None:
         user_id = str(body.get("user_id", ""))
         text = str(body.get("text", "") or "")
         line = f"/gpu {text}".strip()
@@ -369,7 +422,7 @@ def _register(face: SlackFace) -> None:
             user_id, str(body.get("user_name", "")), line, key, str(body.get("channel_id", ""))
         )
         try:
-            reply = fut.result(timeout=face.ack_deadline_s)
+            reply = fut.result(timeout=face.ack_wait(request.headers))
         except FutureTimeout:
             ack(
                 response_type="ephemeral",

@@ -30,6 +30,7 @@ WHAT, GPUS, MODEL, PRECISION, LIMIT = (
 )
 _ANY = "any"
 _RECIPE = re.compile(r"^recipe:\s*([a-z][a-z0-9_\-]{0,31})$")
+_COUNT = re.compile(r"[0-9]{1,4}")
 
 JsonDict = dict[str, Any]
 
@@ -138,7 +139,8 @@ def read_submission(view: JsonDict, models: tuple[str, ...], check: Any = None) 
     if not what:
         errors[WHAT] = "Say what to run: a command line, or recipe:NAME."
     gpus_text = _value(values, GPUS) or "1"
-    if not gpus_text.isdigit() or not 1 <= int(gpus_text) <= MAX_GPUS_PER_REQUEST:
+    # ASCII digits only: str.isdigit() is True for "²", which int() then refuses.
+    if not _COUNT.fullmatch(gpus_text) or not 1 <= int(gpus_text) <= MAX_GPUS_PER_REQUEST:
         errors[GPUS] = f"A whole number from 1 to {MAX_GPUS_PER_REQUEST}."
     model = _value(values, MODEL) or _ANY
     if model != _ANY and model not in models:

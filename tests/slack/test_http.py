@@ -57,7 +57,9 @@ def test_status_is_an_ephemeral_block_kit_reply(stack: SlackStack) -> None:
     }
     assert "gpu1" in _text(body)
     assert stack.fake.message_problems(body) == []
-    # The display name came from users.info, once, then from the cache.
+    # The display name comes from users.info, once (after the ack), then from the cache.
+    wait_for(lambda: stack.fake.calls_to("users.info"))
+    stack.client.command("status")
     stack.client.command("status")
     assert len(stack.fake.calls_to("users.info")) == 1
 
@@ -204,6 +206,23 @@ def test_run_modal_validation_then_submission(stack: SlackStack) -> None:
     ).json()
     assert bad["response_action"] == "errors"
     assert set(bad["errors"]) == {WHAT, GPUS, LIMIT}
+    # Digits that str.isdigit() accepts and int() does not (was a 500), and others that
+    # are digits to Unicode but not a count anyone typed on purpose: a field error each.
+    for odd in ("²", "٣", "１", "1.5", "-1", "65", "9" * 40):
+        reply = stack.client.interactive(
+            submission({WHAT: "python train.py", GPUS: odd, MODEL: "any", PRECISION: "auto"})
+        )
+        assert reply.status == 200, (odd, reply.status)
+        assert reply.json() == {
+            "response_action": "errors",
+            "errors": {GPUS: "A whole number from 1 to 64."},
+        }, odd
+    # The time limit is the other typed field: superscripts there are an error too.
+    for odd in ("²h", "1h²", "h"):
+        reply = stack.client.interactive(
+            submission({WHAT: "python train.py", GPUS: "1", MODEL: "any", LIMIT: odd})
+        )
+        assert reply.json()["errors"] == {LIMIT: "A duration like 45m, 4h or 1h30m."}, odd
     good = stack.client.interactive(
         submission(
             {WHAT: "python train.py", GPUS: "1", MODEL: "A100", PRECISION: "bf16", LIMIT: "2h"}
@@ -250,8 +269,9 @@ def test_dm_on_grant_goes_through_the_outbox(stack: SlackStack) -> None:
 def test_unknown_user_is_created_on_first_use_with_the_slack_name(stack: SlackStack) -> None:
     stack.fake.add_user("U0CAROL01", "Carol Danvers")
     stack.client.command("reserve", user="U0CAROL01")
-    body = stack.client.command("status", user=BOB).json()
-    assert "Carol Danvers" in _text(body)
+    # The name is looked up after the ack: the reservation is made under the payload's
+    # name, and the Slack name replaces it once users.info has answered.
+    wait_for(lambda: "Carol Danvers" in _text(stack.client.command("status", user=BOB).json()))
 
 
 def test_redelivery_to_another_replica_still_reserves_once(
