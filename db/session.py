@@ -1,27 +1,71 @@
-"""Engine and transactions.
+"""Engine, transactions, row locks and retries.
 
 SQLite is the embedded default, so it is set up to behave under threads:
 WAL (readers never block the writer), a busy timeout (writers queue instead of
 failing), foreign keys on, and write transactions that start with
 `BEGIN IMMEDIATE` — a deferred transaction that reads and then writes can fail
 at once with "database is locked" instead of waiting, which is exactly what 50
-threads reserving at once would hit. PostgreSQL needs none of this; its
-row locks (`FOR UPDATE`) serialize the grant path instead.
+threads reserving at once would hit. One writer at a time is the whole lock
+story on SQLite. PostgreSQL lets writers run together, so there every change
+follows the lock order below.
+
+Lock order (PostgreSQL; every row lock is `FOR NO KEY UPDATE`, which does not
+block the foreign-key checks of inserts that merely point at the row):
+
+  1. the pool: every GPU row, by id (`lock_pool`);
+  2. users, by id;
+  3. reservations, by id;
+  4. runs, by id;
+  5. hosts, by id.
+
+A transaction that changes who holds a GPU (opens or closes a usage interval,
+runs the grant pass) or the state, length or placement of a reservation or run
+takes the pool first, before it reads anything it will change. Pool holders
+run one at a time, so whatever they lock after it cannot deadlock with each
+other, and every row they read after it is the latest committed one. Each row
+it is about to change it then reads again under its lock (`locked`) and checks
+its state there, never trusting a copy read earlier: a `release all` that read
+"waiting" before a grant pass made it "active" would otherwise write
+"cancelled" over the grant and leave the GPU held for good.
+
+A transaction without the pool locks at most one of these rows and waits for
+no other lock after it (a budget change: one user; Keep or a metrics update:
+one reservation or run), so it can never close a cycle either.
+
+What is left — a deadlock the order misses, a serialization failure, SQLite's
+"database is locked" after its busy timeout — is retried whole by `retrying`
+around the use case: a few attempts with jittered backoff. A retried attempt
+starts from nothing (the failed one rolled back), and a request that carries a
+request key finds its own earlier success by that key, so a retry never does
+a thing twice.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import random
+import sqlite3
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlmodel import Session, create_engine
+from sqlalchemy.exc import DBAPIError
+from sqlmodel import Session, SQLModel, col, create_engine, select
+from sqlmodel.sql.expression import SelectOfScalar
+
+from db.models import Gpu
+
+log = logging.getLogger(__name__)
 
 _WRITE = "gpubot_write"
+# Per thread: how many `transaction`s are open (`retrying` retries only the outermost).
+_local = threading.local()
 
 
 def make_engine(url: str, echo: bool = False) -> Engine:
@@ -94,13 +138,124 @@ def transaction(engine: Engine, write: bool = True) -> Iterator[Session]:
     so that `/gpu status` never queues behind a writer.
     """
     bound = engine.execution_options(**{_WRITE: True}) if write else engine
-    with Session(bound, expire_on_commit=False) as session:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        with Session(bound, expire_on_commit=False) as session:
+            try:
+                yield session
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+            finally:
+                if write:
+                    _bump_generation()
+    finally:
+        _local.depth -= 1
+
+
+# --- row locks -------------------------------------------------------------------------
+
+M = TypeVar("M", bound=SQLModel)
+
+
+def lock_pool(s: Session) -> None:
+    """Takes the pool: every GPU row, by id, until the transaction ends (lock order, 1).
+
+    Call it first, before reading what the transaction will change. Taking it again
+    in the same transaction is harmless. On SQLite the write transaction is the lock.
+    """
+    if _on_postgres(s):
+        s.exec(select(Gpu.id).order_by(col(Gpu.id)).with_for_update(key_share=True)).all()
+
+
+def locked(s: Session, model: type[M], row_id: int | None) -> M | None:
+    """The row read again under its lock, held until the transaction ends.
+
+    The read replaces whatever copy the session held (`populate_existing`), so the
+    state checked after this is the state that will be overwritten.
+    """
+    if row_id is None:
+        return None
+    lock = {"key_share": True} if _on_postgres(s) else None
+    return s.get(model, row_id, populate_existing=True, with_for_update=lock)
+
+
+def locked_rows(s: Session, stmt: SelectOfScalar[M]) -> list[M]:
+    """The rows a query finds, read under their locks (`locked`, for many rows).
+
+    The caller orders the query by id (the lock order). On PostgreSQL a row changed
+    by a transaction this one waited for is checked against the WHERE clause again,
+    so a row that no longer matches is not returned.
+    """
+    stmt = stmt.execution_options(populate_existing=True)
+    if _on_postgres(s):
+        stmt = stmt.with_for_update(key_share=True)
+    return list(s.exec(stmt).all())
+
+
+def _on_postgres(s: Session) -> bool:
+    return s.get_bind().dialect.name == "postgresql"
+
+
+# --- retries -------------------------------------------------------------------------
+
+# SQLSTATEs after which the whole transaction may simply run again.
+_RETRY_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
+RETRY_ATTEMPTS = 5
+_BACKOFF_S = 0.02
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def retryable(exc: BaseException) -> bool:
+    """A failure that says "run the transaction again", not "this is wrong": a deadlock
+    or serialization failure on PostgreSQL, a lock that stayed busy on SQLite."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    if getattr(orig, "sqlstate", None) in _RETRY_SQLSTATES:
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and (
+        "database is locked" in str(orig) or "database table is locked" in str(orig)
+    )
+
+
+def retrying(fn: Callable[P, R]) -> Callable[P, R]:
+    """Runs a use case again, whole, when its transaction lost a race the database
+    detects (`retryable`): at most `RETRY_ATTEMPTS` times, with jittered backoff so
+    that two transactions that deadlocked do not meet again at once.
+
+    Only the outermost call retries: called inside an open transaction or another
+    retrying call (a use case calling another), it runs once and the failure reaches
+    the outermost caller, which runs it all again. What the function does outside the
+    database must be safe to repeat or come after its last transaction.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        if getattr(_local, "depth", 0) or getattr(_local, "retrying", False):
+            return fn(*args, **kwargs)
+        _local.retrying = True
         try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
+            attempt = 1
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except DBAPIError as exc:
+                    if attempt >= RETRY_ATTEMPTS or not retryable(exc):
+                        raise
+                    pause = _BACKOFF_S * (2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+                    log.info(
+                        "%s lost a race in the database (%s); attempt %d of %d in %.0f ms",
+                        fn.__qualname__,
+                        getattr(exc.orig, "sqlstate", None) or type(exc.orig).__name__,
+                        attempt + 1,
+                        RETRY_ATTEMPTS,
+                        pause * 1000,
+                    )
+                    time.sleep(pause)
+                    attempt += 1
         finally:
-            if write:
-                _bump_generation()
+            _local.retrying = False
+
+    return run
