@@ -10,12 +10,11 @@ numbers; from 80% → one DM per period.
 
 Two requests of one person that each fit but together do not must not both pass:
 each check runs inside the transaction that commits the request, and holds the
-person's user row (`SELECT … FOR UPDATE` on PostgreSQL; SQLite's `BEGIN IMMEDIATE`
-already lets one writer in at a time) until that transaction ends, so the second
-check sees the first request. Lock order on PostgreSQL is GPU rows, then the user row:
-the grant pass holds the GPU rows when it checks a grant, so `GpuService.reserve`
-takes them before its own check, and nothing that holds a user row waits for a GPU
-row (no deadlock).
+person's user row (`SELECT … FOR NO KEY UPDATE` on PostgreSQL; SQLite's `BEGIN
+IMMEDIATE` already lets one writer in at a time) until that transaction ends, so the
+second check sees the first request. It follows `db.session`'s lock order: a request,
+grant or dispatch holds the pool (the GPU rows) before it checks, and `/gpu budget`
+locks the one user row and nothing after it, so no cycle can form.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from db.models import (
     UsageInterval,
     User,
 )
-from db.session import transaction
+from db.session import retrying, transaction
 
 if TYPE_CHECKING:
     from bot.service import Actor, GpuService
@@ -207,7 +206,9 @@ def lock_user(s: Session, user: User) -> None:
     """
     bind = s.get_bind()
     if bind.dialect.name == "postgresql":
-        s.exec(select(User.id).where(User.id == user.id).with_for_update()).one()
+        # NO KEY UPDATE: serializes budget checks without blocking inserts that merely
+        # point at the user (a reservation, a usage interval, a GPU sample).
+        s.exec(select(User.id).where(User.id == user.id).with_for_update(key_share=True)).one()
     s.refresh(user)
 
 
@@ -355,6 +356,7 @@ def budget_view(name: str, st: BudgetStatus, tz: str, mine: bool) -> views.View:
     )
 
 
+@retrying
 def budget_command(service: GpuService, actor: Actor, cmd: Budget) -> views.Reply:
     """`/gpu budget`: show your own; `@user` shows theirs (an admin, or yourself);
     `@user 200/week` or `@user none` sets or clears it (admins only)."""

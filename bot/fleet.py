@@ -77,7 +77,7 @@ from db.models import (
     UsageInterval,
     User,
 )
-from db.session import transaction
+from db.session import lock_pool, locked_rows, retrying, transaction
 from provisioning import shell
 from provisioning.base import Compute, Instance, ProvisioningError
 from provisioning.bootstrap import AgentInstall, bootstrap
@@ -473,10 +473,14 @@ class Fleet:
             lost.append(host.instance_id or host.name)
         return ReconcileReport(adopted=tuple(adopted), lost=tuple(lost), failed=tuple(failed))
 
+    @retrying
     def _lost(self, host_name: str) -> None:
         """The cloud ended this instance (spot reclaim, someone in the console): whatever
         held it is over — reservations end, runs go back in line, each owner is told."""
         with transaction(self.engine) as s:
+            # Usage closes and states end here: the pool first, then every row read after
+            # it is current (db.session's lock order).
+            lock_pool(s)
             now = self.service.clock.now()
             host = s.exec(select(Host).where(Host.name == host_name)).one()
             if host.state == HOST_TERMINATED:
@@ -487,11 +491,12 @@ class Fleet:
             s.flush()
             note_host_state(s, host, now, self.settings)
             what = f"{host.instance_id} ({host.instance_type})"
-            for res in s.exec(
-                select(Reservation).where(
-                    Reservation.host_id == host.id, Reservation.state == RES_ACTIVE
-                )
-            ).all():
+            for res in locked_rows(
+                s,
+                select(Reservation)
+                .where(Reservation.host_id == host.id, Reservation.state == RES_ACTIVE)
+                .order_by(col(Reservation.id)),
+            ):
                 _close_intervals(s, now, reservation_id=res.id)
                 res.state = RES_RELEASED
                 res.ended_at = now
@@ -505,12 +510,16 @@ class Fleet:
                 self.service.notify_dm(
                     s, owner.key, _text_view(text), now, dedupe=f"fleet-lost-res:{res.id}"
                 )
-            for run in s.exec(
-                select(TrainingRun).where(
+            # Under their locks: a cancel that landed meanwhile is seen, not overwritten.
+            for run in locked_rows(
+                s,
+                select(TrainingRun)
+                .where(
                     TrainingRun.host_id == host.id,
                     col(TrainingRun.state).in_((RUN_STARTING, RUN_RUNNING, RUN_CANCELLING)),
                 )
-            ).all():
+                .order_by(col(TrainingRun.id)),
+            ):
                 _close_intervals(s, now, run_id=run.id)
                 owner = s.get(User, run.user_id)
                 assert owner is not None

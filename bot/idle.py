@@ -38,7 +38,7 @@ from db.models import (
     UsageInterval,
     User,
 )
-from db.session import transaction
+from db.session import lock_pool, locked, retrying, transaction
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ def _points(s: Session, res: Reservation, host_id: int, index: int, since: datet
     return [Point(r.at, r.span_s, r.util_pct, r.mem_used_mb) for r in rows]
 
 
+@retrying
 def _check(service: GpuService, res_id: int) -> str | None:
     """Judges one reservation on a read; only when something is to be done does it take
     the write lock, judge again under it (a Keep or a release may have landed meanwhile)
@@ -185,8 +186,13 @@ def _check(service: GpuService, res_id: int) -> str | None:
 def _judge(service: GpuService, res_id: int, *, act: bool) -> str | None:
     cfg = service.settings
     with transaction(service.engine, write=act) as s:
-        q = select(Reservation).where(Reservation.id == res_id)
-        res = s.exec(q.with_for_update() if act else q).first()
+        if act:
+            # Acting may release (and so grant): the pool first, then the row under its
+            # lock, judged again as it is now (db.session's lock order).
+            lock_pool(s)
+            res = locked(s, Reservation, res_id)
+        else:
+            res = s.get(Reservation, res_id)
         if res is None or res.state != RES_ACTIVE:
             return None
         now = service.clock.now()
@@ -329,13 +335,20 @@ def prompt_view(
 # --- Keep -------------------------------------------------------------------------------
 
 
+@retrying
 def keep(service: GpuService, actor: Actor, res_id: int) -> views.Reply:
-    """`/gpu util keep N`: the holder (or an admin) says the idle GPUs are wanted."""
+    """`/gpu util keep N`: the holder (or an admin) says the idle GPUs are wanted.
+
+    It changes no state and no GPU, so it does without the pool and locks one row,
+    the reservation, with nothing after it (db.session): the user is only read (made
+    first, before that lock, in the rare case it is new)."""
     with transaction(service.engine) as s:
-        res = s.exec(select(Reservation).where(Reservation.id == res_id).with_for_update()).first()
+        user = s.exec(select(User).where(User.key == actor.key)).first() or service.user_row(
+            s, actor.key, actor.name
+        )
+        res = locked(s, Reservation, res_id)
         if res is None:
             raise UserError(f"There is no reservation #{res_id}.", USAGE)
-        user = service.user_row(s, actor.key, actor.name)
         if res.user_id != user.id and not actor.admin:
             raise UserError(
                 f"Reservation #{res_id} is not yours; only its holder or an admin can keep it.",

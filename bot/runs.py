@@ -58,7 +58,7 @@ from db.models import (
     UsageInterval,
     User,
 )
-from db.session import is_postgres, transaction
+from db.session import lock_pool, locked, retrying, transaction
 from provisioning import shell
 from provisioning.catalog import Catalog
 from provisioning.ssh import SshError, SshRunner, SshTarget
@@ -120,6 +120,7 @@ class RunService:
 
     # --- submit ----------------------------------------------------------------------
 
+    @retrying
     def submit(self, actor: Actor, cmd: Run, request_key: str | None = None) -> views.Reply:
         # Every way a run starts comes here (/gpu run, the run form, gpubot submit).
         refusal = self.gate.run_refusal(actor)
@@ -401,9 +402,13 @@ class RunService:
                 out[g.model] = max(out.get(g.model, 0.0), host.hourly_usd / max(1, len(gpus)))
         return out
 
+    @retrying
     def cancel(self, actor: Actor, cmd: Cancel) -> views.Reply:
+        """Marks the run; its GPUs go back when poll sees it end (`_finish`). One row
+        under its lock and nothing after it (db.session): a dispatch that claimed the
+        run meanwhile is seen ("starting" → cancelling), never written over."""
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, cmd.run_id)
+            run = locked(s, TrainingRun, cmd.run_id)
             if run is None:
                 raise UserError(f"There is no run #{cmd.run_id}.", "/gpu cancel ID")
             owner = s.get(User, run.user_id)
@@ -514,6 +519,7 @@ class RunService:
                 started += 1
         return started
 
+    @retrying
     def _preempt(self, run_id: int, for_run: str) -> None:
         """Stops a running run with a checkpoint so its GPUs go elsewhere (scheduler's call).
 
@@ -523,7 +529,7 @@ class RunService:
         resume. Its GPUs are placed on a later tick, once they are really free."""
         now = self.core.clock.now()
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, run_id)
+            run = locked(s, TrainingRun, run_id)
             if run is None or run.state != RUN_RUNNING:
                 return
             placement = dict(run.placement)
@@ -685,81 +691,11 @@ class RunService:
             log.warning("no way to reach host %s; run %s stays queued", host_name, run_id)
             return False
         runner, target, runs_dir = access
-        now = self.core.clock.now()
-        with transaction(self.engine) as s:
-            won = s.exec(
-                update(TrainingRun)
-                .where(col(TrainingRun.id) == run_id, col(TrainingRun.state) == RUN_QUEUED)
-                .values(state=RUN_STARTING)
-            )
-            if won.rowcount != 1:
-                return False  # another worker got it, or it was cancelled
-            host = s.exec(select(Host).where(Host.name == host_name)).one()
-            if is_postgres(self.engine):
-                s.exec(
-                    select(Gpu.id)
-                    .where(Gpu.host_id == host.id)
-                    .order_by(col(Gpu.id))
-                    .with_for_update()
-                ).all()
-            held = set(
-                s.exec(
-                    select(UsageInterval.gpu_id).where(col(UsageInterval.ended_at).is_(None))
-                ).all()
-            )
-            run = s.get(TrainingRun, run_id)
-            assert run is not None and host.id is not None
-            free = [
-                g
-                for g in s.exec(
-                    select(Gpu)
-                    .where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
-                    .order_by(col(Gpu.index))
-                )
-                if g.id not in held and g.model == run.gpu_model
-            ][:gpus]
-            if len(free) < gpus:
-                run.state = RUN_QUEUED  # the scheduler's view was stale; try next tick
-                s.add(run)
-                return False
-            # Budget (bot.budgets): re-checked before placing; over budget → cancelled, DM.
-            rate = Decimal(str(host.hourly_usd / max(1, self.core._gpu_count(s, host.id))))
-            refusal = budgets.run_refusal(s, run, rate * len(free), now, self.core.settings)
-            if refusal is not None:
-                run.state, run.finished_at = RUN_CANCELLED, now
-                s.add(run)
-                owner = s.get(User, run.user_id)
-                assert owner is not None
-                text = f"Run #{run.id} was cancelled, not started: {refusal}"
-                self.core.notify_dm(
-                    s,
-                    owner.key,
-                    views.message(text).view,
-                    now,
-                    dedupe=f"budget-cancel-run:{run.id}",
-                )
-                return False
-            self.core.open_usage(s, host, free, run.user_id, now, run_id=run.id)
-            run_dir = runs_dir / str(run.id)
-            placement: dict[str, Any] = {
-                "host": host_name,
-                "gpu_indexes": [g.index for g in free],
-                "cpu": all(g.model == "cpu" for g in free),
-                "dir": str(run_dir),
-                "status": str(run_dir / "status.json"),
-                "log": str(run_dir / "run.log"),
-                "checkpoints": str(run_dir / "checkpoints"),
-                # The runner writes its group id here, so a run started by a worker that
-                # died before recording it is found, not started twice (_requeue_orphan).
-                "pgid_file": str(run_dir / "pgid"),
-            }
-            if run.placement.get("resume_from"):  # bot.agentwatch: its saved checkpoint
-                placement["resume_from"] = run.placement["resume_from"]
-            run.placement = placement
-            run.host_id = host.id
-            run.started_at = now
-            s.add(run)
-            command = _runner_command(run, placement)
+        claimed = self._claim(run_id, host_name, gpus, runs_dir)
+        if claimed is None:
+            return False
+        placement, command = claimed
+        run_dir = runs_dir / str(run_id)
         env = {
             "CUDA_VISIBLE_DEVICES": ""
             if placement["cpu"]
@@ -784,8 +720,94 @@ class RunService:
                 run_id, RUN_FAILED, None, {"error": f"could not start: {exc}"}, log_tail=""
             )
             return False
+        self._mark_started(run_id, pgid, host_name, placement)
+        return True
+
+    @retrying
+    def _claim(
+        self, run_id: int, host_name: str, gpus: int, runs_dir: Path
+    ) -> tuple[dict[str, Any], str] | None:
+        """The run and its GPUs in one transaction: the pool first (db.session's lock
+        order), then the run, claimed only while it is still queued (a cancel or another
+        worker that got there first wins). Returns its placement and command line."""
+        now = self.core.clock.now()
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, run_id)
+            lock_pool(s)
+            won = s.exec(
+                update(TrainingRun)
+                .where(col(TrainingRun.id) == run_id, col(TrainingRun.state) == RUN_QUEUED)
+                .values(state=RUN_STARTING)
+            )
+            if won.rowcount != 1:
+                return None  # another worker got it, or it was cancelled
+            host = s.exec(select(Host).where(Host.name == host_name)).one()
+            held = set(
+                s.exec(
+                    select(UsageInterval.gpu_id).where(col(UsageInterval.ended_at).is_(None))
+                ).all()
+            )
+            run = locked(s, TrainingRun, run_id)
+            assert run is not None and host.id is not None
+            free = [
+                g
+                for g in s.exec(
+                    select(Gpu)
+                    .where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
+                    .order_by(col(Gpu.index))
+                )
+                if g.id not in held and g.model == run.gpu_model
+            ][:gpus]
+            if len(free) < gpus:
+                run.state = RUN_QUEUED  # the scheduler's view was stale; try next tick
+                s.add(run)
+                return None
+            # Budget (bot.budgets): re-checked before placing; over budget → cancelled, DM.
+            rate = Decimal(str(host.hourly_usd / max(1, self.core._gpu_count(s, host.id))))
+            refusal = budgets.run_refusal(s, run, rate * len(free), now, self.core.settings)
+            if refusal is not None:
+                run.state, run.finished_at = RUN_CANCELLED, now
+                s.add(run)
+                owner = s.get(User, run.user_id)
+                assert owner is not None
+                text = f"Run #{run.id} was cancelled, not started: {refusal}"
+                self.core.notify_dm(
+                    s,
+                    owner.key,
+                    views.message(text).view,
+                    now,
+                    dedupe=f"budget-cancel-run:{run.id}",
+                )
+                return None
+            self.core.open_usage(s, host, free, run.user_id, now, run_id=run.id)
+            run_dir = runs_dir / str(run.id)
+            placement: dict[str, Any] = {
+                "host": host_name,
+                "gpu_indexes": [g.index for g in free],
+                "cpu": all(g.model == "cpu" for g in free),
+                "dir": str(run_dir),
+                "status": str(run_dir / "status.json"),
+                "log": str(run_dir / "run.log"),
+                "checkpoints": str(run_dir / "checkpoints"),
+                # The runner writes its group id here, so a run started by a worker that
+                # died before recording it is found, not started twice (_requeue_orphan).
+                "pgid_file": str(run_dir / "pgid"),
+            }
+            if run.placement.get("resume_from"):  # bot.agentwatch: its saved checkpoint
+                placement["resume_from"] = run.placement["resume_from"]
+            run.placement = placement
+            run.host_id = host.id
+            run.started_at = now
+            s.add(run)
+            return placement, _runner_command(run, placement)
+
+    @retrying
+    def _mark_started(
+        self, run_id: int, pgid: int, host_name: str, placement: dict[str, Any]
+    ) -> None:
+        """Its group id recorded and its owner told. One row under its lock: a cancel
+        that landed while it started stays "cancelling"."""
+        with transaction(self.engine) as s:
+            run = locked(s, TrainingRun, run_id)
             assert run is not None
             run.placement = {**run.placement, "pgid": pgid}
             if run.state == RUN_STARTING:
@@ -809,7 +831,6 @@ class RunService:
                 dedupe=f"run-started:{run_id}"
                 + (f":{placement['resume_from']['count']}" if "resume_from" in placement else ""),
             )
-        return True
 
     def _prepare_code(
         self, run_id: int, runner: SshRunner, target: SshTarget, run_dir: str, log_path: str
@@ -933,6 +954,7 @@ class RunService:
             finished += 1
         return finished
 
+    @retrying
     def _retry_oom(
         self,
         run_id: int,
@@ -964,7 +986,8 @@ class RunService:
         half = used // 2 if isinstance(used, int) else None
         now = self.core.clock.now()
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, run_id)
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
             if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
                 return False
             self._close_intervals(s, run_id, now)
@@ -995,16 +1018,18 @@ class RunService:
             self.core.grant_pass(s, now)
         return True
 
+    @retrying
     def _update_placement(self, run_id: int, **changes: Any) -> None:
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, run_id)
+            run = locked(s, TrainingRun, run_id)  # one row, nothing after it (db.session)
             if run is not None:
                 run.placement = {**run.placement, **changes}
                 s.add(run)
 
+    @retrying
     def _update_metrics(self, run_id: int, status: Any) -> None:
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, run_id)
+            run = locked(s, TrainingRun, run_id)  # one row, nothing after it (db.session)
             if run is not None and run.state in RUN_OPEN_STATES:
                 run.metrics = {
                     **run.metrics,
@@ -1034,6 +1059,7 @@ class RunService:
         text = (raw or b"").decode(errors="replace").strip()
         return int(text) if text.isdigit() else None
 
+    @retrying
     def _requeue_orphan(self, run_id: int) -> None:
         with transaction(self.engine, write=False) as s:
             claimed = s.get(TrainingRun, run_id)
@@ -1042,7 +1068,8 @@ class RunService:
         if started is False:
             return  # the host is unreachable: ask again next poll, never start twice
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, run_id)
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
             if run is None or run.state != RUN_STARTING or "pgid" in run.placement:
                 return
             if isinstance(started, int):
@@ -1060,6 +1087,7 @@ class RunService:
             s.add(run)
             log.warning("run %s was claimed but never started (crash?); back in line", run_id)
 
+    @retrying
     def requeue(
         self, run_id: int, resume_from: dict[str, Any], view: views.View, dedupe: str
     ) -> bool:
@@ -1067,7 +1095,8 @@ class RunService:
         failure. Its GPUs go back, its place in line is its old one (submitted_at)."""
         now = self.core.clock.now()
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, run_id)
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
             if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
                 return False  # cancelled meanwhile, or already moved on
             self._close_intervals(s, run_id, now)
@@ -1096,12 +1125,14 @@ class RunService:
                 cost += iv.usd_per_hour * (iv.ended_at - iv.started_at).total_seconds() / 3600
         return cost
 
+    @retrying
     def _finish(
         self, run_id: int, state: str, exit_code: int | None, summary: dict[str, Any], log_tail: str
     ) -> None:
         now = self.core.clock.now()
         with transaction(self.engine) as s:
-            run = s.get(TrainingRun, run_id)
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
             if run is None or run.state not in RUN_OPEN_STATES:
                 return
             cost = self._close_intervals(s, run_id, now)

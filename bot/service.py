@@ -5,9 +5,13 @@ notifications a change causes go into the outbox in that same transaction.
 
 Granting is the one contended path. It runs as a "grant pass" over the waiting
 line inside the caller's transaction, serialized by `BEGIN IMMEDIATE` on SQLite
-and by row locks on the GPU rows (`SELECT … FOR UPDATE`) on PostgreSQL; a
+and by the pool lock (every GPU row, `db.session.lock_pool`) on PostgreSQL; a
 partial unique index (one open usage interval per GPU) is the backstop that
-makes a GPU held twice impossible even if that serialization were wrong.
+makes a GPU held twice impossible even if that serialization were wrong. Every
+use case that changes a reservation takes the pool first and re-reads what it
+changes under a row lock (the lock order is written down in `db.session`), and
+is wrapped in `retrying`, so a deadlock or a busy database is run again, not
+answered "failed on our side".
 """
 
 from __future__ import annotations
@@ -52,7 +56,15 @@ from db.models import (
     UsageInterval,
     User,
 )
-from db.session import is_postgres, transaction, write_generation
+from db.session import (
+    is_postgres,
+    lock_pool,
+    locked,
+    locked_rows,
+    retrying,
+    transaction,
+    write_generation,
+)
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
 
@@ -111,6 +123,7 @@ class GpuService:
 
     # --- users and hosts ---------------------------------------------------------
 
+    @retrying
     def actor(
         self, key: str, display_name: str | None = None, *, name_if_new: str | None = None
     ) -> Actor:
@@ -150,6 +163,7 @@ class GpuService:
             s.add(user)
         return user
 
+    @retrying
     def sync_hosts(self, instances: Iterable[Instance]) -> None:
         """Makes the host and GPU rows match what the providers report."""
         now = self.clock.now()
@@ -159,6 +173,8 @@ class GpuService:
                 # its first billed period); one sync at a time. SQLite's write
                 # transaction (BEGIN IMMEDIATE) is that lock already.
                 s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SYNC_LOCK_KEY})
+            # GPU rows change here (present, model): under the pool, like every change.
+            lock_pool(s)
             for inst in instances:
                 host = s.exec(select(Host).where(Host.name == inst.name)).first()
                 if host is None:
@@ -196,6 +212,7 @@ class GpuService:
 
     # --- reserve -------------------------------------------------------------------
 
+    @retrying
     def reserve(self, actor: Actor, cmd: Reserve, request_key: str | None = None) -> views.Reply:
         duration = cmd.duration or self.settings.default_duration
         if duration > self.settings.max_duration:
@@ -207,17 +224,16 @@ class GpuService:
         model = cmd.model or self.settings.default_gpu
         try:
             with transaction(self.engine) as s:
+                # The pool first (db.session's lock order): the grant pass below needs it,
+                # and a second delivery of this request waits here and then finds the first.
+                lock_pool(s)
                 if request_key and (prior := self._by_request_key(s, request_key)) is not None:
                     return views.Reply(views.already_view(self._info(s, prior), self.clock.now()))
                 self._check_feasible(s, model, cmd.count)
                 user = self.user_row(s, actor.key, actor.name)
                 now = self.clock.now()
-                # Budget (bot.budgets): refused here, before it waits or is granted. On
-                # PostgreSQL the GPU rows are locked first, as the grant pass does, so
-                # every path takes GPUs before the user row (no lock-order deadlock).
-                if is_postgres(self.engine):
-                    s.exec(select(Gpu.id).order_by(col(Gpu.id)).with_for_update()).all()
-                # No estimate (a query, under the lock) for the many without a budget.
+                # Budget (bot.budgets): refused here, before it waits or is granted. No
+                # estimate (a query, under the pool lock) for the many without a budget.
                 if user.budget_usd is not None:
                     budgets.check_budget(
                         s,
@@ -299,9 +315,8 @@ class GpuService:
         may go ahead. `quiet_id` is the caller's own request: its reply says the
         result, so it gets no DM.
         """
-        if is_postgres(self.engine):
-            # Serializes grant passes: every pass locks the same rows in the same order.
-            s.exec(select(Gpu.id).order_by(col(Gpu.id)).with_for_update()).all()
+        # Serializes grant passes; the callers took it already, first (db.session).
+        lock_pool(s)
         hosts = [
             h for h in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id)))
         ]
@@ -317,11 +332,17 @@ class GpuService:
                 .order_by(col(Gpu.index))
             ).all()
             free[h.id] = [g for g in gpus if g.id not in held]
-        waiting = s.exec(
-            select(Reservation)
-            .where(Reservation.state == RES_WAITING)
-            .order_by(col(Reservation.requested_at), col(Reservation.id))
-        ).all()
+        # Each waiting row is read under its lock (ids in order) before it is granted:
+        # an extend or a cancel that committed meanwhile is seen, not written over.
+        waiting = sorted(
+            locked_rows(
+                s,
+                select(Reservation)
+                .where(Reservation.state == RES_WAITING)
+                .order_by(col(Reservation.id)),
+            ),
+            key=lambda r: (r.requested_at, r.id or 0),
+        )
         blocked_models: set[str | None] = set()
         granted = 0
         for res in waiting:
@@ -443,12 +464,16 @@ class GpuService:
 
     # --- release and extend ---------------------------------------------------------
 
+    @retrying
     def release(self, actor: Actor, cmd: Release) -> views.Reply:
         with transaction(self.engine) as s:
+            # The pool, then each reservation under its lock: what is ended is the state
+            # as it is now, never a "waiting" read before a grant pass made it active.
+            lock_pool(s)
             user = self.user_row(s, actor.key, actor.name)
             now = self.clock.now()
             if cmd.reservation_id is not None:
-                res = s.get(Reservation, cmd.reservation_id)
+                res = locked(s, Reservation, cmd.reservation_id)
                 if res is None:
                     raise UserError(
                         f"There is no reservation #{cmd.reservation_id}.", "/gpu release [ID|all]"
@@ -464,15 +489,14 @@ class GpuService:
                     )
                 targets = [res]
             else:
-                targets = list(
-                    s.exec(
-                        select(Reservation)
-                        .where(
-                            Reservation.user_id == user.id,
-                            col(Reservation.state).in_(RES_OPEN_STATES),
-                        )
-                        .order_by(col(Reservation.id))
+                targets = locked_rows(
+                    s,
+                    select(Reservation)
+                    .where(
+                        Reservation.user_id == user.id,
+                        col(Reservation.state).in_(RES_OPEN_STATES),
                     )
+                    .order_by(col(Reservation.id)),
                 )
                 if not targets:
                     raise UserError(
@@ -502,6 +526,10 @@ class GpuService:
             return views.Reply(views.released_view(done, actor.key))
 
     def _end(self, s: Session, res: Reservation, state: str, at: datetime) -> None:
+        """Ends an open reservation: its usage closed, its state final. The caller holds
+        the pool and read `res` under its lock, so the state checked is the current one."""
+        if res.state not in RES_OPEN_STATES:
+            raise RuntimeError(f"reservation #{res.id} is {res.state} already; not ended again")
         for iv in s.exec(
             select(UsageInterval).where(
                 UsageInterval.reservation_id == res.id, col(UsageInterval.ended_at).is_(None)
@@ -514,15 +542,20 @@ class GpuService:
         s.add(res)
         s.flush()
 
+    @retrying
     def extend(self, actor: Actor, cmd: Extend) -> views.Reply:
         usage = "/gpu extend [ID] DURATION"
         with transaction(self.engine) as s:
+            # The length decides when it ends and what a grant sets: under the pool, with
+            # the row read under its lock (db.session's lock order).
+            lock_pool(s)
             user = self.user_row(s, actor.key, actor.name)
             now = self.clock.now()
             if cmd.reservation_id is not None:
-                res = s.get(Reservation, cmd.reservation_id)
-                if res is None:
+                found = locked(s, Reservation, cmd.reservation_id)
+                if found is None:
                     raise UserError(f"There is no reservation #{cmd.reservation_id}.", usage)
+                res = found
                 if res.user_id != user.id and not actor.admin:
                     raise UserError(f"Reservation #{res.id} is not yours.", usage)
             else:
@@ -539,7 +572,9 @@ class GpuService:
                 if len(mine) > 1:
                     ids = ", ".join(f"#{r.id}" for r in mine)
                     raise UserError(f"You have {len(mine)} reservations ({ids}); say which.", usage)
-                res = mine[0]
+                found = locked(s, Reservation, mine[0].id)
+                assert found is not None  # the pool is held: nothing ended it meanwhile
+                res = found
             if res.state not in RES_OPEN_STATES:
                 raise UserError(f"Reservation #{res.id} is already {res.state}.", usage)
             total = timedelta(seconds=res.duration_s) + cmd.duration
@@ -776,16 +811,19 @@ class GpuService:
 
     # --- the worker's tick -------------------------------------------------------------
 
+    @retrying
     def tick(self) -> TickReport:
         """Ends what is due, warns what is near, grants what became free. Idempotent."""
         with transaction(self.engine) as s:
+            lock_pool(s)  # expiry frees GPUs: the pool first (db.session's lock order)
             now = self.clock.now()
             expired = 0
-            for res in s.exec(
-                select(Reservation).where(
-                    Reservation.state == RES_ACTIVE, col(Reservation.ends_at) <= now
-                )
-            ).all():
+            for res in locked_rows(
+                s,
+                select(Reservation)
+                .where(Reservation.state == RES_ACTIVE, col(Reservation.ends_at) <= now)
+                .order_by(col(Reservation.id)),
+            ):
                 assert res.ends_at is not None
                 self._end(s, res, RES_EXPIRED, res.ends_at)
                 info = self._info(s, res)
@@ -795,13 +833,16 @@ class GpuService:
                 expired += 1
             warned = 0
             lead = self.settings.expiry_warning
-            for res in s.exec(
-                select(Reservation).where(
+            for res in locked_rows(
+                s,
+                select(Reservation)
+                .where(
                     Reservation.state == RES_ACTIVE,
                     col(Reservation.warned_at).is_(None),
                     col(Reservation.ends_at) <= now + lead,
                 )
-            ).all():
+                .order_by(col(Reservation.id)),
+            ):
                 assert res.ends_at is not None and res.granted_at is not None
                 res.warned_at = now
                 s.add(res)
