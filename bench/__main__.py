@@ -1,7 +1,9 @@
 """`make bench`: runs every benchmark module and writes one JSON of figures.
 
 Each module in BENCHES exposes `run() -> dict[str, object]`; a failing bench is
-recorded with its error instead of hiding the others' figures.
+recorded with its error instead of hiding the others' figures. A module may also
+expose `headline(figures) -> list[str]`: the lines printed together at the end, so
+the figures that have goals are read side by side rather than dug out of the JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     failed = False
+    headlines: list[str] = []
     for name in BENCHES:
         if args.only and name not in args.only:
             continue
@@ -42,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         figures["bench_wall_s"] = round(time.perf_counter() - t0, 2)
         results[name] = figures
         print(json.dumps({name: figures}, indent=2), flush=True)
+        headline = getattr(module, "headline", None) if "error" not in figures else None
+        if headline is not None:
+            headlines += [f"{name}: {line}" for line in headline(figures)]
     args.out.write_text(json.dumps(results, indent=2) + "\n")
+    for line in headlines:
+        print(line)
     print(f"bench: wrote {args.out}")
     return 1 if failed else 0
 
