@@ -206,7 +206,14 @@ def parse_weekly_time(raw: str) -> tuple[int, int, int]:
     parts = raw.strip().lower().split()
     if len(parts) == 2 and parts[0][:3] in _WEEKDAYS:
         hh, sep, mm = parts[1].partition(":")
-        if sep and hh.isdigit() and mm.isdigit() and int(hh) < 24 and int(mm) < 60:
+        if (
+            sep
+            and parts[1].isascii()
+            and hh.isdigit()
+            and mm.isdigit()
+            and int(hh) < 24
+            and int(mm) < 60
+        ):
             return _WEEKDAYS.index(parts[0][:3]), int(hh), int(mm)
     raise ValueError(f"expected a weekday and a time like 'mon 09:00', not {raw!r}")
 

@@ -118,7 +118,7 @@ def parse_week(text: str) -> tuple[int, int]:
     """ "2026-W49" → (2026, 49); a UserError that shows the form otherwise."""
     raw = text.strip().upper()
     year, sep, week = raw.partition("-W")
-    if sep and year.isdigit() and len(year) == 4 and week.isdigit():
+    if sep and raw.isascii() and year.isdigit() and len(year) == 4 and week.isdigit():
         y, w = int(year), int(week)
         try:
             date.fromisocalendar(y, w, 1)

@@ -390,7 +390,7 @@ def _register(face: SlackFace) -> None:
         trigger = body.get("trigger_id")
         try:
             cmd = parse_text(line)
-        except UserError:
+        except Exception:  # handle_text below answers it: a usage line or a reference
             cmd = None
         refusal = face.run_channel_refusal(line, str(body.get("channel_id", "")))
         if refusal is not None:

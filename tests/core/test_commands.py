@@ -149,6 +149,24 @@ def test_any_text_is_a_command_or_a_user_error(text: str) -> None:
         parse(text)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "/gpu release ²",
+        "/gpu reserve ²",
+        "/gpu run --gpus ² -- x",
+        "/gpu cancel ³",
+        "/gpu logs 1 ²",
+        "/gpu extend ² 1h",
+        "/gpu util keep ²",
+    ],
+)
+def test_digits_that_are_not_ascii_are_a_user_error(text: str) -> None:
+    # str.isdigit() says yes to "²" and int() then raises ValueError: a 500 in Slack.
+    with pytest.raises(UserError):
+        parse(text)
+
+
 _WORDS = st.sampled_from(
     [
         *VERBS,
@@ -166,6 +184,8 @@ _WORDS = st.sampled_from(
         "200/week",
         "'",
         "=",
+        "²",
+        "٣",
     ]
 )
 
