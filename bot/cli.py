@@ -248,7 +248,7 @@ def worker(
     except UserError as exc:
         typer.echo(f"gpubot: {exc.text}", err=True)
         raise typer.Exit(2) from None
-    notifier = slack_notifier_from_settings(settings)
+    notifier = slack_notifier_from_settings(settings, runtime.engine, runtime.service.clock)
     if notifier is None:
         # Without a bot token notifications wait in the outbox rather than being
         # marked sent unseen.

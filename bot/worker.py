@@ -31,9 +31,17 @@ log = logging.getLogger(__name__)
 class DeliveryRetry(Exception):
     """A transient failure: try again after `retry_after` (rate limit, network)."""
 
-    def __init__(self, reason: str, retry_after: timedelta = timedelta(seconds=30)) -> None:
+    def __init__(
+        self,
+        reason: str,
+        retry_after: timedelta = timedelta(seconds=30),
+        *,
+        stop_batch: bool = False,
+    ) -> None:
         super().__init__(reason)
         self.retry_after = retry_after
+        # Slack's 429 is for the whole app, not this item: the rest of the batch waits too.
+        self.stop_batch = stop_batch
 
 
 class Notifier(Protocol):
@@ -58,6 +66,8 @@ def deliver(service: GpuService, notifier: Notifier, limit: int = 50) -> int:
                 notifier.send(item)
             except DeliveryRetry as exc:
                 service.mark_failed(item.id, str(exc), exc.retry_after)
+                if exc.stop_batch:
+                    break
                 continue
             except Exception as exc:
                 ref = new_ref()

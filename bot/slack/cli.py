@@ -95,7 +95,7 @@ def serve(
         runtime = build_runtime(settings, runs_as_self=False)
     except UserError as exc:
         raise _fail(exc.text) from None
-    notifier = from_settings(settings)
+    notifier = from_settings(settings, runtime.engine, runtime.service.clock)
     try:
         face = build_face(
             runtime.service, settings, notifier=notifier, deliver_after_commands=not no_worker

@@ -100,7 +100,7 @@ class SlackNotifier:
             if resp is not None and (status == 429 or error == "ratelimited"):
                 wait = _retry_after(resp)
                 self._facts.pause(self._facts.now() + wait, f"{name}: 429")
-                return NotTaken(f"{name}: rate limited", wait)
+                return NotTaken(f"{name}: rate limited", wait, stop_batch=True)
             if error in _MAYBE_TAKEN or status >= 500:
                 return MaybeTaken(f"{name}: {error or status}")
             if error in _NOT_TAKEN:
@@ -121,7 +121,9 @@ class SlackNotifier:
         now = self._facts.now()
         if until is not None and until > now:
             raise NotTaken(
-                "Slack asked us to wait (429): not calling it before Retry-After", until - now
+                "Slack asked us to wait (429): not calling it before Retry-After",
+                until - now,
+                stop_batch=True,
             )
 
     def _target_name(self, item: OutboxItem) -> str:

@@ -237,6 +237,8 @@ def test_a_429_stops_the_batch_until_retry_after_for_every_deliverer(
     posts = fake_slack.calls_to("chat.postMessage")
     assert [c.params["text"] for c in posts] == ["item 1", "item 2"]  # 3-5 never tried
     assert posts[1].status == 429
+    # The batch stopped at the 429: items 3-5 were not even marked as attempted.
+    assert [_row(svc.engine, f"item {n}").attempts for n in (3, 4, 5)] == [0, 0, 0]
 
     # Another worker (or this one restarted) respects the stored pause, even for an item
     # that became due after the 429.
