@@ -189,8 +189,13 @@ def submit(
     try:
         parsed = parse_text(f"run {' '.join(flags)} -- {shlex.join(command)}")
         assert isinstance(parsed, Run)
-        staged = stage(directory, settings.home)
         runtime = build_runtime(settings, SystemClock())
+        if runtime.service.runs is not None:
+            # Asked before anything is copied: a refused user leaves nothing under staged/.
+            refusal = runtime.service.runs.gate.run_refusal(runtime.service.actor(name))
+            if refusal is not None:
+                raise UserError(refusal)
+        staged = stage(directory, settings.home)
     except (UserError, SourceError) as exc:
         typer.echo(f"gpubot: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -216,6 +216,7 @@ def test_gpubot_submit_is_refused_for_someone_not_allowed_to_run(tmp_path: Path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Starting runs is limited" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+    assert not (home / "staged").exists()  # refused before anything was copied
     from db.session import make_engine
 
     engine = make_engine(f"sqlite:///{home / 'gpubot.db'}")
