@@ -321,6 +321,7 @@ STRESS_S = float(os.environ.get("GPUBOT_STRESS_S", "6"))
 def test_eight_clients_reserve_and_release_without_a_failed_request(engine: Engine) -> None:
     seconds = STRESS_S if is_postgres(engine) else min(STRESS_S, 4.0)
     tally = _many_clients(engine, seconds)
+    print(f"{engine.dialect.name}: {len(tally.failures)} of {tally.requests} requests failed")
     assert tally.requests > 8
     assert tally.failures == [], (
         f"{len(tally.failures)} of {tally.requests} requests failed: {tally.failures[:5]}"
