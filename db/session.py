@@ -18,8 +18,9 @@ block the foreign-key checks of inserts that merely point at the row):
   4. runs, by id;
   5. hosts, by id.
 
-A transaction that changes who holds a GPU (opens or closes a usage interval,
-runs the grant pass) or the state, length or placement of a reservation or run
+A transaction that changes who holds a GPU (opens or closes a usage interval:
+reserve, release, expiry, an idle release, a run's claim, end or requeue, a
+lost host; anything that runs the grant pass) or the length of a reservation
 takes the pool first, before it reads anything it will change. Pool holders
 run one at a time, so whatever they lock after it cannot deadlock with each
 other, and every row they read after it is the latest committed one. Each row
@@ -28,9 +29,10 @@ its state there, never trusting a copy read earlier: a `release all` that read
 "waiting" before a grant pass made it "active" would otherwise write
 "cancelled" over the grant and leave the GPU held for good.
 
-A transaction without the pool locks at most one of these rows and waits for
-no other lock after it (a budget change: one user; Keep or a metrics update:
-one reservation or run), so it can never close a cycle either.
+A transaction without the pool locks at most one of these rows, through
+`locked`, and waits for no other lock after it (a budget change: one user;
+Keep: one reservation; a run's cancel, start record, placement or metrics: one
+run), so it can never close a cycle either.
 
 What is left — a deadlock the order misses, a serialization failure, SQLite's
 "database is locked" after its busy timeout — is retried whole by `retrying`
