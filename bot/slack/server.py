@@ -239,11 +239,10 @@ class WsgiApp:
         # Always ours, never the sender's: the ack deadline counts from here (bot.slack.app).
         received = environ.get(RECEIVED_AT_ENVIRON, time.monotonic())
         environ["HTTP_" + RECEIVED_AT_HEADER.upper().replace("-", "_")] = repr(received)
+        # Bolt could not read a signed request; listeners' own errors stay in Bolt.
         try:
             return self._bolt(environ, start_response)
-        except (
-            Exception
-        ) as exc:  # Bolt could not read a signed request; listeners' own errors stay in Bolt
+        except Exception as exc:
             _refused("malformed", environ, len(body))
             log.warning("could not read a signed request: %s", type(exc).__name__)
             return _plain(start_response, "400 Bad Request", "unreadable request")

@@ -1,4 +1,4 @@
-"""Fixtures for the Slack face: the real Bolt app on the real cheroot server on
+"""Fixtures for the Slack face: the real Bolt app on the real HTTP front (bot/slack/server.py) on
 127.0.0.1, the real service on SQLite, the fake Slack Web API behind it, and a
 client that signs requests the way Slack does (HMAC-SHA256 over v0:ts:body)."""
 

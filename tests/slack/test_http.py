@@ -1,4 +1,4 @@
-"""Signed Slack requests over a real socket to the cheroot server running the Bolt
+"""Signed Slack requests over a real socket to the HTTP front (bot/slack/server.py) running the Bolt
 app, with the fake Slack as the Web API and the real service on SQLite."""
 
 from __future__ import annotations
