@@ -38,7 +38,7 @@ from bot import views
 from bot.billing import note_host_state
 from bot.hostagent import AgentReport, host_holds, read_agent_report, renew_lease
 from db.models import HOST_READY, HOST_UNREACHABLE, RES_ACTIVE, Host, Reservation, TrainingRun
-from db.session import transaction
+from db.session import locked, transaction
 from provisioning.ssh import (
     SshError,
     SshRunner,
@@ -148,7 +148,11 @@ def _note_interruption(
     notice = (agent.interruption or {}).get("notice") or {}
     action = str(notice.get("action", "")) if isinstance(notice, dict) else ""
     with transaction(runs.engine) as s:
-        host = s.get(Host, host_id)
+        # db.session's lock order: the runs (by id), then the host, each read under its
+        # lock, so a placement update that committed meanwhile (a pgid) is not written over.
+        ids = sorted({int(r) for r in agent.interrupted_runs if r.isascii() and r.isdigit()})
+        signalled = {r: locked(s, TrainingRun, r) for r in ids}
+        host = locked(s, Host, host_id)
         if host is not None and host.state == HOST_READY:
             host.state = HOST_UNREACHABLE
             host.updated_at = now
@@ -157,8 +161,7 @@ def _note_interruption(
             note_host_state(s, host, now, runs.core.settings)
             report.draining.append(name)
             log.warning("spot notice on %s (%s): no new work goes there", name, action or "?")
-        for run_id in agent.interrupted_runs:
-            run = s.get(TrainingRun, int(run_id)) if run_id.isdigit() else None
+        for run_id, run in signalled.items():
             if run is None or run.state not in _ON_HOST:
                 continue
             if run.placement.get("host") != name or "interrupted" in run.placement:
