@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 import matplotlib
 
@@ -101,5 +102,57 @@ def utilization_chart(
         )
     fig.subplots_adjust(left=0.07, right=0.78 if len(series) <= 8 else 0.66, top=0.9, bottom=0.1)
     buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI, metadata={"Software": None})
+    return buf.getvalue()
+
+
+# --- the weekly digest's cost chart -------------------------------------------------------
+
+COST_WIDTH_PX = 960
+COST_HEIGHT_PX = 480
+_LABEL_CHARS = 14  # longer names are cut with "…": the labels are rotated under narrow bars
+
+
+@dataclass(frozen=True)
+class CostBar:
+    """One person's week: what their GPU time cost, and the part of it their reserved
+    GPUs sat idle (drawn on top, lighter; never more than `usd`)."""
+
+    name: str
+    usd: Decimal
+    idle_waste_usd: Decimal
+
+
+def _label(name: str) -> str:
+    return name if len(name) <= _LABEL_CHARS else name[: _LABEL_CHARS - 1] + "…"
+
+
+def cost_chart(people: Sequence[CostBar], idle_overhead_usd: Decimal, title: str) -> bytes:
+    """A PNG of dollars per person (the part lost to idle reserved GPUs stacked on top
+    in a lighter shade) and the team's idle overhead as its own bar, last; fixed size
+    (COST_WIDTH_PX × COST_HEIGHT_PX)."""
+    fig = Figure(figsize=(COST_WIDTH_PX / _DPI, COST_HEIGHT_PX / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    names = [p.name for p in people] + ["idle overhead"]
+    waste = [float(min(p.idle_waste_usd, p.usd)) for p in people] + [0.0]
+    used = [float(p.usd) - w for p, w in zip(people, waste, strict=False)] + [0.0]
+    idle = [0.0] * len(people) + [float(idle_overhead_usd)]
+    xs = list(range(len(names)))
+    ax.bar(xs, used, color="#2b6cb0", label="GPU time used")
+    ax.bar(xs, waste, bottom=used, color="#90cdf4", label="reserved but idle")
+    ax.bar(xs, idle, color="#a0aec0", label="idle overhead (nobody held)")
+    ax.set_xticks(xs, [_label(n) for n in names], rotation=30, ha="right")
+    ax.set_ylabel("USD")
+    ax.set_title(title)
+    for x, top in zip(
+        xs, (u + w + i for u, w, i in zip(used, waste, idle, strict=True)), strict=True
+    ):
+        ax.annotate(f"${top:,.0f}", (x, top), ha="center", va="bottom", fontsize="small")
+    ax.legend(loc="upper left", fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    # No bbox="tight": it would change the pixel size with the labels.
     fig.savefig(buf, format="png", dpi=_DPI, metadata={"Software": None})
     return buf.getvalue()

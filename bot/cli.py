@@ -21,7 +21,7 @@ import typer
 
 from bot.clock import SystemClock
 from bot.config import ConfigError, Settings, load_settings
-from bot.digest import digest_command
+from bot.digest import digest_for, digest_view, post_digest, write_csv
 from bot.doctor import doctor
 from bot.errors import UserError
 from bot.logs import log_format as resolve_log_format
@@ -334,6 +334,52 @@ def prices_refresh(
         typer.echo(
             f"The bot reads {settings.prices_path}: set GPUBOT_PRICES_FILE={target} to use it."
         )
+
+
+def digest_command(
+    week: str = typer.Option(
+        "", "--week", help="ISO week like 2026-W49 (default: the last complete week)."
+    ),
+    post: bool = typer.Option(
+        False, "--post", help="Queue it for the team channel, chart attached (once per week)."
+    ),
+    csv_file: Path | None = typer.Option(
+        None, "--csv", help="Also write one row per person to this CSV file."
+    ),
+) -> None:
+    """The weekly GPU cost digest: per person GPU-hours, dollars, utilization, idle waste,
+    spot savings and the change against last week; the team's idle overhead.
+
+    Without --post it prints the digest; the worker posts it on its own every week at
+    `digest_at` in the team's time zone.
+    """
+    from bot.service import GpuService
+    from bot.terminal import render
+    from db.migrate import upgrade
+    from db.session import make_engine
+
+    settings = _settings()
+    engine = make_engine(settings.sqlalchemy_url)
+    upgrade(engine)
+    service = GpuService(engine, settings, SystemClock())
+    try:
+        d = digest_for(service, week or None)
+    except UserError as exc:
+        typer.echo(f"gpubot: {exc.text}", err=True)
+        raise typer.Exit(2) from None
+    if csv_file is not None:
+        try:
+            write_csv(d, csv_file)
+        except OSError as exc:
+            typer.echo(f"gpubot: cannot write {csv_file}: {exc.strerror or exc}", err=True)
+            raise typer.Exit(2) from None
+    if post:
+        if post_digest(service, d):
+            typer.echo(f"Digest {d.week} queued for #{settings.channel}; the worker posts it.")
+        else:
+            typer.echo(f"Digest {d.week} was already queued or posted; not again.")
+    else:
+        typer.echo(render(digest_view(d)))
 
 
 app.command("simulate")(simulate)

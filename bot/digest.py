@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
-import typer
 from sqlmodel import Session, col, select
 
 from bot import views
@@ -55,8 +54,6 @@ from provisioning.catalog import Catalog
 if TYPE_CHECKING:
     from bot.service import GpuService
 
-# The chart's size in pixels: fixed, so that it looks the same in every post.
-CHART_W, CHART_H, CHART_DPI = 960, 480, 100
 TOP_RUNS = 5
 WEEK_USAGE = "gpubot digest [--week YYYY-Www] [--post] [--csv FILE]"
 CSV_HEADER = (
@@ -360,37 +357,14 @@ def digest_view(d: Digest) -> views.View:
 
 
 def digest_chart(d: Digest) -> bytes:
-    """A PNG of dollars per person (the part lost to idle reserved GPUs stacked on top
-    in a lighter shade) and the team's idle overhead as its own bar; fixed size."""
-    import matplotlib
+    """The digest's PNG (drawn by `bot.charts.cost_chart`): each person's dollars with
+    their idle waste on top, then the team's idle overhead."""
+    # matplotlib takes most of a second to import: only code that draws loads it.
+    from bot.charts import CostBar, cost_chart
 
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(CHART_W / CHART_DPI, CHART_H / CHART_DPI), dpi=CHART_DPI)
-    ax = fig.add_subplot()
-    names = [u.name for u in d.users] + ["idle overhead"]
-    waste = [float(min(u.idle_waste_usd, u.usd)) for u in d.users] + [0.0]
-    used = [float(u.usd) - w for u, w in zip(d.users, waste, strict=False)] + [0.0]
-    idle = [0.0] * len(d.users) + [float(d.idle_overhead_usd)]
-    xs = list(range(len(names)))
-    ax.bar(xs, used, color="#2b6cb0", label="GPU time used")
-    ax.bar(xs, waste, bottom=used, color="#90cdf4", label="reserved but idle")
-    ax.bar(xs, idle, color="#a0aec0", label="idle overhead (nobody held)")
-    ax.set_xticks(xs, [_clip(n, 14) for n in names], rotation=30, ha="right")
-    ax.set_ylabel("USD")
-    ax.set_title(f"GPU cost by person, {d.week} ({_money(d.instances_usd)} in all)")
-    for x, top in zip(
-        xs, (u + w + i for u, w, i in zip(used, waste, idle, strict=True)), strict=True
-    ):
-        ax.annotate(f"${top:,.0f}", (x, top), ha="center", va="bottom", fontsize="small")
-    ax.legend(loc="upper left", fontsize="small")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    # No bbox="tight": it would change the pixel size with the labels.
-    fig.savefig(buf, format="png", dpi=CHART_DPI)
-    return buf.getvalue()
+    people = [CostBar(u.name, u.usd, u.idle_waste_usd) for u in d.users]
+    title = f"GPU cost by person, {d.week} ({_money(d.instances_usd)} in all)"
+    return cost_chart(people, d.idle_overhead_usd, title)
 
 
 def digest_csv(d: Digest) -> str:
@@ -457,55 +431,3 @@ def digest_trigger(settings: Settings) -> dict[str, object]:
 
 def write_csv(d: Digest, path: Path) -> None:
     path.write_text(digest_csv(d), encoding="utf-8")
-
-
-def digest_command(
-    week: str = typer.Option(
-        "", "--week", help="ISO week like 2026-W49 (default: the last complete week)."
-    ),
-    post: bool = typer.Option(
-        False, "--post", help="Queue it for the team channel, chart attached (once per week)."
-    ),
-    csv_file: Path | None = typer.Option(
-        None, "--csv", help="Also write one row per person to this CSV file."
-    ),
-) -> None:
-    """The weekly GPU cost digest: per person GPU-hours, dollars, utilization, idle waste,
-    spot savings and the change against last week; the team's idle overhead.
-
-    Without --post it prints the digest; the worker posts it on its own every week at
-    `digest_at` in the team's time zone.
-    """
-    from bot.clock import SystemClock
-    from bot.config import ConfigError, load_settings
-    from bot.service import GpuService
-    from bot.terminal import render
-    from db.migrate import upgrade
-    from db.session import make_engine
-
-    try:
-        settings = load_settings()
-    except ConfigError as exc:
-        typer.echo(f"gpubot: {exc.text}", err=True)
-        raise typer.Exit(2) from None
-    engine = make_engine(settings.sqlalchemy_url)
-    upgrade(engine)
-    service = GpuService(engine, settings, SystemClock())
-    try:
-        d = digest_for(service, week or None)
-    except UserError as exc:
-        typer.echo(f"gpubot: {exc.text}", err=True)
-        raise typer.Exit(2) from None
-    if csv_file is not None:
-        try:
-            write_csv(d, csv_file)
-        except OSError as exc:
-            typer.echo(f"gpubot: cannot write {csv_file}: {exc.strerror or exc}", err=True)
-            raise typer.Exit(2) from None
-    if post:
-        if post_digest(service, d):
-            typer.echo(f"Digest {d.week} queued for #{settings.channel}; the worker posts it.")
-        else:
-            typer.echo(f"Digest {d.week} was already queued or posted; not again.")
-    else:
-        typer.echo(render(digest_view(d)))

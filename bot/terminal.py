@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TextIO
 
 from bot import views
+from bot.delivery import deliver
 from bot.dispatch import handle_text
 from bot.service import Actor, GpuService, OutboxItem
-from bot.worker import deliver
 
 _ACTOR = re.compile(r"^@([\w.\-]{1,64})\s*(.*)$", re.DOTALL)
 

@@ -1,85 +1,26 @@
 """The periodic work: ending reservations, warning holders, granting the line,
-delivering the outbox. APScheduler 3 runs it on a background thread; job
-functions are module-level so APScheduler could persist and restore them.
-
-Delivery is at-least-once from the outbox's point of view: a notification is
-marked sent only after the notifier returned, and a failure schedules a retry
-(the notifier says how long to wait, e.g. Slack's Retry-After).
+delivering the outbox (`bot.delivery`). APScheduler 3 runs it on a background
+thread; job functions are module-level so APScheduler could persist and restore them.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from bot import digest, fleet, idle, utilization
+from bot.delivery import Notifier, deliver
 from bot.errors import new_ref
 from bot.leader import Leadership
 from bot.metrics import TICK_SECONDS, note_tick
-from bot.service import GpuService, OutboxItem
+from bot.service import GpuService
 
 log = logging.getLogger(__name__)
-
-
-class DeliveryRetry(Exception):
-    """A transient failure: try again after `retry_after` (rate limit, network)."""
-
-    def __init__(
-        self,
-        reason: str,
-        retry_after: timedelta = timedelta(seconds=30),
-        *,
-        stop_batch: bool = False,
-    ) -> None:
-        super().__init__(reason)
-        self.retry_after = retry_after
-        # Slack's 429 is for the whole app, not this item: the rest of the batch waits too.
-        self.stop_batch = stop_batch
-
-
-class Notifier(Protocol):
-    def send(self, item: OutboxItem) -> None:
-        """Delivers one notification, or raises DeliveryRetry / any error."""
-        ...
-
-
-_deliver_lock = threading.Lock()
-_BACKOFF_CAP = timedelta(minutes=30)
-
-
-def deliver(service: GpuService, notifier: Notifier, limit: int = 50) -> int:
-    """Sends what is due; returns how many went out. Serialized within the process
-    so the command thread and the worker thread never send one item twice."""
-    sent = 0
-    with _deliver_lock:
-        for item in service.pending_notifications(limit):
-            if not service.mark_attempt(item.id):
-                continue  # another deliverer has it
-            try:
-                notifier.send(item)
-            except DeliveryRetry as exc:
-                service.mark_failed(item.id, str(exc), exc.retry_after)
-                if exc.stop_batch:
-                    break
-                continue
-            except Exception as exc:
-                ref = new_ref()
-                log.error(
-                    "ref=%s notification %s to %s failed", ref, item.id, item.kind, exc_info=exc
-                )
-                backoff = min(_BACKOFF_CAP, timedelta(seconds=15 * 2 ** min(item.attempts, 10)))
-                service.mark_failed(item.id, f"{type(exc).__name__} (ref {ref})", backoff)
-                continue
-            service.mark_sent(item.id)
-            sent += 1
-    return sent
 
 
 def tick_job(

@@ -1,18 +1,31 @@
-"""The utilization chart: a real PNG of the promised size, read back by its IHDR header
-and by matplotlib; not blank; the same input gives the same bytes."""
+"""The charts: real PNGs of the promised size, read back by their IHDR header and by
+matplotlib; not blank; the same input gives the same bytes. The digest's cost chart
+draws the pixels it drew when `bot.digest` held its own drawing code."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import struct
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
+import matplotlib
 import matplotlib.image
 import numpy as np
 import pytest
 
-from bot.charts import HEIGHT_PX, WIDTH_PX, GpuSeries, utilization_chart
+from bot.charts import (
+    COST_HEIGHT_PX,
+    COST_WIDTH_PX,
+    HEIGHT_PX,
+    WIDTH_PX,
+    CostBar,
+    GpuSeries,
+    cost_chart,
+    utilization_chart,
+)
 
 END = datetime(2026, 1, 5, 15, 0, tzinfo=UTC)
 START = END - timedelta(hours=6)
@@ -77,3 +90,36 @@ def test_a_gap_breaks_the_line_and_odd_inputs_still_draw() -> None:
     assert png_size(utilization_chart([gap, lone], start=START, end=END)) == (1000, 600)
     with pytest.raises(ValueError, match="must end after it starts"):
         utilization_chart([gap], start=END, end=START)
+
+
+PEOPLE = (
+    CostBar("alice", Decimal("21.96"), Decimal("8.24")),
+    CostBar("bob", Decimal("10.75"), Decimal("0")),
+    # Longer than a label holds (cut to "Maximilian vo…"), and more waste than cost.
+    CostBar("Maximilian von Longname", Decimal("3.50"), Decimal("9.99")),
+)
+COST_TITLE = "GPU cost by person, 2026-W02 ($86.78 in all)"
+# sha256 of the decoded RGBA pixels that bot.digest.digest_chart drew for this input
+# before the drawing moved here (commit 27ed1bf), on matplotlib 3.11.2. Text is drawn a
+# little differently by other matplotlib releases, so the pin holds for that one only.
+COST_PIXELS_BEFORE_THE_MOVE = "b1cb828c9cf1ebdb3ce9863443b7bcadd924e8ebc0d2a93fec6fa21d01c2fbd6"
+
+
+def test_the_cost_chart_draws_the_pixels_the_digest_drew() -> None:
+    if matplotlib.__version__ != "3.11.2":
+        pytest.skip(f"pixels pinned on matplotlib 3.11.2, this is {matplotlib.__version__}")
+    png = cost_chart(PEOPLE, Decimal("50.57"), COST_TITLE)
+    drawn = pixels(png)
+    assert drawn.shape[:2] == (COST_HEIGHT_PX, COST_WIDTH_PX) == (480, 960)
+    rgba = (drawn * 255).round().astype(np.uint8)
+    assert hashlib.sha256(rgba.tobytes()).hexdigest() == COST_PIXELS_BEFORE_THE_MOVE
+
+
+def test_the_cost_chart_is_fixed_size_deterministic_and_carries_no_software_stamp() -> None:
+    a = cost_chart(PEOPLE, Decimal("50.57"), COST_TITLE)
+    assert a == cost_chart(PEOPLE, Decimal("50.57"), COST_TITLE)
+    assert png_size(a) == (COST_WIDTH_PX, COST_HEIGHT_PX)
+    assert b"Software" not in a and b"matplotlib" not in a
+    # No people, no overhead: still a chart of the same size, and not the same picture.
+    empty = cost_chart((), Decimal(0), "GPU cost by person, 2026-W03 ($0.00 in all)")
+    assert png_size(empty) == (COST_WIDTH_PX, COST_HEIGHT_PX) and empty != a

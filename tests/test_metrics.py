@@ -28,10 +28,10 @@ from bot import metrics, views
 from bot.clock import VirtualClock
 from bot.commands import Reserve, Run
 from bot.config import Settings
+from bot.delivery import deliver
 from bot.runs import LocalAccess, RunService
 from bot.service import GpuService
 from bot.slack.notifier import SlackNotifier, make_client
-from bot.worker import deliver
 from db.models import Notification, TrainingRun
 from db.session import make_engine, transaction
 from provisioning.base import GpuDevice, Instance

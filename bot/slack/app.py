@@ -38,6 +38,7 @@ from bot import views
 from bot.access import RunGate
 from bot.commands import Run
 from bot.config import Settings
+from bot.delivery import Notifier, deliver
 from bot.dispatch import handle_text, known_models, parse_text
 from bot.errors import UserError, failure_message
 from bot.service import Actor, GpuService
@@ -45,7 +46,6 @@ from bot.slack import modal
 from bot.slack.blocks import message
 from bot.slack.home import publish_home
 from bot.slack.membership import SlackMembership
-from bot.worker import Notifier, deliver
 
 log = logging.getLogger(__name__)
 

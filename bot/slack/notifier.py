@@ -36,11 +36,11 @@ from sqlalchemy.engine import Engine
 
 from bot.clock import Clock, SystemClock
 from bot.config import Settings
+from bot.delivery import DeliveryRetry
 from bot.metrics import slack_call
 from bot.outbox import DeliveryFacts, DeliveryLog, MemoryDeliveryLog, StoredDeliveryLog
 from bot.service import OutboxItem
 from bot.slack.blocks import message
-from bot.worker import DeliveryRetry
 
 log = logging.getLogger(__name__)
 

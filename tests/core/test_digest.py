@@ -18,13 +18,14 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 from typer.testing import CliRunner
 
+from bot.charts import COST_HEIGHT_PX as CHART_H
+from bot.charts import COST_WIDTH_PX as CHART_W
 from bot.cli import app
 from bot.clock import VirtualClock
 from bot.commands import Reserve
 from bot.config import Settings
+from bot.delivery import deliver
 from bot.digest import (
-    CHART_H,
-    CHART_W,
     digest_chart,
     digest_csv,
     digest_for,
@@ -40,7 +41,7 @@ from bot.metering import to_cents
 from bot.service import GpuService
 from bot.slack.notifier import SlackNotifier
 from bot.terminal import render
-from bot.worker import deliver, periodic_jobs
+from bot.worker import periodic_jobs
 from db.models import Gpu, GpuSample, Host, Notification, TrainingRun, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance

@@ -10,9 +10,9 @@ from sqlmodel import Session, select
 
 from bot.clock import VirtualClock
 from bot.commands import Release, Reserve
+from bot.delivery import DeliveryRetry, deliver
 from bot.outbox import DeliveryFacts, StoredDeliveryLog
 from bot.service import GpuService, OutboxItem
-from bot.worker import DeliveryRetry, deliver
 from db.models import Notification
 from tests.core.helpers import actor, host, make_service
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
+from bot.delivery import deliver
 from bot.slack.modal import GPUS, LIMIT, MODEL, PRECISION, WHAT
-from bot.worker import deliver
 from tests.core.helpers import host
 from tests.fakes.slack_api import FakeSlack
 from tests.slack.conftest import (

@@ -18,10 +18,10 @@ from sqlmodel import Session, select
 
 from bot import views
 from bot.clock import VirtualClock
+from bot.delivery import deliver
 from bot.outbox import StoredDeliveryLog
 from bot.service import GpuService
 from bot.slack.notifier import SlackNotifier, make_client
-from bot.worker import deliver
 from db.models import Notification
 from db.session import transaction
 from tests.core.helpers import host, make_service
@@ -152,7 +152,7 @@ from bot.config import Settings
 from bot.outbox import StoredDeliveryLog
 from bot.service import GpuService
 from bot.slack.notifier import SlackNotifier, make_client
-from bot.worker import deliver
+from bot.delivery import deliver
 from db.session import make_engine
 
 url, api, start = sys.argv[1:4]
