@@ -41,6 +41,7 @@ from db.models import (
     User,
 )
 from provisioning.catalog import Catalog
+from provisioning.costs import gpu_share
 
 _CENT = Decimal("0.01")
 
@@ -195,7 +196,7 @@ def spot_savings(
         t = catalog.get(m.instance_type)
         if t is None:
             continue
-        ondemand = Decimal(str(t.ondemand_usd_hr)) / t.gpus
+        ondemand = gpu_share(Decimal(str(t.ondemand_usd_hr)), t.gpus)
         paid.append(m.usage)
         list_price.append(replace(m.usage, usd_per_hour=ondemand))
     actual = cost_by_user(paid, window, now)

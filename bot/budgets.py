@@ -46,6 +46,7 @@ from db.models import (
     User,
 )
 from db.session import retrying, transaction
+from provisioning.costs import gpu_share
 
 if TYPE_CHECKING:
     from bot.service import Actor, GpuService
@@ -104,7 +105,7 @@ def gpu_rate(s: Session, model: str | None) -> Decimal:
             if has is None:
                 continue
         if n:
-            best = max(best, _usd(host.hourly_usd) / int(n))
+            best = max(best, gpu_share(_usd(host.hourly_usd), int(n)))
     return best
 
 

@@ -83,6 +83,7 @@ from provisioning.base import Compute, Instance, ProvisioningError
 from provisioning.bootstrap import AgentInstall, bootstrap
 from provisioning.catalog import Catalog, InstanceType
 from provisioning.compute import LaunchSpec, RentingCompute
+from provisioning.costs import gpu_share, storage_usd_per_hour
 from provisioning.ssh import (
     Resolver,
     RunResult,
@@ -1089,7 +1090,7 @@ class ReconcileReport:
 
 
 def _per_gpu_hour(itype: InstanceType) -> float:
-    return itype.ondemand_usd_hr / max(itype.gpus, 1)
+    return gpu_share(itype.ondemand_usd_hr, itype.gpus)
 
 
 def _take(supply: dict[int, dict[str, int]], model: str, count: int) -> bool:
@@ -1124,7 +1125,7 @@ def _aware(when: datetime) -> datetime:
 
 
 def _storage_usd_per_hour(settings: Any) -> float:
-    return float(settings.ebs_gb) * float(settings.ebs_usd_gb_month) / 730.0
+    return storage_usd_per_hour(float(settings.ebs_gb), float(settings.ebs_usd_gb_month))
 
 
 def _zone(compute: Compute, inst: Instance) -> str | None:

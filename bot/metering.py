@@ -40,13 +40,11 @@ from fractions import Fraction
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from provisioning.costs import HOURS_PER_MONTH, gpu_share
+
 UsageKind = Literal["reservation", "run"]
 HostState = Literal["running", "stopped"]
 Period = Literal["today", "week", "month"]
-
-# AWS prices monthly rates (EBS GB-month) on a 730-hour month; provisioning.simulated
-# uses the same convention, so the simulator and the bot agree on storage.
-HOURS_PER_MONTH = 730
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
@@ -123,9 +121,7 @@ class HostPeriod:
     @property
     def gpu_share_usd_per_hour(self) -> Fraction:
         """Exact, so that a share that is no finite decimal still adds up to the price."""
-        if self.gpus == 0:
-            return Fraction(self.usd_per_hour)
-        return Fraction(self.usd_per_hour) / self.gpus
+        return gpu_share(Fraction(self.usd_per_hour), self.gpus)
 
 
 @dataclass(frozen=True)
@@ -271,7 +267,7 @@ def idle_overhead(
 
 
 def storage_usd_per_hour(volume_gb: Decimal, usd_per_gb_month: Decimal) -> Decimal:
-    """The hourly rate of a volume priced per GB-month (730-hour month, as AWS bills).
+    """The hourly rate of a volume priced per GB-month (`provisioning.costs`'s month).
 
     Kept to 12 decimal places (a pico-dollar an hour): a month of it is then off by
     under a billionth of a dollar, and the rate stays a plain Decimal.

@@ -61,6 +61,7 @@ from db.models import (
 from db.session import lock_pool, locked, retrying, transaction
 from provisioning import shell
 from provisioning.catalog import Catalog
+from provisioning.costs import gpu_share
 from provisioning.ssh import SshError, SshRunner, SshTarget
 from training.exitcodes import EXIT_OOM
 from training.status import TERMINAL_STATES, parse_status
@@ -357,7 +358,7 @@ class RunService:
             gpus = list(
                 s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
             )
-            per_gpu = host.hourly_usd / max(1, len(gpus))
+            per_gpu = gpu_share(host.hourly_usd, len(gpus))
             for model in sorted({g.model for g in gpus}):
                 pictures.append(
                     estimates.HostPicture(
@@ -399,7 +400,7 @@ class RunService:
                 s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
             )
             for g in gpus:
-                out[g.model] = max(out.get(g.model, 0.0), host.hourly_usd / max(1, len(gpus)))
+                out[g.model] = max(out.get(g.model, 0.0), gpu_share(host.hourly_usd, len(gpus)))
         return out
 
     @retrying
@@ -762,7 +763,7 @@ class RunService:
                 s.add(run)
                 return None
             # Budget (bot.budgets): re-checked before placing; over budget → cancelled, DM.
-            rate = Decimal(str(host.hourly_usd / max(1, self.core._gpu_count(s, host.id))))
+            rate = Decimal(str(gpu_share(host.hourly_usd, self.core._gpu_count(s, host.id))))
             refusal = budgets.run_refusal(s, run, rate * len(free), now, self.core.settings)
             if refusal is not None:
                 run.state, run.finished_at = RUN_CANCELLED, now

@@ -67,6 +67,7 @@ from db.session import (
 )
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
+from provisioning.costs import gpu_share
 
 if TYPE_CHECKING:
     from bot.runs import RunService
@@ -359,7 +360,7 @@ class GpuService:
             host, gpus = choice
             # Budget (bot.budgets): a grant that would go over is cancelled, with a DM.
             assert host.id is not None
-            rate = Decimal(str(host.hourly_usd / max(1, self._gpu_count(s, host.id))))
+            rate = Decimal(str(gpu_share(host.hourly_usd, self._gpu_count(s, host.id))))
             refusal = budgets.grant_refusal(s, res, rate * len(gpus), now, self.settings)
             if refusal is not None:
                 if res.id == quiet_id:
@@ -438,7 +439,7 @@ class GpuService:
         of the host's hourly price, in the host's market. The partial unique index
         refuses a GPU that is already held."""
         assert host.id is not None
-        per_gpu = host.hourly_usd / max(1, self._gpu_count(s, host.id))
+        per_gpu = gpu_share(host.hourly_usd, self._gpu_count(s, host.id))
         for g in gpus:
             assert g.id is not None
             s.add(

@@ -79,6 +79,7 @@ from bot.scheduler import (
     run_shape,
 )
 from provisioning.catalog import Catalog
+from provisioning.costs import DEFAULT_COSTS
 from provisioning.simulated import InstanceRecord, SimulatedCloud
 
 TRACE_HEADER = ("job_id", "user", "submit_time", "duration_s", "gpus", "gpu_type")
@@ -265,11 +266,11 @@ def run_simulation(
     catalog: Catalog | None = None,
     gpu_type: str = "A100",
     max_gpus: int = 256,
-    boot_s: float = 120.0,
-    setup_s: float = 300.0,
-    start_s: float = 60.0,
-    ebs_gb: float = 500.0,
-    ebs_usd_gb_month: float = 0.08,
+    boot_s: float = DEFAULT_COSTS.boot_s,
+    setup_s: float = DEFAULT_COSTS.setup_s,
+    start_s: float = DEFAULT_COSTS.start_s,
+    ebs_gb: float = DEFAULT_COSTS.ebs_gb,
+    ebs_usd_gb_month: float = DEFAULT_COSTS.ebs_usd_gb_month,
     config: SchedulerConfig | None = None,
     preempt: bool | None = None,
     resume_s: float | None = None,
@@ -784,12 +785,18 @@ def simulate(
         None, "--instances-out", help="write the instances and their bills"
     ),
     json_out: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
-    boot_s: float = typer.Option(120.0, "--boot-s", help="launch to SSH-ready, s"),
-    setup_s: float = typer.Option(300.0, "--setup-s", help="bootstrap of a fresh instance, s"),
-    start_s: float = typer.Option(60.0, "--start-s", help="restart of a stopped instance, s"),
-    ebs_gb: float = typer.Option(500.0, "--ebs-gb", help="volume size billed while stopped"),
+    boot_s: float = typer.Option(DEFAULT_COSTS.boot_s, "--boot-s", help="launch to SSH-ready, s"),
+    setup_s: float = typer.Option(
+        DEFAULT_COSTS.setup_s, "--setup-s", help="bootstrap of a fresh instance, s"
+    ),
+    start_s: float = typer.Option(
+        DEFAULT_COSTS.start_s, "--start-s", help="restart of a stopped instance, s"
+    ),
+    ebs_gb: float = typer.Option(
+        DEFAULT_COSTS.ebs_gb, "--ebs-gb", help="volume size billed while stopped"
+    ),
     ebs_usd_gb_month: float = typer.Option(
-        0.08, "--ebs-usd-gb-month", help="volume price, USD per GB-month"
+        DEFAULT_COSTS.ebs_usd_gb_month, "--ebs-usd-gb-month", help="volume price, USD per GB-month"
     ),
     preempt: bool = typer.Option(
         True,

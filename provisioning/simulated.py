@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from provisioning.catalog import Catalog, InstanceType
+from provisioning.costs import DEFAULT_COSTS, CloudCosts
 
-HOURS_PER_MONTH = 730.0
 SimMarket = Literal["ondemand", "spot"]
 SimState = Literal["pending", "running", "stopped", "terminated"]
 
@@ -77,12 +77,12 @@ class SimulatedCloud:
         catalog: Catalog,
         *,
         max_gpus: int = 256,
-        boot_s: float = 120.0,
-        setup_s: float = 300.0,
-        start_s: float = 60.0,
-        ebs_gb: float = 500.0,
-        ebs_usd_gb_month: float = 0.08,
-        min_bill_s: float = 60.0,
+        boot_s: float = DEFAULT_COSTS.boot_s,
+        setup_s: float = DEFAULT_COSTS.setup_s,
+        start_s: float = DEFAULT_COSTS.start_s,
+        ebs_gb: float = DEFAULT_COSTS.ebs_gb,
+        ebs_usd_gb_month: float = DEFAULT_COSTS.ebs_usd_gb_month,
+        min_bill_s: float = DEFAULT_COSTS.min_bill_s,
         now: float = 0.0,
     ) -> None:
         for name, v in (
@@ -99,11 +99,12 @@ class SimulatedCloud:
             raise ValueError("max_gpus must be >= 1")
         self.catalog = catalog
         self.max_gpus = max_gpus
+        self.costs = CloudCosts(boot_s, setup_s, start_s, min_bill_s, ebs_gb, ebs_usd_gb_month)
         self.boot_s = boot_s
         self.setup_s = setup_s
         self.start_s = start_s
         self.min_bill_s = min_bill_s
-        self.ebs_usd_s = ebs_gb * ebs_usd_gb_month / (HOURS_PER_MONTH * 3600.0)
+        self.ebs_usd_s = self.costs.storage_usd_per_s
         self.now = now
         self._insts: dict[str, _Inst] = {}
         self._running_gpus = 0
