@@ -43,6 +43,7 @@ from sqlmodel import Session, col, func, select
 
 from bot import views
 from bot.access import audit
+from bot.best_fit import best_fit
 from bot.billing import note_host_state
 from bot.budgets import check_budget
 from bot.commands import Pool
@@ -1094,15 +1095,12 @@ def _per_gpu_hour(itype: InstanceType) -> float:
 
 
 def _take(supply: dict[int, dict[str, int]], model: str, count: int) -> bool:
-    """Claims `count` GPUs of `model` on one host of the supply (best fit), if any."""
-    best: tuple[int, int] | None = None
-    for host_id, counts in supply.items():
-        n = counts.get(model, 0)
-        if n >= count and (best is None or n < best[1]):
-            best = (host_id, n)
-    if best is None:
+    """Claims `count` GPUs of `model` on one host of the supply, if any, by the grant
+    pass's own rule (bot.best_fit), so supply is used up the way grants will use it."""
+    host_id = best_fit(((h, counts.get(model, 0)) for h, counts in supply.items()), count)
+    if host_id is None:
         return False
-    supply[best[0]][model] = best[1] - count
+    supply[host_id][model] = supply[host_id].get(model, 0) - count
     return True
 
 

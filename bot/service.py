@@ -32,6 +32,7 @@ from sqlmodel import Session, col, select
 
 from bot import budgets, views
 from bot.access import audit
+from bot.best_fit import best_fit
 from bot.billing import TeamBill, load_usages, note_host_state, team_bill
 from bot.clock import Clock
 from bot.commands import Extend, Release, Reserve, Status
@@ -395,22 +396,17 @@ class GpuService:
     def _pick(
         hosts: list[Host], free: dict[int, list[Gpu]], model: str | None, count: int
     ) -> tuple[Host, list[Gpu]] | None:
-        """Best fit: the host with the fewest matching free GPUs that still fits, so
-        big holes stay open for big requests."""
-        best: tuple[int, Host, list[Gpu]] | None = None
+        """The host and its first `count` free GPUs of one model, by best fit (bot.best_fit):
+        a request for no model in particular may take any one model, never a mix."""
+        options: list[tuple[tuple[Host, list[Gpu]], int]] = []
         for h in hosts:
             assert h.id is not None
             by_model: dict[str, list[Gpu]] = {}
             for g in free[h.id]:
                 by_model.setdefault(g.model, []).append(g)
-            for m, gs in by_model.items():
-                if (
-                    (model is None or m == model)
-                    and len(gs) >= count
-                    and (best is None or len(gs) < best[0])
-                ):
-                    best = (len(gs), h, gs[:count])
-        return None if best is None else (best[1], best[2])
+            options += [((h, gs), len(gs)) for m, gs in by_model.items() if model in (None, m)]
+        choice = best_fit(options, count)
+        return None if choice is None else (choice[0], choice[1][:count])
 
     def _grant(
         self, s: Session, res: Reservation, host: Host, gpus: list[Gpu], now: datetime
