@@ -57,6 +57,8 @@ def _serve(conn: Connection, home: str, database_url: str) -> None:
     front; sends the port, then waits to be told to stop."""
     import logging
 
+    from pydantic import SecretStr
+
     from bot.clock import SystemClock
     from bot.config import Settings
     from bot.service import GpuService
@@ -78,9 +80,9 @@ def _serve(conn: Connection, home: str, database_url: str) -> None:
     fake = SlowSlack().start()
     settings = Settings(
         home=Path(home),
-        database_url=database_url,
-        slack_bot_token=fake.bot_token,
-        slack_signing_secret=SECRET,
+        database_url=SecretStr(database_url),
+        slack_bot_token=SecretStr(fake.bot_token),
+        slack_signing_secret=SecretStr(SECRET),
         slack_api_url=fake.url,
     )
     engine = make_engine(settings.sqlalchemy_url)

@@ -131,7 +131,14 @@ def _guarded(name: str, section: Callable[[], list[Check]]) -> list[Check]:
 
 
 def _secrets(settings: Settings) -> list[str]:
-    found = [settings.slack_bot_token, settings.slack_app_token, settings.slack_signing_secret]
+    found = [
+        secret.get_secret_value()
+        for secret in (
+            settings.slack_bot_token,
+            settings.slack_app_token,
+            settings.slack_signing_secret,
+        )
+    ]
     try:
         password = make_url(settings.sqlalchemy_url).password
     except ArgumentError:
@@ -270,7 +277,7 @@ def check_slack(
 
 def _bot_token(settings: Settings, factory: SlackClientFactory, base_url: str) -> Check:
     name = "Slack"
-    token = settings.slack_bot_token
+    token = settings.slack_bot_token.get_secret_value()
     if not token:
         return Check(
             name,
@@ -300,7 +307,7 @@ def _bot_token(settings: Settings, factory: SlackClientFactory, base_url: str) -
 
 
 def _inbound(settings: Settings, factory: SlackClientFactory, base_url: str) -> Check:
-    app_token = settings.slack_app_token
+    app_token = settings.slack_app_token.get_secret_value()
     if app_token:
         name = "Slack Socket Mode"
         if not app_token.startswith("xapp-"):

@@ -67,11 +67,12 @@ def secret_values(settings: Settings | None, env: dict[str, str] | None = None) 
     found: list[str] = []
     if settings is not None:
         found += [
-            settings.slack_bot_token,
-            settings.slack_signing_secret,
-            settings.slack_app_token,
+            settings.slack_bot_token.get_secret_value(),
+            settings.slack_signing_secret.get_secret_value(),
+            settings.slack_app_token.get_secret_value(),
         ]
-        match = re.search(r"://[^\s:/@]*:([^\s@/]+)@", settings.database_url)
+        url = settings.database_url.get_secret_value()
+        match = re.search(r"://[^\s:/@]*:([^\s@/]+)@", url)
         if match:
             found.append(match.group(1))
     found += [env.get(name, "") for name in _SECRET_ENV]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from pydantic import SecretStr
 from typer.testing import CliRunner
 
 from bot.config import Settings, load_settings
@@ -107,7 +108,9 @@ def test_a_token_slack_rejects_is_said_plainly(fake_slack: FakeSlack) -> None:
 def test_slack_unreachable_is_a_network_sentence() -> None:
     url = f"http://127.0.0.1:{_dead_port()}/api/"
     settings = Settings(
-        slack_api_url=url, slack_bot_token="xoxb-1-2-abc", slack_signing_secret="x" * 8
+        slack_api_url=url,
+        slack_bot_token=SecretStr("xoxb-1-2-abc"),
+        slack_signing_secret=SecretStr("x" * 8),
     )
     bot = _one(check_slack(settings), "Slack")
     assert not bot.ok
@@ -166,7 +169,7 @@ def test_a_database_never_migrated_says_to_run_db_upgrade(tmp_path: Path) -> Non
     with engine.connect():
         pass  # creates the empty file
     engine.dispose()
-    db = _one(check_database(Settings(database_url=url)), "Database")
+    db = _one(check_database(Settings(database_url=SecretStr(url))), "Database")
     assert not db.ok
     assert "no gpubot schema" in db.detail
     assert "run `gpubot db upgrade`" in db.fix.lower()
@@ -184,13 +187,14 @@ def test_a_database_at_head_is_green(tmp_path: Path) -> None:
     engine = make_engine(url)
     upgrade(engine)
     engine.dispose()
-    db = _one(check_database(Settings(database_url=url)), "Database")
+    db = _one(check_database(Settings(database_url=SecretStr(url))), "Database")
     assert db.ok, db
     assert str(head_revision()) in db.detail
 
 
 def test_a_database_password_is_never_printed() -> None:
-    settings = Settings(database_url=f"postgresql://gpubot:hunter2pw@127.0.0.1:{_dead_port()}/x")
+    url = f"postgresql://gpubot:hunter2pw@127.0.0.1:{_dead_port()}/x"
+    settings = Settings(database_url=SecretStr(url))
     checks = run_checks(settings, env={}, nvml_probe=lambda: "{}")
     db = _one(checks, "Database")
     assert not db.ok and "cannot open" in db.detail

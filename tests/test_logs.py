@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 
 from bot.config import Settings
@@ -32,10 +33,10 @@ AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 OTHER_SLACK = "xoxp-9999999999-8888888888-7777777777-abcdef0123456789abcdef0123456789"
 
 SETTINGS = Settings(
-    slack_bot_token=BOT_TOKEN,
-    slack_app_token=APP_TOKEN,
-    slack_signing_secret=SIGNING_SECRET,
-    database_url=f"postgresql://gpubot:{DB_PASSWORD}@db.internal:5432/gpubot",
+    slack_bot_token=SecretStr(BOT_TOKEN),
+    slack_app_token=SecretStr(APP_TOKEN),
+    slack_signing_secret=SecretStr(SIGNING_SECRET),
+    database_url=SecretStr(f"postgresql://gpubot:{DB_PASSWORD}@db.internal:5432/gpubot"),
 )
 SECRETS = (BOT_TOKEN, APP_TOKEN, SIGNING_SECRET, DB_PASSWORD, AWS_SECRET, OTHER_SLACK)
 

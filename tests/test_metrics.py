@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
 from sqlalchemy import func, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -340,7 +341,7 @@ def test_slack_calls_are_timed_and_failures_counted(
 ) -> None:
     svc = GpuService(
         sqlite_engine,
-        Settings(slack_bot_token=fake_slack.bot_token, slack_api_url=fake_slack.url),
+        Settings(slack_bot_token=SecretStr(fake_slack.bot_token), slack_api_url=fake_slack.url),
         VirtualClock(),
     )
     notifier = SlackNotifier(make_client(svc.settings), svc.settings.channel)

@@ -349,12 +349,12 @@ def build_face(
     token fails at start-up rather than on the first command."""
     if client is None:
         client = WebClient(
-            token=settings.slack_bot_token or None,
+            token=settings.slack_bot_token.get_secret_value() or None,
             base_url=settings.slack_api_url or DEFAULT_API_URL,
         )
     app = App(
         client=client,
-        signing_secret=settings.slack_signing_secret or None,
+        signing_secret=settings.slack_signing_secret.get_secret_value() or None,
         process_before_response=True,
         # Socket Mode has no signing secret; Bolt skips verification there by itself.
         request_verification_enabled=True,

@@ -118,7 +118,7 @@ def serve(
         worker.start()
     try:
         if settings.slack_app_token:
-            handler = socket_mode(face, settings.slack_app_token)
+            handler = socket_mode(face, settings.slack_app_token.get_secret_value())
             handler.connect()  # type: ignore[no-untyped-call]
             log.info("connected to Slack in Socket Mode")
             stop.wait()

@@ -55,7 +55,8 @@ _HISTORY_PAGE = 200
 
 def make_client(settings: Settings, timeout: int = 15) -> WebClient:
     """A Web API client for delivery: same base URL as the app's, no automatic retries."""
-    kwargs: dict[str, Any] = {"token": settings.slack_bot_token, "timeout": timeout}
+    token = settings.slack_bot_token.get_secret_value()
+    kwargs: dict[str, Any] = {"token": token, "timeout": timeout}
     if settings.slack_api_url:
         kwargs["base_url"] = settings.slack_api_url
     client = WebClient(**kwargs)

@@ -196,7 +196,7 @@ class WsgiApp:
     ) -> None:
         self._bolt = SlackRequestHandler(face.app, path=EVENTS_PATH)
         self._ops = OpsApp(face.service.engine, face.service.clock)
-        self._secret = face.settings.slack_signing_secret or ""
+        self._secret = face.settings.slack_signing_secret.get_secret_value()
         self._max_body = max_body_bytes
         # Slack's timestamps are wall-clock time, whatever clock the service runs on.
         self._now = now
