@@ -15,6 +15,7 @@ from bot.scheduler import (
     Launch,
     Place,
     Preempt,
+    PreemptionPlanner,
     QueuedRun,
     SchedulerConfig,
     Start,
@@ -557,6 +558,25 @@ def test_big_run_gets_a_whole_instance_by_moving_small_ones() -> None:
         assert Place(rid, (other,), 1) in actions
     used = _capacity_after(fleet, actions)
     assert used == {"i0": 8, "i1": 8}
+
+
+def test_only_settled_checkpointing_runs_not_ending_soon_may_move() -> None:
+    """The planner's movable-run test, at its edges: with the defaults a run must have run
+    preempt_exempt() (3000 s) since it started and not end within preempt_after() (420 s)."""
+    planner = PreemptionPlanner([], [], NOW, CAT, cfg())
+    assert cfg().preempt_exempt() == 3000.0 and cfg().preempt_after() == 420.0
+
+    def movable(**kw: object) -> bool:
+        fields: dict[str, object] = {"preemptible": True, **kw}
+        return planner.movable(Allocation("r", "u", 1, **fields))  # type: ignore[arg-type]
+
+    assert movable(est_end_s=None)
+    assert not movable(est_end_s=None, preemptible=False)
+    assert not movable(est_end_s=None, stopping=True)
+    assert not movable(est_end_s=None, started_s=NOW - 2999)
+    assert movable(est_end_s=None, started_s=NOW - 3000)
+    assert not movable(est_end_s=NOW + 420)
+    assert movable(est_end_s=NOW + 421)
 
 
 def test_a_draining_fleet_is_consolidated_so_an_instance_can_stop() -> None:
