@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import SessionTransaction
     from sqlmodel import Session
 
-    from bot.service import Actor
+    from bot.ports import Actor
 
 AUDIT_LOGGER = "gpubot.audit"
 _audit_log = logging.getLogger(AUDIT_LOGGER)

@@ -30,7 +30,7 @@ import shutil
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlmodel import col, select
 
@@ -49,12 +49,14 @@ from provisioning.ssh import (
 from training.status import RunStatus, parse_status
 
 if TYPE_CHECKING:
-    from bot.runs import RunService
+    from sqlalchemy.engine import Engine
+
+    from bot.ports import Core, HostAccess
 
 log = logging.getLogger(__name__)
 
 # The states in which a run has (or is about to have) a process on its host; bot.runs'
-# RUN_STARTING/RUN_RUNNING/RUN_CANCELLING (bot.runs imports this module lazily).
+# RUN_STARTING/RUN_RUNNING/RUN_CANCELLING (bot.runs imports this module, not the reverse).
 _ON_HOST = ("starting", "running", "cancelling")
 # A run stopped for a resume this many times is failed instead: a script that always
 # exits 75, or a host type that is always reclaimed, must not loop forever.
@@ -64,6 +66,27 @@ STALE_HEARTBEAT_S = 600.0
 LIST_TIMEOUT_S = 60.0
 SPOT_REASON = "spot reclaim"
 REBOOT_REASON = "the host rebooted"
+
+
+class WatchedRuns(Protocol):
+    """What the watch needs of the run service (bot.runs.RunService, whose poll calls
+    it): the core's clock and settings, how to reach a host, the engine, and the one way
+    a stopped run goes back in line. A port, so that runs can import this module."""
+
+    @property
+    def core(self) -> Core: ...
+
+    @property
+    def access(self) -> HostAccess: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+    def requeue(
+        self, run_id: int, resume_from: dict[str, Any], view: views.View, dedupe: str
+    ) -> bool:
+        """Back in line with its checkpoint; False when it was no longer running."""
+        ...
 
 
 @dataclass
@@ -80,7 +103,7 @@ class WatchReport:
 # --- the pass over the hosts ------------------------------------------------------------
 
 
-def watch_hosts(runs: RunService) -> WatchReport:
+def watch_hosts(runs: WatchedRuns) -> WatchReport:
     """Renew every remote host's lease and act on its agent's report; never raises SSH
     errors (each is logged and counted), so a dead host cannot stop the poll."""
     report = WatchReport()
@@ -104,7 +127,7 @@ def watch_hosts(runs: RunService) -> WatchReport:
 
 
 def _watch_host(
-    runs: RunService, host_id: int, name: str, now: datetime, report: WatchReport
+    runs: WatchedRuns, host_id: int, name: str, now: datetime, report: WatchReport
 ) -> None:
     found = runs.access.runner_for(name)
     if found is None:
@@ -136,7 +159,7 @@ def _watch_host(
 
 
 def _note_interruption(
-    runs: RunService,
+    runs: WatchedRuns,
     host_id: int,
     name: str,
     agent: AgentReport,
@@ -175,7 +198,7 @@ def _note_interruption(
 
 
 def _requeue_lost(
-    runs: RunService,
+    runs: WatchedRuns,
     runner: SshRunner,
     target: SshTarget,
     host_name: str,
@@ -217,12 +240,12 @@ def resumable_stop(placement: dict[str, Any], status: RunStatus | None) -> bool:
     )
 
 
-def checkpoint_home(runs: RunService, run_id: int) -> Path:
+def checkpoint_home(runs: WatchedRuns, run_id: int) -> Path:
     return Path(runs.core.settings.home).resolve() / "checkpoints" / str(run_id)
 
 
 def requeue_resumable(
-    runs: RunService,
+    runs: WatchedRuns,
     run_id: int,
     placement: dict[str, Any],
     runner: SshRunner,

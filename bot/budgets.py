@@ -49,7 +49,7 @@ from db.session import retrying, transaction
 from provisioning.costs import gpu_share
 
 if TYPE_CHECKING:
-    from bot.service import Actor, GpuService
+    from bot.ports import Actor, Core
 
 USAGE = "/gpu budget [@user AMOUNT[/week|/month]|none]"
 WARN_AT = Decimal("0.8")
@@ -358,7 +358,7 @@ def budget_view(name: str, st: BudgetStatus, tz: str, mine: bool) -> views.View:
 
 
 @retrying
-def budget_command(service: GpuService, actor: Actor, cmd: Budget) -> views.Reply:
+def budget_command(service: Core, actor: Actor, cmd: Budget) -> views.Reply:
     """`/gpu budget`: show your own; `@user` shows theirs (an admin, or yourself);
     `@user 200/week` or `@user none` sets or clears it (admins only)."""
     target = cmd.user.key.strip().lstrip("@") if cmd.user is not None else actor.key

@@ -31,7 +31,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -49,13 +48,13 @@ from bot.budgets import check_budget
 from bot.commands import Pool
 from bot.durations import format_duration
 from bot.errors import UserError
+from bot.ports import HostAccess
 from bot.runs import (
     RUN_CANCELLED,
     RUN_CANCELLING,
     RUN_QUEUED,
     RUN_RUNNING,
     RUN_STARTING,
-    HostAccess,
     RunService,
 )
 from bot.service import Actor, GpuService
@@ -1176,18 +1175,18 @@ def launchable(catalog: Catalog, model: str, gpus: int) -> bool:
     return any(t.gpus >= gpus for t in catalog.for_model(model))
 
 
-# --- the registry and the worker's job ------------------------------------------------
-
-_FLEETS: weakref.WeakKeyDictionary[GpuService, Fleet] = weakref.WeakKeyDictionary()
+# --- the service's fleet and the worker's job -----------------------------------------
 
 
 def attach(service: GpuService, fleet: Fleet) -> None:
-    """Makes `fleet` the one the worker's job drives for this service."""
-    _FLEETS[service] = fleet
+    """Makes `fleet` the one the worker's job drives for this service, and the one its
+    runs hand the scheduler's Launch/Start to (through `GpuService.fleet`, a port)."""
+    service.fleet = fleet
 
 
 def fleet_for(service: GpuService) -> Fleet | None:
-    return _FLEETS.get(service)
+    fleet = service.fleet
+    return fleet if isinstance(fleet, Fleet) else None
 
 
 def fleet_trigger(settings: Any) -> dict[str, Any]:

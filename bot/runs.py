@@ -25,16 +25,18 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
 from bot import budgets, estimates, sources, views
 from bot.access import RunGate, StaticMembership, audit
+from bot.agentwatch import requeue_resumable, resumable_stop, upload_checkpoints, watch_hosts
 from bot.commands import Cancel, Logs, Queue, Run
 from bot.durations import format_duration
 from bot.errors import UserError
+from bot.ports import Actor, Core, HostAccess
 from bot.scheduler import (
     Allocation,
     FleetInstance,
@@ -47,7 +49,6 @@ from bot.scheduler import (
     decide,
     preempt_slot,
 )
-from bot.service import Actor, GpuService
 from db.models import (
     HOST_READY,
     RES_WAITING,
@@ -82,14 +83,6 @@ STARTING_GRACE = timedelta(seconds=90)
 USAGE_RUN = "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] [--spot] [--git URL[@REF] | --path DIR] [--recipe NAME] -- COMMAND"
 
 
-class HostAccess(Protocol):
-    """How to reach a host's shell: the local runner for this machine, SSH for the rest."""
-
-    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
-        """The runner, its target, and the directory where runs live on that host."""
-        ...
-
-
 @dataclass
 class LocalAccess:
     """This machine only: runs live under $GPUBOT_HOME/runs."""
@@ -103,7 +96,7 @@ class LocalAccess:
 
 
 class RunService:
-    def __init__(self, core: GpuService, access: HostAccess, catalog: Catalog) -> None:
+    def __init__(self, core: Core, access: HostAccess, catalog: Catalog) -> None:
         self.core = core
         self.access = access
         self.catalog = catalog
@@ -565,9 +558,7 @@ class RunService:
     def _provision(self, action: Launch | Start) -> None:
         """A Launch/Start goes to the fleet (bot.fleet), which buys within the pool limits
         and once per request; without a cloud provider there is nothing to buy."""
-        from bot.fleet import fleet_for  # bot.fleet builds on this module
-
-        fleet = fleet_for(self.core)
+        fleet = self.core.fleet
         if fleet is None:
             log.info("scheduler wants %s; no cloud provider is configured, skipped", action)
             return
@@ -706,8 +697,6 @@ class RunService:
         try:
             runner.run(target, shell.join(["mkdir", "-p", "--", str(run_dir)]), timeout=30)
             if placement.get("resume_from"):  # the checkpoint it resumes from, first
-                from bot.agentwatch import upload_checkpoints
-
                 upload_checkpoints(
                     runner, target, placement["resume_from"], str(placement["checkpoints"])
                 )
@@ -763,7 +752,7 @@ class RunService:
                 s.add(run)
                 return None
             # Budget (bot.budgets): re-checked before placing; over budget → cancelled, DM.
-            rate = Decimal(str(gpu_share(host.hourly_usd, self.core._gpu_count(s, host.id))))
+            rate = Decimal(str(gpu_share(host.hourly_usd, self.core.gpu_count(s, host.id))))
             refusal = budgets.run_refusal(s, run, rate * len(free), now, self.core.settings)
             if refusal is not None:
                 run.state, run.finished_at = RUN_CANCELLED, now
@@ -866,8 +855,6 @@ class RunService:
         """Reads every running run's status; finishes those that ended. Returns how many."""
         # Host agents (bot.agentwatch): lease renewal, spot notices, runs lost in a reboot —
         # before the runs are read, so a lost run is requeued rather than failed below.
-        from bot.agentwatch import watch_hosts  # agentwatch builds on this module
-
         try:
             watched = watch_hosts(self)
             if watched.interrupted or watched.requeued or watched.draining:
@@ -912,8 +899,6 @@ class RunService:
             if alive:
                 continue  # final status written; the process is exiting
             # Stopped for a resume (exit 75) or reclaimed: back in line with its checkpoint.
-            from bot.agentwatch import requeue_resumable, resumable_stop
-
             if (
                 run.state != RUN_CANCELLING
                 and resumable_stop(placement, status)

@@ -42,6 +42,8 @@ from bot.durations import format_duration
 from bot.errors import UserError
 from bot.metering import Window, cost_by_user, period_window
 from bot.outbox import enqueue
+from bot.ports import Actor as Actor  # re-exported: the faces take it with the service
+from bot.ports import Provisioner
 from db.models import (
     HOST_READY,
     RES_ACTIVE,
@@ -74,15 +76,6 @@ if TYPE_CHECKING:
     from bot.runs import RunService
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Actor:
-    """Who is asking: their key (Slack id or shell name) and whether they are an admin."""
-
-    key: str
-    name: str
-    admin: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,6 +112,9 @@ class GpuService:
         self.clock = clock
         # Training runs (bot.runs.RunService), set by the runtime when hosts can run them.
         self.runs: RunService | None = None
+        # The fleet (bot.fleet.Fleet), attached by the runtime when a cloud provider is
+        # configured: runs hand it the scheduler's Launch/Start.
+        self.fleet: Provisioner | None = None
         self._status_lock = threading.Lock()
         self._status_shared: tuple[int, float, list[HostState], list[ReservationInfo]] | None = None
         self._status_mine: dict[str, tuple[int, float, list[ReservationInfo]]] = {}
@@ -361,7 +357,7 @@ class GpuService:
             host, gpus = choice
             # Budget (bot.budgets): a grant that would go over is cancelled, with a DM.
             assert host.id is not None
-            rate = Decimal(str(gpu_share(host.hourly_usd, self._gpu_count(s, host.id))))
+            rate = Decimal(str(gpu_share(host.hourly_usd, self.gpu_count(s, host.id))))
             refusal = budgets.grant_refusal(s, res, rate * len(gpus), now, self.settings)
             if refusal is not None:
                 if res.id == quiet_id:
@@ -435,7 +431,7 @@ class GpuService:
         of the host's hourly price, in the host's market. The partial unique index
         refuses a GPU that is already held."""
         assert host.id is not None
-        per_gpu = gpu_share(host.hourly_usd, self._gpu_count(s, host.id))
+        per_gpu = gpu_share(host.hourly_usd, self.gpu_count(s, host.id))
         for g in gpus:
             assert g.id is not None
             s.add(
@@ -451,7 +447,9 @@ class GpuService:
                 )
             )
 
-    def _gpu_count(self, s: Session, host_id: int) -> int:
+    def gpu_count(self, s: Session, host_id: int) -> int:
+        """The host's present GPUs, among which its price is shared; public because runs
+        meter their GPUs by the same share (bot.ports.Core)."""
         n = s.exec(
             select(func.count())
             .select_from(Gpu)

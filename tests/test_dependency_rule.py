@@ -2,11 +2,14 @@
 never import `bot`; `training` imports nothing of ours but itself (it is copied to
 GPU hosts with only torch and nvidia-ml-py); only `bot` knows Slack, only
 `provisioning` boto3/fabric, only `training` torch/pynvml, only `db` SQLAlchemy
-sessions."""
+sessions. And no import cycle among our modules, counting every import statement:
+at the top, inside functions, under `if TYPE_CHECKING:`."""
 
 from __future__ import annotations
 
 import ast
+import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,208 @@ def test_the_check_catches_a_breach(tmp_path: Path, package: str, line: str) -> 
         (tmp_path / p).mkdir()
     (tmp_path / package / "bad.py").write_text(line + "\n")
     assert len(violations(tmp_path)) == 1
+
+
+# --- no import cycle ------------------------------------------------------------------
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """Dotted name -> file, for every module of our packages (`pkg/__init__.py` is `pkg`)."""
+    found: dict[str, Path] = {}
+    for package in sorted(OURS):
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _named(node: ast.Import | ast.ImportFrom, here: str, is_package: bool) -> Iterator[str]:
+    """The dotted names one import statement asks for; a relative one resolved against
+    the package of the module it is in."""
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+        return
+    base = node.module or ""
+    if node.level:
+        package = here.split(".") if is_package else here.split(".")[:-1]
+        anchor = package[: len(package) - (node.level - 1)]
+        base = ".".join([*anchor, base] if base else anchor)
+    # `from bot import views` names the module bot.views; `from bot.service import
+    # Actor` names bot.service (the longest known prefix is taken below).
+    yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line of the first such import}: every Import and
+    ImportFrom anywhere in the file (function bodies and TYPE_CHECKING blocks too)."""
+    modules = _modules(root)
+    graph: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            for wanted in _named(node, name, is_package):
+                target = wanted
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].setdefault(target, node.lineno)
+    return graph
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """One cycle per strongly connected group of modules, as a path that ends where it
+    starts (["bot.a", "bot.b", "bot.a"]); empty when the imports only point one way."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(_a_cycle_in(graph, group) for group in groups)
+
+
+def _a_cycle_in(graph: dict[str, dict[str, int]], group: set[str]) -> list[str]:
+    """The shortest way from the group's first module back to itself, inside the group."""
+    start = min(group)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == start:
+                    back = [v]
+                    while back[-1] != start:
+                        back.append(came_from[back[-1]])
+                    return [*reversed(back), start]
+                if w in group and w not in came_from:
+                    came_from[w] = v
+                    following.append(w)
+        frontier = following
+    raise AssertionError(f"no way back to {start} in {sorted(group)}")
+
+
+def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    """`bot.a -> bot.b (line 3) -> bot.a (line 7)`: where each arrow is written."""
+    out = cycle[0]
+    for a, b in itertools.pairwise(cycle):
+        out += f" -> {b} ({a}, line {graph[a][b]})"
+    return out
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph(ROOT)
+    # The graph sees the tree: a top-level, a relative-free from-import of a submodule.
+    assert len(graph) > 50 and "bot.delivery" in graph["bot.worker"]
+    found = [describe(cycle, graph) for cycle in import_cycles(ROOT)]
+    assert found == [], "import cycles:\n" + "\n".join(found)
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for package in OURS:
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text("")
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+TYPE_CHECKING_ONLY = """from __future__ import annotations
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from bot.a import A
+"""
+
+
+@pytest.mark.parametrize(
+    ("files", "cycle"),
+    [
+        (
+            {"bot/a.py": "from bot import b\n", "bot/b.py": "import bot.a\n"},
+            ["bot.a", "bot.b", "bot.a"],
+        ),
+        (
+            {"bot/a.py": "from bot.b import B\n", "bot/b.py": TYPE_CHECKING_ONLY},
+            ["bot.a", "bot.b", "bot.a"],
+        ),
+        (
+            {
+                "bot/slack/__init__.py": "",
+                "bot/slack/a.py": "from .b import B\n",
+                "bot/slack/b.py": "def f() -> None:\n    from . import a\n",
+            },
+            ["bot.slack.a", "bot.slack.b", "bot.slack.a"],
+        ),
+        (
+            {
+                "bot/a.py": "from bot.b import B\n",
+                "bot/b.py": "import provisioning.c\n",
+                "provisioning/c.py": "x = 1\ndef f() -> None:\n    import bot.a.inner\n",
+            },
+            ["bot.a", "bot.b", "provisioning.c", "bot.a"],
+        ),
+    ],
+    ids=[
+        "two-modules",
+        "type-checking-only",
+        "relative-inside-a-function",
+        "three-across-packages",
+    ],
+)
+def test_the_cycle_check_catches_a_cycle(
+    tmp_path: Path, files: dict[str, str], cycle: list[str]
+) -> None:
+    root = _tree(tmp_path, files)
+    assert import_cycles(root) == [cycle]
+
+
+def test_one_way_imports_are_no_cycle(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "bot/a.py": "from bot import b\nfrom . import c\n",
+            "bot/b.py": "from bot.c import C\n",
+            "bot/c.py": "import json\nimport bot\n",
+        },
+    )
+    assert import_cycles(root) == []
+    assert import_graph(root)["bot.a"] == {"bot.b": 1, "bot.c": 2}
+    assert import_graph(root)["bot.c"] == {"bot": 2}
+
+
+def test_a_cycle_is_named_with_where_each_import_is(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {"bot/a.py": "from bot.b import B\n", "bot/b.py": TYPE_CHECKING_ONLY})
+    (cycle,) = import_cycles(root)
+    text = describe(cycle, import_graph(root))
+    assert text == "bot.a -> bot.b (bot.a, line 1) -> bot.a (bot.b, line 4)"
