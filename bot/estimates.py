@@ -1,6 +1,6 @@
 """`/gpu queue`'s estimates: when each waiting run should start, and what it should cost.
 
-Pure and deterministic, the clock passed in, like `bot.scheduler`. The picture is the
+Pure and deterministic, the clock passed in, like `bot.scheduling`. The picture is the
 scheduler's: hosts with GPUs of one model, each holder (a running run, a reservation)
 with the time it should let go — a run's `eta_s` from its status, else its start plus
 `--max`; a reservation's `ends_at`; unknown for a run without either. The waiting runs

@@ -2,7 +2,7 @@
 dispatch (place queued runs with the scheduler and start them on their host) and
 poll (read each running run's status file and finish it).
 
-The same `bot.scheduler.decide` that `gpubot simulate` measures places the runs:
+The same `bot.scheduling.decide` that `gpubot simulate` measures places the runs:
 hosts become `FleetInstance`s, the GPUs that reservations hold become allocations
 with known ends, queued runs become `QueuedRun`s. Only `Place` actions can be
 carried out on hosts the team owns; `Launch`/`Start`/`Stop` need a cloud provider
@@ -37,7 +37,7 @@ from bot.commands import Cancel, Logs, Queue, Run
 from bot.durations import format_duration
 from bot.errors import UserError
 from bot.ports import Actor, Core, HostAccess
-from bot.scheduler import (
+from bot.scheduling import (
     Allocation,
     FleetInstance,
     Launch,

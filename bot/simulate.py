@@ -2,7 +2,7 @@
 
 Why: the scheduler's choices (pack, reuse, wait or launch, stop) are where the team's
 money goes, and a trace replay is the only way to see that before paying for it. The
-loop calls the very `bot.scheduler.decide` the worker calls, on a virtual clock
+loop calls the very `bot.scheduling.decide` the worker calls, on a virtual clock
 (`provisioning.simulated.SimulatedCloud`), jumping from event to event through a heap —
 arrivals, run starts and ends, instances becoming ready, idle timers — so 100,000 jobs
 take seconds, not the trace's months.
@@ -31,7 +31,7 @@ would change its duration and thus the figures.
 
 Preemption (``fair`` only, ``--no-preempt`` turns it off): the scheduler may stop a
 running job with a checkpoint and start it again later or elsewhere (fair-share
-preemption, defragmentation, consolidation; see `bot.scheduler`). Philly's own jobs were
+preemption, defragmentation, consolidation; see `bot.scheduling`). Philly's own jobs were
 restarted this way: the trace's duration is the sum of a job's attempts. Every job is
 taken to checkpoint on SIGTERM, as the bot's runner does. A preempted job keeps the work
 it did and owes ``--resume-s`` more on each resume (the checkpoint write and reload, run
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import typer
 
-from bot.scheduler import (
+from bot.scheduling import (
     POLICIES,
     Action,
     Allocation,

@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from bot.scheduler import SchedulerConfig
+from bot.scheduling import SchedulerConfig
 from bot.simulate import run_simulation, simulate
 from provisioning.catalog import Catalog
 from provisioning.costs import DEFAULT_COSTS, CloudCosts, gpu_share, storage_usd_per_hour

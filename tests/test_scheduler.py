@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bot.scheduler import (
+from bot.scheduling import (
+    LAYERS,
     Action,
     Allocation,
     FleetInstance,
@@ -657,3 +660,24 @@ def test_preemption_only_when_due() -> None:
     # one look per period: the slot changes every preempt_period_s
     p = c.preempt_period_s
     assert preempt_slot(0.0, c) == preempt_slot(p - 1, c) != preempt_slot(p, c)
+
+
+def test_scheduling_modules_import_only_the_layers_before_them() -> None:
+    """The package's one-way arrows (`bot.scheduling.LAYERS`): a module that reached up
+    (placement importing preemption, say) would fail here, before it became a cycle."""
+    pkg = Path(__file__).resolve().parents[1] / "bot" / "scheduling"
+    assert sorted(p.stem for p in pkg.glob("*.py") if p.stem != "__init__") == sorted(LAYERS)
+    for rank, name in enumerate(LAYERS):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        imported = {
+            n.module.removeprefix("bot.scheduling.")
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("bot.scheduling")
+        } | {
+            a.name.removeprefix("bot.scheduling.")
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import)
+            for a in n.names
+            if a.name.startswith("bot.scheduling")
+        }
+        assert imported <= set(LAYERS[:rank]), (name, imported - set(LAYERS[:rank]))
