@@ -33,6 +33,7 @@ from bot.billing import load_usages
 from bot.commands import Budget
 from bot.config import Settings
 from bot.errors import UserError
+from bot.held import held_intervals
 from bot.metering import Window, cost_by_user, period_window, to_cents
 from bot.outbox import enqueue
 from db.models import (
@@ -42,7 +43,6 @@ from db.models import (
     Host,
     Reservation,
     TrainingRun,
-    UsageInterval,
     User,
 )
 from db.session import retrying, transaction
@@ -121,12 +121,8 @@ def run_estimate(s: Session, model: str | None, gpus: int, max_seconds: int | No
 def _open_rate(
     s: Session, *, reservation_id: int | None = None, run_id: int | None = None
 ) -> Decimal:
-    q = select(UsageInterval.usd_per_hour).where(col(UsageInterval.ended_at).is_(None))
-    if reservation_id is not None:
-        q = q.where(UsageInterval.reservation_id == reservation_id)
-    else:
-        q = q.where(UsageInterval.run_id == run_id)
-    return sum((_usd(r) for r in s.exec(q).all()), Decimal(0))
+    held = held_intervals(s, reservation_id=reservation_id, run_id=run_id)
+    return sum((_usd(iv.usd_per_hour) for iv in held), Decimal(0))
 
 
 def committed_usd(

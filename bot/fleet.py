@@ -48,6 +48,7 @@ from bot.budgets import check_budget
 from bot.commands import Pool
 from bot.durations import format_duration
 from bot.errors import UserError
+from bot.held import end_held, held_gpu_ids
 from bot.ports import HostAccess
 from bot.runs import (
     RUN_CANCELLED,
@@ -498,7 +499,7 @@ class Fleet:
                 .where(Reservation.host_id == host.id, Reservation.state == RES_ACTIVE)
                 .order_by(col(Reservation.id)),
             ):
-                _close_intervals(s, now, reservation_id=res.id)
+                end_held(s, now, reservation_id=res.id)
                 res.state = RES_RELEASED
                 res.ended_at = now
                 s.add(res)
@@ -521,7 +522,7 @@ class Fleet:
                 )
                 .order_by(col(TrainingRun.id)),
             ):
-                _close_intervals(s, now, run_id=run.id)
+                end_held(s, now, run_id=run.id)
                 owner = s.get(User, run.user_id)
                 assert owner is not None
                 if run.state == RUN_CANCELLING:
@@ -554,13 +555,7 @@ class Fleet:
                     dedupe=f"fleet-lost-run:{run.id}:{host.instance_id}",
                 )
             # Anything else still open on it (a safety net): nobody can hold a GPU that is gone.
-            for iv in s.exec(
-                select(UsageInterval).where(
-                    UsageInterval.host_id == host.id, col(UsageInterval.ended_at).is_(None)
-                )
-            ).all():
-                iv.ended_at = max(now, iv.started_at)
-                s.add(iv)
+            end_held(s, now, host_id=host.id)
         log.warning("host %s: its instance is gone from the cloud; marked terminated", host_name)
 
     # --- the waiting line → instances -------------------------------------------------
@@ -584,11 +579,7 @@ class Fleet:
             hosts = list(
                 s.exec(select(Host).where(Host.state != HOST_TERMINATED).order_by(col(Host.id)))
             )
-            held = set(
-                s.exec(
-                    select(UsageInterval.gpu_id).where(col(UsageInterval.ended_at).is_(None))
-                ).all()
-            )
+            held = held_gpu_ids(s)
             gpus: dict[int, list[Gpu]] = {}
             for g in s.exec(select(Gpu).where(col(Gpu.present).is_(True)).order_by(col(Gpu.index))):
                 gpus.setdefault(g.host_id, []).append(g)
@@ -973,12 +964,7 @@ class Fleet:
                     if period.state == "stopped" and now - period.started_at >= end_after:
                         to_end.append((host, period.started_at))
                     continue
-                busy = s.exec(
-                    select(func.count())
-                    .select_from(UsageInterval)
-                    .where(UsageInterval.host_id == host.id, col(UsageInterval.ended_at).is_(None))
-                ).one()
-                if busy:
+                if held_gpu_ids(s, host_id=host.id):
                     continue
                 last_use = s.exec(
                     select(func.max(UsageInterval.ended_at)).where(UsageInterval.host_id == host.id)
@@ -1101,20 +1087,6 @@ def _take(supply: dict[int, dict[str, int]], model: str, count: int) -> bool:
         return False
     supply[host_id][model] = supply[host_id].get(model, 0) - count
     return True
-
-
-def _close_intervals(
-    s: Session, at: datetime, *, reservation_id: int | None = None, run_id: int | None = None
-) -> None:
-    q = select(UsageInterval).where(col(UsageInterval.ended_at).is_(None))
-    q = (
-        q.where(UsageInterval.reservation_id == reservation_id)
-        if reservation_id is not None
-        else q.where(UsageInterval.run_id == run_id)
-    )
-    for iv in s.exec(q).all():
-        iv.ended_at = max(at, iv.started_at)
-        s.add(iv)
 
 
 def _aware(when: datetime) -> datetime:

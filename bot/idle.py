@@ -26,6 +26,7 @@ from bot import views
 from bot.access import audit
 from bot.durations import format_duration
 from bot.errors import UserError
+from bot.held import who_holds
 from bot.service import Actor, GpuService
 from bot.utilization import USAGE
 from db.models import (
@@ -198,12 +199,7 @@ def _judge(service: GpuService, res_id: int, *, act: bool) -> str | None:
         now = service.clock.now()
         if res.idle_keep_until is not None and now < res.idle_keep_until:
             return None
-        held = s.exec(
-            select(UsageInterval, Gpu)
-            .join(Gpu, col(Gpu.id) == col(UsageInterval.gpu_id))
-            .where(UsageInterval.reservation_id == res.id, col(UsageInterval.ended_at).is_(None))
-            .order_by(col(Gpu.index))
-        ).all()
+        held = [(h.interval, h.gpu) for h in who_holds(s, reservation_id=res.id)]
         if not held:
             return None
         tolerance = timedelta(seconds=max(cfg.util_sample_s, 1.0))

@@ -36,6 +36,7 @@ from bot.agentwatch import requeue_resumable, resumable_stop, upload_checkpoints
 from bot.commands import Cancel, Logs, Queue, Run
 from bot.durations import format_duration
 from bot.errors import UserError
+from bot.held import end_held, held_gpu_ids, who_holds
 from bot.ports import Actor, Core, HostAccess
 from bot.scheduling import (
     Allocation,
@@ -325,14 +326,8 @@ class RunService:
         (a run's ETA from its status, else its --max; a reservation's end), and the
         waiting runs in line order."""
         holds: dict[tuple[int, str], tuple[int, float | None]] = {}
-        for iv, res, held_by in s.exec(
-            select(UsageInterval, Reservation, TrainingRun)
-            .join(
-                Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True
-            )
-            .join(TrainingRun, col(TrainingRun.id) == col(UsageInterval.run_id), isouter=True)
-            .where(col(UsageInterval.ended_at).is_(None))
-        ):
+        for hold in who_holds(s):
+            iv, res, held_by = hold.interval, hold.reservation, hold.run
             until: float | None = None
             if res is not None:
                 key = (iv.host_id, f"res:{res.id}")
@@ -598,15 +593,7 @@ class RunService:
             )
         hosts: dict[str, Host] = {}
         fleet = []
-        open_rows = s.exec(
-            select(UsageInterval, User, Reservation, TrainingRun)
-            .join(User, col(User.id) == col(UsageInterval.user_id))
-            .join(
-                Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True
-            )
-            .join(TrainingRun, col(TrainingRun.id) == col(UsageInterval.run_id), isouter=True)
-            .where(col(UsageInterval.ended_at).is_(None))
-        ).all()
+        open_rows = who_holds(s)
         for host in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id))):
             gpus = list(
                 s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
@@ -617,23 +604,27 @@ class RunService:
             by_holder: dict[str, tuple[str, int, float | None]] = {}
             # run -> (preemptible, stopping, started_s), as Allocation takes them
             flags: dict[str, tuple[bool, bool, float | None]] = {}
-            for iv, user, res, run in open_rows:
+            for hold in open_rows:
+                iv, user, res, held_by = hold.interval, hold.user, hold.reservation, hold.run
                 if iv.host_id != host.id:
                     continue
                 if res is not None:
                     key, end = f"res:{res.id}", res.ends_at.timestamp() if res.ends_at else None
                 else:
                     started = (
-                        run.started_at if run is not None and run.started_at else iv.started_at
+                        held_by.started_at
+                        if held_by is not None and held_by.started_at
+                        else iv.started_at
                     )
-                    limit = run.max_seconds if run is not None else None
+                    limit = held_by.max_seconds if held_by is not None else None
                     key, end = f"{iv.run_id}", (started.timestamp() + limit) if limit else None
-                    if run is not None:
+                    if held_by is not None:
                         # Recipes checkpoint on SIGTERM (training.loop); a --spot run's
                         # owner said it resumes. Anything else is never preempted.
                         flags[key] = (
-                            run.state == RUN_RUNNING and (run.recipe is not None or run.spot),
-                            run.state == RUN_CANCELLING or "interrupted" in run.placement,
+                            held_by.state == RUN_RUNNING
+                            and (held_by.recipe is not None or held_by.spot),
+                            held_by.state == RUN_CANCELLING or "interrupted" in held_by.placement,
                             started.timestamp(),
                         )
                 _, n, _ = by_holder.get(key, (user.key, 0, end))
@@ -731,11 +722,7 @@ class RunService:
             if won.rowcount != 1:
                 return None  # another worker got it, or it was cancelled
             host = s.exec(select(Host).where(Host.name == host_name)).one()
-            held = set(
-                s.exec(
-                    select(UsageInterval.gpu_id).where(col(UsageInterval.ended_at).is_(None))
-                ).all()
-            )
+            held = held_gpu_ids(s)
             run = locked(s, TrainingRun, run_id)
             assert run is not None and host.id is not None
             free = [
@@ -1099,13 +1086,7 @@ class RunService:
 
     def _close_intervals(self, s: Session, run_id: int, at: datetime) -> float:
         cost = 0.0
-        for iv in s.exec(
-            select(UsageInterval).where(
-                UsageInterval.run_id == run_id, col(UsageInterval.ended_at).is_(None)
-            )
-        ):
-            iv.ended_at = max(at, iv.started_at)
-            s.add(iv)
+        end_held(s, at, run_id=run_id)
         for iv in s.exec(select(UsageInterval).where(UsageInterval.run_id == run_id)):
             if iv.ended_at is not None:
                 cost += iv.usd_per_hour * (iv.ended_at - iv.started_at).total_seconds() / 3600

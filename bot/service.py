@@ -40,6 +40,7 @@ from bot.config import Settings
 from bot.domain import GpuState, HostState, ReservationInfo, StatusSnapshot
 from bot.durations import format_duration
 from bot.errors import UserError
+from bot.held import end_held, held_gpu_ids, who_holds
 from bot.metering import Window, cost_by_user, period_window
 from bot.outbox import enqueue
 from bot.ports import Actor as Actor  # re-exported: the faces take it with the service
@@ -318,9 +319,7 @@ class GpuService:
         hosts = [
             h for h in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id)))
         ]
-        held = set(
-            s.exec(select(UsageInterval.gpu_id).where(col(UsageInterval.ended_at).is_(None))).all()
-        )
+        held = held_gpu_ids(s)
         free: dict[int, list[Gpu]] = {}
         for h in hosts:
             assert h.id is not None
@@ -525,13 +524,7 @@ class GpuService:
         the pool and read `res` under its lock, so the state checked is the current one."""
         if res.state not in RES_OPEN_STATES:
             raise RuntimeError(f"reservation #{res.id} is {res.state} already; not ended again")
-        for iv in s.exec(
-            select(UsageInterval).where(
-                UsageInterval.reservation_id == res.id, col(UsageInterval.ended_at).is_(None)
-            )
-        ):
-            iv.ended_at = max(at, iv.started_at)
-            s.add(iv)
+        end_held(s, at, reservation_id=res.id)
         res.state = state
         res.ended_at = at
         s.add(res)
@@ -702,24 +695,14 @@ class GpuService:
         gpus = s.exec(
             select(Gpu).where(col(Gpu.present).is_(True)).order_by(col(Gpu.host_id), col(Gpu.index))
         ).all()
-        open_rows = s.exec(
-            select(UsageInterval, User, Reservation)
-            .join(User, col(User.id) == col(UsageInterval.user_id))
-            .join(
-                Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True
-            )
-            .where(col(UsageInterval.ended_at).is_(None))
-        ).all()
-        holder: dict[int, tuple[UsageInterval, User, Reservation | None]] = {
-            iv.gpu_id: (iv, u, r) for iv, u, r in open_rows
-        }
+        holder = {h.interval.gpu_id: h for h in who_holds(s)}
         by_host: dict[int, list[GpuState]] = {}
         for g in gpus:
             assert g.id is not None
             h = holder.get(g.id)
             state = GpuState(gpu_id=g.id, index=g.index, model=g.model, memory_gb=g.memory_gb)
             if h is not None:
-                iv, u, r = h
+                iv, u, r = h.interval, h.user, h.reservation
                 state = GpuState(
                     gpu_id=g.id,
                     index=g.index,

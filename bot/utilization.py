@@ -30,6 +30,7 @@ from bot import views
 from bot.commands import VERBS
 from bot.durations import format_duration
 from bot.errors import UserError
+from bot.held import held_host_ids, who_holds
 from bot.service import Actor, GpuService
 from db.models import (
     HOST_READY,
@@ -38,8 +39,6 @@ from db.models import (
     GpuSample,
     Host,
     TrainingRun,
-    UsageInterval,
-    User,
 )
 from db.session import transaction
 from provisioning import shell
@@ -118,9 +117,7 @@ class CollectReport:
 
 def busy_hosts(s: Session) -> list[Host]:
     """Ready hosts where a GPU is held or a run is running."""
-    held = set(
-        s.exec(select(UsageInterval.host_id).where(col(UsageInterval.ended_at).is_(None))).all()
-    )
+    held = held_host_ids(s)
     running = set(
         s.exec(
             select(TrainingRun.host_id).where(
@@ -142,12 +139,10 @@ def busy_hosts(s: Session) -> list[Host]:
 
 def holders(s: Session, host_id: int) -> dict[int, Holder]:
     """GPU index → who holds it now, from the open usage intervals."""
-    rows = s.exec(
-        select(Gpu.index, UsageInterval)
-        .join(UsageInterval, col(UsageInterval.gpu_id) == col(Gpu.id))
-        .where(UsageInterval.host_id == host_id, col(UsageInterval.ended_at).is_(None))
-    ).all()
-    return {index: Holder(iv.user_id, iv.reservation_id, iv.run_id) for index, iv in rows}
+    return {
+        h.gpu.index: Holder(h.interval.user_id, h.interval.reservation_id, h.interval.run_id)
+        for h in who_holds(s, host_ids=[host_id])
+    }
 
 
 def samples_from(
@@ -474,13 +469,8 @@ def latest_samples(s: Session, host_ids: Sequence[int]) -> list[Latest]:
         for g in s.exec(select(Gpu).where(col(Gpu.host_id).in_(host_ids)))
     }
     held = {
-        (iv.host_id, index): u.display_name
-        for iv, index, u in s.exec(
-            select(UsageInterval, Gpu.index, User)
-            .join(Gpu, col(Gpu.id) == col(UsageInterval.gpu_id))
-            .join(User, col(User.id) == col(UsageInterval.user_id))
-            .where(col(UsageInterval.host_id).in_(host_ids), col(UsageInterval.ended_at).is_(None))
-        )
+        (h.interval.host_id, h.gpu.index): h.user.display_name
+        for h in who_holds(s, host_ids=host_ids)
     }
     seen: set[tuple[int, int]] = set()
     out = []

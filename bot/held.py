@@ -1,0 +1,122 @@
+"""Who holds which GPU now: the one reading of the open usage intervals.
+
+A GPU is held exactly while a usage interval on it has no end (`db.models.UsageInterval`;
+a partial unique index keeps that to one per GPU). Reserving, a run's claim, the grant
+pass, the fleet, budgets, idle detection, utilization and the status views all ask the
+same question with a different filter or a different amount of context; they ask it
+here, so "held now" means one thing everywhere.
+
+These functions only read (and `end_held` only writes what it read); they take no lock.
+A transaction that changes who holds a GPU takes the pool first (`db.session.lock_pool`)
+and reads through them after it, which makes what they return the latest committed
+state (db.session's lock order); a read-only caller gets a consistent snapshot of its
+own transaction, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement
+from sqlmodel import Session, col, select
+
+from db.models import Gpu, Reservation, TrainingRun, UsageInterval, User
+
+
+def _held(
+    *,
+    host_ids: Collection[int] | None = None,
+    reservation_id: int | None = None,
+    run_id: int | None = None,
+) -> list[ColumnElement[bool]]:
+    """The rule, with its filters: an interval with no end, narrowed as asked."""
+    where: list[ColumnElement[bool]] = [col(UsageInterval.ended_at).is_(None)]
+    if host_ids is not None:
+        where.append(col(UsageInterval.host_id).in_(host_ids))
+    if reservation_id is not None:
+        where.append(col(UsageInterval.reservation_id) == reservation_id)
+    if run_id is not None:
+        where.append(col(UsageInterval.run_id) == run_id)
+    return where
+
+
+def _one(host_id: int | None) -> list[int] | None:
+    return None if host_id is None else [host_id]
+
+
+def held_gpu_ids(s: Session, *, host_id: int | None = None) -> set[int]:
+    """The ids of the GPUs held now (on one host, if given): what is not free."""
+    return set(s.exec(select(UsageInterval.gpu_id).where(*_held(host_ids=_one(host_id)))).all())
+
+
+def held_host_ids(s: Session) -> set[int]:
+    """The hosts where some GPU is held now."""
+    return set(s.exec(select(UsageInterval.host_id).where(*_held())).all())
+
+
+def held_intervals(
+    s: Session,
+    *,
+    host_id: int | None = None,
+    reservation_id: int | None = None,
+    run_id: int | None = None,
+) -> list[UsageInterval]:
+    """The open intervals themselves, narrowed by each filter given, oldest first."""
+    where = _held(host_ids=_one(host_id), reservation_id=reservation_id, run_id=run_id)
+    return list(s.exec(select(UsageInterval).where(*where).order_by(col(UsageInterval.id))))
+
+
+def end_held(
+    s: Session,
+    at: datetime,
+    *,
+    host_id: int | None = None,
+    reservation_id: int | None = None,
+    run_id: int | None = None,
+) -> list[UsageInterval]:
+    """Lets go of what a reservation, a run or a host holds: each open interval ends at
+    `at`, or where it started if `at` is earlier (a clock step back never makes a
+    negative interval). The caller holds the pool. Returns the intervals it ended."""
+    if host_id is None and reservation_id is None and run_id is None:
+        raise ValueError("end_held needs a host, a reservation or a run")
+    ended = held_intervals(s, host_id=host_id, reservation_id=reservation_id, run_id=run_id)
+    for iv in ended:
+        iv.ended_at = max(at, iv.started_at)
+        s.add(iv)
+    return ended
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One held GPU with who holds it and why: a reservation or a run (one of the two)."""
+
+    interval: UsageInterval
+    gpu: Gpu
+    user: User
+    reservation: Reservation | None
+    run: TrainingRun | None
+
+
+def who_holds(
+    s: Session,
+    *,
+    host_ids: Collection[int] | None = None,
+    reservation_id: int | None = None,
+) -> list[Hold]:
+    """Every GPU held now (on these hosts, or for this reservation, if given) with its
+    holder, in one query; by host, then GPU index."""
+    # Five entities: past sqlmodel's typed `select` overloads, so typed by `Hold` below.
+    entities: tuple[Any, ...] = (UsageInterval, Gpu, User, Reservation, TrainingRun)
+    stmt: Any = (
+        select(*entities)
+        .join(Gpu, col(Gpu.id) == col(UsageInterval.gpu_id))
+        .join(User, col(User.id) == col(UsageInterval.user_id))
+        .join(Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True)
+        .join(TrainingRun, col(TrainingRun.id) == col(UsageInterval.run_id), isouter=True)
+        .where(*_held(host_ids=host_ids, reservation_id=reservation_id))
+        .order_by(col(UsageInterval.host_id), col(Gpu.index), col(UsageInterval.id))
+    )
+    return [Hold(iv, gpu, user, res, run) for iv, gpu, user, res, run in s.exec(stmt).all()]

@@ -1,0 +1,132 @@
+"""bot.held: "held now" is an interval with no end, narrowed by host, reservation or run,
+on both databases; an ended interval never counts, and ending a holder's GPUs touches
+only that holder's intervals."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from bot.held import end_held, held_gpu_ids, held_host_ids, held_intervals, who_holds
+from db.models import Gpu, Host, Reservation, TrainingRun, UsageInterval, User
+from db.session import transaction
+
+T0 = datetime(2024, 3, 1, 12, 0, tzinfo=UTC)
+
+
+def _setup(s: Session) -> dict[str, int]:
+    """Two hosts of two GPUs. Alice's reservation holds both of h2's (recorded index 1
+    first); Bob's run holds h1's GPU 0; h1's GPU 1 was held by Bob once and let go."""
+    alice = User(key="alice", display_name="Alice", created_at=T0)
+    bob = User(key="bob", display_name="Bob", created_at=T0)
+    h1 = Host(name="h1", provider="ssh", hourly_usd=2.0, created_at=T0, updated_at=T0)
+    h2 = Host(name="h2", provider="ssh", hourly_usd=4.0, created_at=T0, updated_at=T0)
+    s.add_all([alice, bob, h1, h2])
+    s.flush()
+    assert alice.id and bob.id and h1.id and h2.id
+    hosts = {"h1": h1.id, "h2": h2.id}
+    gpus = {(n, i): Gpu(host_id=h, index=i, model="A100") for n, h in hosts.items() for i in (0, 1)}
+    s.add_all(gpus.values())
+    res = Reservation(
+        user_id=alice.id, gpu_count=2, duration_s=3600, state="active", requested_at=T0
+    )
+    run = TrainingRun(user_id=bob.id, state="running", host_id=h1.id, submitted_at=T0)
+    s.add_all([res, run])
+    s.flush()
+    ids = {f"{h}g{i}": g.id for (h, i), g in gpus.items() if g.id is not None}
+    ids.update(alice=alice.id, bob=bob.id, h1=h1.id, h2=h2.id, res=res.id or 0, run=run.id or 0)
+
+    def iv(
+        gpu: str,
+        host: int,
+        user: int,
+        reservation_id: int | None = None,
+        run_id: int | None = None,
+        ended_at: datetime | None = None,
+    ) -> UsageInterval:
+        return UsageInterval(
+            gpu_id=ids[gpu],
+            host_id=host,
+            user_id=user,
+            reservation_id=reservation_id,
+            run_id=run_id,
+            started_at=T0,
+            ended_at=ended_at,
+            usd_per_hour=1.0,
+        )
+
+    s.add_all(
+        [
+            iv("h2g1", h2.id, alice.id, reservation_id=res.id),
+            iv("h2g0", h2.id, alice.id, reservation_id=res.id),
+            iv("h1g0", h1.id, bob.id, run_id=run.id),
+            iv("h1g1", h1.id, bob.id, run_id=run.id, ended_at=T0 + timedelta(minutes=5)),
+        ]
+    )
+    return ids
+
+
+def test_only_open_intervals_are_held_and_each_filter_narrows(engine: Engine) -> None:
+    with transaction(engine) as s:
+        ids = _setup(s)
+    with transaction(engine, write=False) as s:
+        assert held_gpu_ids(s) == {ids["h1g0"], ids["h2g0"], ids["h2g1"]}
+        assert held_gpu_ids(s, host_id=ids["h1"]) == {ids["h1g0"]}
+        assert held_host_ids(s) == {ids["h1"], ids["h2"]}
+        by_res = held_intervals(s, reservation_id=ids["res"])
+        assert sorted(iv.gpu_id for iv in by_res) == sorted([ids["h2g0"], ids["h2g1"]])
+        assert [iv.gpu_id for iv in held_intervals(s, run_id=ids["run"])] == [ids["h1g0"]]
+        assert [iv.gpu_id for iv in held_intervals(s, host_id=ids["h1"])] == [ids["h1g0"]]
+
+
+def test_who_holds_brings_the_holder_by_host_then_gpu_index(engine: Engine) -> None:
+    with transaction(engine) as s:
+        ids = _setup(s)
+    with transaction(engine, write=False) as s:
+        rows = [
+            (
+                h.gpu.id,
+                h.user.key,
+                h.reservation.id if h.reservation else None,
+                h.run.id if h.run else None,
+            )
+            for h in who_holds(s)
+        ]
+        assert rows == [
+            (ids["h1g0"], "bob", None, ids["run"]),
+            (ids["h2g0"], "alice", ids["res"], None),
+            (ids["h2g1"], "alice", ids["res"], None),
+        ]
+        mine = who_holds(s, reservation_id=ids["res"])
+        assert [h.gpu.index for h in mine] == [0, 1]
+        assert [h.gpu.id for h in who_holds(s, host_ids=[ids["h1"]])] == [ids["h1g0"]]
+        assert who_holds(s, host_ids=[]) == []
+
+
+def test_ending_a_run_lets_go_of_its_gpus_only_never_before_they_were_taken(
+    engine: Engine,
+) -> None:
+    with transaction(engine) as s:
+        ids = _setup(s)
+    with transaction(engine) as s:
+        # A clock behind the start (a step back) ends the interval where it began.
+        ended = end_held(s, T0 - timedelta(minutes=1), run_id=ids["run"])
+        assert [iv.gpu_id for iv in ended] == [ids["h1g0"]]
+        ended_id = ended[0].id
+    with transaction(engine, write=False) as s:
+        assert held_gpu_ids(s) == {ids["h2g0"], ids["h2g1"]}
+        closed = s.get(UsageInterval, ended_id)
+        assert closed is not None and closed.ended_at == T0
+    with transaction(engine) as s:
+        end_held(s, T0 + timedelta(hours=1), host_id=ids["h2"])
+    with transaction(engine, write=False) as s:
+        assert held_gpu_ids(s) == set()
+        assert held_intervals(s) == []
+
+
+def test_ending_needs_a_holder(sqlite_engine: Engine) -> None:
+    with transaction(sqlite_engine) as s, pytest.raises(ValueError, match="needs a host"):
+        end_held(s, T0)
