@@ -30,6 +30,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from bot.durations import format_duration, parse_duration
 from bot.errors import UserError
+from provisioning.costs import DEFAULT_COSTS
 
 PROVIDERS = ("local", "ssh", "aws")
 
@@ -338,8 +339,10 @@ class Settings(BaseSettings):
         float, Env("GPUBOT_POOL_MAX_USD_PER_HOUR"), _number(0.0, 1e6)
     ] = 0.0
     # The root volume of each instance and its price: what a stopped instance costs.
-    ebs_gb: Annotated[float, Env("GPUBOT_EBS_GB"), _number(0.0, 1e5)] = 500.0
-    ebs_usd_gb_month: Annotated[float, Env("GPUBOT_EBS_USD_GB_MONTH"), _number(0.0, 100.0)] = 0.08
+    ebs_gb: Annotated[float, Env("GPUBOT_EBS_GB"), _number(0.0, 1e5)] = DEFAULT_COSTS.ebs_gb
+    ebs_usd_gb_month: Annotated[float, Env("GPUBOT_EBS_USD_GB_MONTH"), _number(0.0, 100.0)] = (
+        DEFAULT_COSTS.ebs_usd_gb_month
+    )
     # --- utilization --------------------------------------------------------------
     # How often the worker samples every busy host's GPUs, and posts a snapshot to the
     # channel (only while something runs; 0 turns the post off).

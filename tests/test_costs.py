@@ -11,6 +11,7 @@ from fractions import Fraction
 
 import pytest
 
+from bot.config import Settings
 from bot.scheduling import SchedulerConfig
 from bot.simulate import run_simulation, simulate
 from provisioning.catalog import Catalog
@@ -34,6 +35,12 @@ def test_the_simulator_and_its_cli_read_the_declared_costs() -> None:
     assert _defaults(SimulatedCloud.__init__) == want
     assert _defaults(run_simulation) == want
     assert _defaults(simulate) == want
+
+
+def test_the_settings_default_to_the_declared_volume() -> None:
+    fields = Settings.model_fields
+    assert fields["ebs_gb"].default == DEFAULT_COSTS.ebs_gb
+    assert fields["ebs_usd_gb_month"].default == DEFAULT_COSTS.ebs_usd_gb_month
 
 
 def test_the_schedulers_defaults_match_the_declared_costs() -> None:
