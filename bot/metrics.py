@@ -38,6 +38,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import col, select
 
 from bot.clock import Clock, SystemClock
+from bot.held import held_gpu_ids
 from db.models import (
     HOST_STOPPED,
     HOST_TERMINATED,
@@ -46,7 +47,6 @@ from db.models import (
     Notification,
     Reservation,
     TrainingRun,
-    UsageInterval,
 )
 from db.session import transaction
 
@@ -289,9 +289,7 @@ class DatabaseCollector(Collector):
                 "a ready host), absent (gone from its host, or the host is not ready).",
                 labels=["state", "model"],
             )
-            held_ids = set(
-                s.exec(select(UsageInterval.gpu_id).where(col(UsageInterval.ended_at).is_(None)))
-            )
+            held_ids = held_gpu_ids(s)
             counts: dict[tuple[str, str], int] = {}
             for gpu, host_state in s.exec(
                 select(Gpu, Host.state).join(Host, col(Host.id) == col(Gpu.host_id))

@@ -13,6 +13,7 @@ from functools import cached_property, lru_cache
 from typing import Literal
 
 from provisioning.catalog import Catalog, InstanceType
+from provisioning.costs import DEFAULT_COSTS
 
 Market = Literal["ondemand", "spot"]
 
@@ -169,11 +170,12 @@ class SchedulerConfig:
 
     policy: str = "fair"
     max_gpus: int = 256  # quota: GPUs of instances not stopped, at once
-    boot_s: float = 120.0  # launch -> SSH-ready
-    setup_s: float = 300.0  # bootstrap of a fresh instance
-    start_s: float = 60.0  # restart of a stopped instance -> usable
-    min_bill_s: float = 60.0  # minimum billed seconds per start
-    ebs_usd_s: float = 500 * 0.08 / (730 * 3600)  # a stopped instance's storage, USD/s
+    # The cloud's lifecycle costs: one declaration (provisioning.costs) for all readers.
+    boot_s: float = DEFAULT_COSTS.boot_s  # launch -> SSH-ready
+    setup_s: float = DEFAULT_COSTS.setup_s  # bootstrap of a fresh instance
+    start_s: float = DEFAULT_COSTS.start_s  # restart of a stopped instance -> usable
+    min_bill_s: float = DEFAULT_COSTS.min_bill_s  # minimum billed seconds per start
+    ebs_usd_s: float = DEFAULT_COSTS.storage_usd_per_s  # a stopped instance's storage, USD/s
     half_life_s: float = 7 * DAY_S  # Slurm's PriorityDecayHalfLife default
     max_age_s: float = 7 * DAY_S  # Slurm's PriorityMaxAge default
     w_fairshare: float = 1.0  # fair share dominates, as Slurm sites usually weigh it
