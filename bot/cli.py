@@ -26,13 +26,14 @@ from bot.doctor import doctor
 from bot.errors import UserError
 from bot.logs import log_format as resolve_log_format
 from bot.logs import setup_logging
-from bot.metrics import MetricsServer
+from bot.metrics import OpsApp
 from bot.runtime import build_runtime
 from bot.simulate import simulate
 from bot.slack.cli import default_host as slack_default_host
 from bot.slack.cli import manifest as slack_manifest
 from bot.slack.cli import serve as slack_serve
 from bot.slack.notifier import from_settings as slack_notifier_from_settings
+from bot.slack.server import HttpServer
 from bot.terminal import Shell
 from bot.worker import Worker
 
@@ -269,8 +270,14 @@ def worker(
     ops = None
     if metrics_port is not None:
         try:
-            ops = MetricsServer(
-                runtime.engine, metrics_host or slack_default_host(), metrics_port
+            # The same front as `serve` (bot.slack.server): a slow or idle stranger on
+            # this port holds no worker thread; only /healthz and /metrics answer.
+            ops = HttpServer(
+                None,
+                metrics_host or slack_default_host(),
+                metrics_port,
+                threads=2,
+                app=OpsApp(runtime.engine, runtime.service.clock),
             ).start()
         except OSError as exc:
             typer.echo(f"gpubot: cannot serve metrics on port {metrics_port}: {exc}", err=True)

@@ -404,39 +404,3 @@ class OpsApp:
 def _reply(start_response: StartResponse, status: str, ctype: str, body: bytes) -> list[bytes]:
     start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
     return [body]
-
-
-class MetricsServer:
-    """The worker's own little HTTP server for /metrics and /healthz (cheroot, one address)."""
-
-    def __init__(self, engine: Engine, host: str, port: int) -> None:
-        from cheroot.wsgi import Server as WsgiServer
-
-        self._server = WsgiServer(
-            (host, port),
-            OpsApp(engine),
-            numthreads=2,
-            server_name="gpubot-metrics",
-            timeout=10,
-            shutdown_timeout=2,
-        )
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        return int(self._server.bind_addr[1])
-
-    def start(self) -> MetricsServer:
-        self._server.prepare()
-        self._thread = threading.Thread(
-            target=self._server.serve, name="gpubot-metrics", daemon=True
-        )
-        self._thread.start()
-        log.info("metrics on %s:%s%s", self._server.bind_addr[0], self.port, METRICS_PATH)
-        return self
-
-    def stop(self) -> None:
-        self._server.stop()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None

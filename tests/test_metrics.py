@@ -281,8 +281,15 @@ def test_the_worker_serves_metrics_and_healthz_on_its_port(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    stragglers: list[socket.socket] = []
     try:
         wait_up(proc, port)
+        # Strangers that announce a body and never send it hold no worker thread: the
+        # port has two, and a thread-per-connection server would answer nothing below.
+        for _ in range(8):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nx")
+            stragglers.append(sock)
         deadline = time.monotonic() + 20
         while True:
             health = json.loads(get(port, "/healthz")[1])
@@ -298,6 +305,8 @@ def test_the_worker_serves_metrics_and_healthz_on_its_port(
         assert family(samples, "gpubot_gpus") == {(("model", "cpu"), ("state", "free")): 1.0}
         assert get(port, "/slack/events")[0] == 404  # only the operators' endpoints here
     finally:
+        for sock in stragglers:
+            sock.close()
         out = stop(proc)
     assert proc.returncode == 0, out
 
