@@ -36,6 +36,7 @@ from sqlmodel import col, select
 
 from bot import views
 from bot.billing import note_host_state
+from bot.durations import ascii_digits
 from bot.hostagent import AgentReport, host_holds, read_agent_report, renew_lease
 from db.models import HOST_READY, HOST_UNREACHABLE, RES_ACTIVE, Host, Reservation, TrainingRun
 from db.session import locked, transaction
@@ -173,7 +174,7 @@ def _note_interruption(
     with transaction(runs.engine) as s:
         # db.session's lock order: the runs (by id), then the host, each read under its
         # lock, so a placement update that committed meanwhile (a pgid) is not written over.
-        ids = sorted({int(r) for r in agent.interrupted_runs if r.isascii() and r.isdigit()})
+        ids = sorted({int(r) for r in agent.interrupted_runs if ascii_digits(r)})
         signalled = {r: locked(s, TrainingRun, r) for r in ids}
         host = locked(s, Host, host_id)
         if host is not None and host.state == HOST_READY:

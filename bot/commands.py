@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from bot.durations import parse_duration
+from bot.durations import ascii_digits, parse_duration
 from bot.errors import UserError
 
 MAX_GPUS_PER_REQUEST = 64
@@ -343,14 +343,9 @@ def _words(rest: str) -> list[str]:
     return rest.split()
 
 
-def _digits(text: str) -> bool:
-    """ASCII digits only: `str.isdigit()` also says yes to "²", which `int()` refuses."""
-    return text.isascii() and text.isdigit()
-
-
 def _int(token: str, ctx: _Ctx, what: str, low: int = 1, high: int = 10**9) -> int:
     t = token.lstrip("#")
-    if not _digits(t) or len(t) > 12:
+    if not ascii_digits(t) or len(t) > 12:
         raise ctx.fail(f"{what} must be a whole number, not `{_clip(token)}`.")
     value = int(t)
     if not low <= value <= high:
@@ -459,7 +454,7 @@ def _parse_reserve(rest: str, ctx: _Ctx) -> Reserve:
         elif m := _MODEL_X_COUNT.match(w):
             set_model(m.group(1))
             set_count(int(m.group(2)))
-        elif _digits(w) and len(w) <= 6:
+        elif ascii_digits(w) and len(w) <= 6:
             if (
                 nxt is not None
                 and parse_duration(w + nxt) is not None
@@ -495,7 +490,7 @@ def _parse_extend(rest: str, ctx: _Ctx) -> Extend:
     if not words:
         raise ctx.fail("Say how much longer, like `/gpu extend 1h`.")
     rid: int | None = None
-    if len(words) >= 2 and _digits(words[0].lstrip("#")) and parse_duration(words[0]) is None:
+    if len(words) >= 2 and ascii_digits(words[0].lstrip("#")) and parse_duration(words[0]) is None:
         rid = _int(words[0], ctx, "A reservation ID")
         words = words[1:]
     spec = "".join(words[1:]) if words[0].lower() == "by" else "".join(words)

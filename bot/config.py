@@ -28,7 +28,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from pydantic import BeforeValidator, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from bot.durations import format_duration, parse_duration
+from bot.durations import ascii_digits, format_duration, parse_duration
 from bot.errors import UserError
 from provisioning.costs import DEFAULT_COSTS
 
@@ -232,14 +232,7 @@ def parse_weekly_time(raw: str) -> tuple[int, int, int]:
     parts = raw.strip().lower().split()
     if len(parts) == 2 and parts[0][:3] in _WEEKDAYS:
         hh, sep, mm = parts[1].partition(":")
-        if (
-            sep
-            and parts[1].isascii()
-            and hh.isdigit()
-            and mm.isdigit()
-            and int(hh) < 24
-            and int(mm) < 60
-        ):
+        if sep and ascii_digits(hh) and ascii_digits(mm) and int(hh) < 24 and int(mm) < 60:
             return _WEEKDAYS.index(parts[0][:3]), int(hh), int(mm)
     raise ValueError(f"expected a weekday and a time like 'mon 09:00', not {raw!r}")
 

@@ -37,6 +37,7 @@ from bot import views
 from bot.billing import host_periods as load_periods
 from bot.billing import load_usages, shown_cents, spot_savings
 from bot.config import Settings, parse_weekly_time
+from bot.durations import ascii_digits
 from bot.errors import UserError
 from bot.metering import (
     Usage,
@@ -115,7 +116,7 @@ def parse_week(text: str) -> tuple[int, int]:
     """ "2026-W49" → (2026, 49); a UserError that shows the form otherwise."""
     raw = text.strip().upper()
     year, sep, week = raw.partition("-W")
-    if sep and raw.isascii() and year.isdigit() and len(year) == 4 and week.isdigit():
+    if sep and ascii_digits(year) and len(year) == 4 and ascii_digits(week):
         y, w = int(year), int(week)
         try:
             date.fromisocalendar(y, w, 1)

@@ -9,6 +9,13 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
+
+def ascii_digits(text: str) -> bool:
+    """ASCII digits only: `str.isdigit()` also says yes to "²", which `int()` refuses
+    (a 500 in Slack). The one test for every count, id and clock time people type."""
+    return text.isascii() and text.isdigit()
+
+
 _UNITS = {
     "s": 1,
     "sec": 1,
