@@ -164,6 +164,28 @@ def _gate(engine: Engine, sql: str) -> tuple[Connection, int]:
     return conn, pid
 
 
+def _release_then_release_all(
+    engine: Engine, svc: GpuService, gate_sql: str, bob: Actor, held_id: int | None, alice: Actor
+) -> tuple[str, str]:
+    """The interleaving both release races need: with `gate_sql` holding its rows, Bob's
+    `/gpu release` queues behind the gate, then Alice's `/gpu release all` queues behind
+    it too; the gate opens and both answer. Returns (Bob's reply, Alice's reply)."""
+    gate, gate_pid = _gate(engine, gate_sql)
+    probe = engine.connect()
+    try:
+        bob_release = _Call(svc, bob, f"/gpu release {held_id}")
+        bob_release.start()
+        _until_waiting(probe, gate_pid, 1, [bob_release])
+        alice_release = _Call(svc, alice, "/gpu release all")
+        alice_release.start()
+        _until_waiting(probe, gate_pid, 2, [bob_release, alice_release])
+    finally:
+        gate.rollback()
+        gate.close()
+        probe.close()
+    return bob_release.text(), alice_release.text()
+
+
 @pytest.mark.postgres
 def test_release_all_never_overwrites_what_a_grant_pass_just_granted(pg_engine: Engine) -> None:
     """Bob's release frees the GPU and its grant pass gives it to Alice's waiting request
@@ -179,23 +201,16 @@ def test_release_all_never_overwrites_what_a_grant_pass_just_granted(pg_engine: 
         wanted = s.exec(select(Reservation).where(Reservation.state == RES_WAITING)).one()
         held = s.exec(select(Reservation).where(Reservation.state == "active")).one()
     # The gate holds Alice's waiting row: Bob's grant pass stops when it reaches it.
-    gate, gate_pid = _gate(
-        pg_engine, f"SELECT id FROM reservation WHERE id = {wanted.id} FOR UPDATE"
+    bob_text, alice_text = _release_then_release_all(
+        pg_engine,
+        svc,
+        f"SELECT id FROM reservation WHERE id = {wanted.id} FOR UPDATE",
+        bob,
+        held.id,
+        alice,
     )
-    probe = pg_engine.connect()
-    try:
-        bob_release = _Call(svc, bob, f"/gpu release {held.id}")
-        bob_release.start()
-        _until_waiting(probe, gate_pid, 1, [bob_release])
-        alice_release = _Call(svc, alice, "/gpu release all")
-        alice_release.start()
-        _until_waiting(probe, gate_pid, 2, [bob_release, alice_release])
-    finally:
-        gate.rollback()
-        gate.close()
-        probe.close()
-    assert "Done" in bob_release.text()
-    assert f"#{wanted.id}" in alice_release.text()
+    assert "Done" in bob_text
+    assert f"#{wanted.id}" in alice_text
     with Session(pg_engine) as s:
         open_ivs = s.exec(select(UsageInterval).where(col(UsageInterval.ended_at).is_(None))).all()
         final = s.get(Reservation, wanted.id)
@@ -216,21 +231,11 @@ def test_release_all_and_a_release_that_grants_do_not_deadlock(pg_engine: Engine
     svc.reserve(alice, Reserve())
     with Session(pg_engine) as s:
         held = s.exec(select(Reservation).where(Reservation.state == "active")).one()
-    gate, gate_pid = _gate(pg_engine, "SELECT id FROM gpu ORDER BY id FOR UPDATE")
-    probe = pg_engine.connect()
-    try:
-        bob_release = _Call(svc, bob, f"/gpu release {held.id}")
-        bob_release.start()
-        _until_waiting(probe, gate_pid, 1, [bob_release])
-        alice_release = _Call(svc, alice, "/gpu release all")
-        alice_release.start()
-        _until_waiting(probe, gate_pid, 2, [bob_release, alice_release])
-    finally:
-        gate.rollback()
-        gate.close()
-        probe.close()
-    assert "Done" in bob_release.text()
-    assert "Done" in alice_release.text()
+    bob_text, alice_text = _release_then_release_all(
+        pg_engine, svc, "SELECT id FROM gpu ORDER BY id FOR UPDATE", bob, held.id, alice
+    )
+    assert "Done" in bob_text
+    assert "Done" in alice_text
     _assert_all_free(pg_engine)
 
 
