@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bot.simulate import TraceJob, load_trace, run_simulation, write_instances, write_schedule
+from bot.sim.simulate import TraceJob, load_trace, run_simulation, write_instances, write_schedule
 from provisioning.catalog import Catalog
 from tests.sim_checker import check
 

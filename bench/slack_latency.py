@@ -59,11 +59,11 @@ def _serve(conn: Connection, home: str, database_url: str) -> None:
 
     from pydantic import SecretStr
 
-    from bot.clock import SystemClock
-    from bot.config import Settings
-    from bot.service import GpuService
-    from bot.slack.app import build_face
-    from bot.slack.server import HttpServer
+    from bot.app.config import Settings
+    from bot.app.service import GpuService
+    from bot.domain.clock import SystemClock
+    from bot.faces.slack.app import build_face
+    from bot.faces.slack.server import HttpServer
     from db.migrate import upgrade
     from db.session import make_engine
     from provisioning.base import GpuDevice, Instance

@@ -25,6 +25,18 @@ RES_EXPIRED = "expired"  # reached ends_at
 RES_CANCELLED = "cancelled"  # released while still waiting
 RES_OPEN_STATES = (RES_WAITING, RES_ACTIVE)
 
+# Training run states.
+RUN_QUEUED = "queued"  # in line for the scheduler
+RUN_STARTING = "starting"  # claimed with its GPUs; being started on its host
+RUN_RUNNING = "running"
+RUN_CANCELLING = "cancelling"  # asked to stop; its process may still be alive
+RUN_SUCCEEDED = "succeeded"
+RUN_FAILED = "failed"
+RUN_CANCELLED = "cancelled"
+# A process of the run is (or is about to be) on its host, holding its GPUs.
+RUN_ON_HOST = (RUN_STARTING, RUN_RUNNING, RUN_CANCELLING)
+RUN_OPEN_STATES = (RUN_QUEUED, *RUN_ON_HOST)
+
 # Host states.
 HOST_READY = "ready"
 HOST_PENDING = "pending"
@@ -182,7 +194,7 @@ class Notification(SQLModel, table=True):
     # "dm" (target is a user key) or "channel" (target is a channel name or id).
     kind: str = Field(max_length=16)
     target: str = Field(max_length=128)
-    # Plain-text fallback, and the message as a view document (bot.views) to render.
+    # Plain-text fallback, and the message as a view document (bot.domain.views) to render.
     text: str = Field(sa_column=Column(Text, nullable=False))
     view: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     created_at: datetime = _ts()
@@ -200,7 +212,7 @@ class Notification(SQLModel, table=True):
     # a maybe-sent message from one never sent without guessing: the conversation an attempt
     # went to and when it started (committed before the call, cleared when Slack refused
     # it), Slack's ts once the message is known to exist, and the same two facts for the
-    # attachment's upload (bot.outbox.DeliveryLog).
+    # attachment's upload (bot.app.outbox.DeliveryLog).
     attempt_channel: str | None = Field(default=None, max_length=128)
     attempt_started_at: datetime | None = _ts(nullable=True)
     posted_ts: str | None = Field(default=None, max_length=32)
@@ -242,7 +254,7 @@ class HostPeriod(SQLModel, table=True):
 
     A new row opens whenever a host starts running, is stopped, or changes price; the
     previous one closes at that instant. Idle overhead is the running GPU time no usage
-    interval covers, plus stopped storage (bot.metering). At most one row per host is
+    interval covers, plus stopped storage (bot.domain.metering). At most one row per host is
     open; a partial unique index makes the database refuse a second.
     """
 
@@ -272,7 +284,7 @@ class HostPeriod(SQLModel, table=True):
 class GpuSample(SQLModel, table=True):
     """One GPU's utilization at one moment, as the host's telemetry probe saw it.
 
-    Kept as a rolling history, thinned with age (bot.utilization): minute samples for the
+    Kept as a rolling history, thinned with age (bot.app.utilization): minute samples for the
     recent hours, coarser ones after. `span_s` says how long a sample stands for, so an
     average over thinned history still weighs time correctly.
     """

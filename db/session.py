@@ -117,7 +117,7 @@ def write_generation() -> int:
 
     A reader may cache what it computed at generation g for as long as the
     generation stays g (and, for other processes' writes, a short time limit):
-    `bot.service` does this for the shared part of `/gpu status`.
+    `bot.app.service` does this for the shared part of `/gpu status`.
     """
     return _generation
 

@@ -3,7 +3,7 @@
 The simulator's cloud (`provisioning.simulated`), `gpubot simulate`'s options, the bot's
 settings and its messages all read these numbers here, so that a change to what EC2
 charges or how long it takes is made once and the simulator and the bot cannot drift
-apart. The scheduler's own knobs (`bot.scheduling.SchedulerConfig`) start from the same
+apart. The scheduler's own knobs (`bot.domain.scheduling.SchedulerConfig`) start from the same
 figures.
 """
 

@@ -1,7 +1,7 @@
 """An independent judge of `gpubot simulate` output: feasibility and the bill, from files.
 
 It reads only the CSVs (trace, prices, schedule, instances) and the numbers of the
-DESIGN.md contract, never `bot.simulate` or `bot.scheduling`, so a bug in the simulator
+DESIGN.md contract, never `bot.sim.simulate` or `bot.domain.scheduling`, so a bug in the simulator
 cannot hide itself here: the figures it reports cannot be better than the schedule it
 wrote. Used by the tests and by `bench/simulate.py`; runnable as a script:
 

@@ -1,8 +1,8 @@
-"""bot.best_fit: the tightest hole that holds the request, the first one on a tie."""
+"""bot.domain.best_fit: the tightest hole that holds the request, the first one on a tie."""
 
 from __future__ import annotations
 
-from bot.best_fit import best_fit
+from bot.domain.best_fit import best_fit
 
 
 def test_the_tightest_hole_that_holds_the_request_wins() -> None:

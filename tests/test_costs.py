@@ -11,9 +11,9 @@ from fractions import Fraction
 
 import pytest
 
-from bot.config import Settings
-from bot.scheduling import SchedulerConfig
-from bot.simulate import run_simulation, simulate
+from bot.app.config import Settings
+from bot.domain.scheduling import SchedulerConfig
+from bot.sim.simulate import run_simulation, simulate
 from provisioning.catalog import Catalog
 from provisioning.costs import DEFAULT_COSTS, CloudCosts, gpu_share, storage_usd_per_hour
 from provisioning.simulated import SimulatedCloud

@@ -83,9 +83,9 @@ def test_only_db_makes_engines_and_sessions() -> None:
 @pytest.mark.parametrize(
     ("package", "line"),
     [
-        ("training", "import bot.config"),
+        ("training", "import bot.app.config"),
         ("training", "from db.models import User"),
-        ("provisioning", "from bot.service import GpuService"),
+        ("provisioning", "from bot.app.service import GpuService"),
         ("db", "import bot"),
         ("bot", "import torch"),
         ("db", "import boto3"),
@@ -124,8 +124,8 @@ def _named(node: ast.Import | ast.ImportFrom, here: str, is_package: bool) -> It
         package = here.split(".") if is_package else here.split(".")[:-1]
         anchor = package[: len(package) - (node.level - 1)]
         base = ".".join([*anchor, base] if base else anchor)
-    # `from bot import views` names the module bot.views; `from bot.service import
-    # Actor` names bot.service (the longest known prefix is taken below).
+    # `from bot.domain import views` names the module bot.domain.views; `from bot.app.service
+    # import Actor` names bot.app.service (the longest known prefix is taken below).
     yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
@@ -218,7 +218,7 @@ def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
 def test_no_import_cycle() -> None:
     graph = import_graph(ROOT)
     # The graph sees the tree: a top-level, a relative-free from-import of a submodule.
-    assert len(graph) > 50 and "bot.delivery" in graph["bot.worker"]
+    assert len(graph) > 50 and "bot.app.delivery" in graph["bot.faces.worker"]
     found = [describe(cycle, graph) for cycle in import_cycles(ROOT)]
     assert found == [], "import cycles:\n" + "\n".join(found)
 
@@ -253,11 +253,11 @@ if TYPE_CHECKING:
         ),
         (
             {
-                "bot/slack/__init__.py": "",
-                "bot/slack/a.py": "from .b import B\n",
-                "bot/slack/b.py": "def f() -> None:\n    from . import a\n",
+                "bot/faces/slack/__init__.py": "",
+                "bot/faces/slack/a.py": "from .b import B\n",
+                "bot/faces/slack/b.py": "def f() -> None:\n    from . import a\n",
             },
-            ["bot.slack.a", "bot.slack.b", "bot.slack.a"],
+            ["bot.faces.slack.a", "bot.faces.slack.b", "bot.faces.slack.a"],
         ),
         (
             {
@@ -301,3 +301,107 @@ def test_a_cycle_is_named_with_where_each_import_is(tmp_path: Path) -> None:
     (cycle,) = import_cycles(root)
     text = describe(cycle, import_graph(root))
     assert text == "bot.a -> bot.b (bot.a, line 1) -> bot.a (bot.b, line 4)"
+
+
+# --- the layers of bot ----------------------------------------------------------------
+
+# Each layer of `bot` and the layers it may import; arrows only point down. `sim` sits
+# beside the app: the simulator replays the scheduler and never sees the use cases.
+LAYERS: dict[str, set[str]] = {
+    "domain": {"domain"},
+    "app": {"domain", "app"},
+    "adapters": {"domain", "app", "adapters"},
+    "sim": {"domain", "sim"},
+    "faces": {"domain", "app", "adapters", "sim", "faces"},
+}
+# What the pure bottom layer may not touch: the database, the network, the clouds, the
+# scheduler library. Of `provisioning` it reads only the shipped catalog and cost facts.
+IMPURE = {
+    "db",
+    "sqlmodel",
+    "sqlalchemy",
+    "slack_sdk",
+    "slack_bolt",
+    "boto3",
+    "fabric",
+    "apscheduler",
+}
+DOMAIN_READS = {"provisioning", "provisioning.catalog", "provisioning.costs"}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "bot" and len(parts) > 1 else None
+
+
+def layer_breaches(root: Path) -> list[str]:
+    """`bot.app.x imports bot.faces.y (line 3)` for every arrow that points up or
+    sideways out of the layer map, and every module of bot outside a layer."""
+    out = []
+    for module, targets in sorted(import_graph(root).items()):
+        if not module.startswith("bot.") and module != "bot":
+            continue
+        here = _layer(module)
+        if module != "bot" and here not in LAYERS:
+            out.append(f"{module} is in no layer (one of {sorted(LAYERS)})")
+            continue
+        for target, line in sorted(targets.items()):
+            there = _layer(target)
+            if not target.startswith("bot") or (there is None and target != "bot"):
+                continue
+            if module == "bot" or target == "bot" or there not in LAYERS[here or ""]:
+                out.append(f"{module} imports {target} (line {line})")
+    for path in sorted((root / "bot" / "domain").rglob("*.py")):
+        for name in imports_of(path):
+            if name in IMPURE:
+                out.append(f"{path.relative_to(root)} imports {name}; the domain stays pure")
+    for module, targets in sorted(import_graph(root).items()):
+        if _layer(module) == "domain":
+            for target, line in sorted(targets.items()):
+                if target.split(".")[0] == "provisioning" and target not in DOMAIN_READS:
+                    out.append(f"{module} imports {target} (line {line}); the domain stays pure")
+    return out
+
+
+def test_the_layers_only_point_down() -> None:
+    found = layer_breaches(ROOT)
+    assert found == [], "layer breaches:\n" + "\n".join(found)
+    assert {_layer(m) for m in import_graph(ROOT) if m.startswith("bot.")} == set(LAYERS)
+
+
+@pytest.mark.parametrize(
+    ("files", "breach"),
+    [
+        (
+            {"bot/domain/a.py": "def f() -> None:\n    from bot.app.b import B\n"},
+            "bot.domain.a imports bot.app.b (line 2)",
+        ),
+        (
+            {"bot/app/a.py": TYPE_CHECKING_ONLY.replace("bot.a", "bot.faces.b")},
+            "bot.app.a imports bot.faces.b (line 4)",
+        ),
+        ({"bot/sim/a.py": "from bot.app import b\n"}, "bot.sim.a imports bot.app.b (line 1)"),
+        ({"bot/stray.py": "x = 1\n"}, "bot.stray is in no layer"),
+        ({"bot/domain/a.py": "import sqlmodel\n"}, "imports sqlmodel; the domain stays pure"),
+        (
+            {"bot/domain/a.py": "from provisioning.ssh import SshRunner\n"},
+            "imports provisioning.ssh (line 1); the domain stays pure",
+        ),
+    ],
+    ids=[
+        "function-local-up",
+        "type-checking-up",
+        "sim-into-app",
+        "outside-layers",
+        "impure-domain",
+        "domain-over-ssh",
+    ],
+)
+def test_the_layer_check_catches_a_breach(
+    tmp_path: Path, files: dict[str, str], breach: str
+) -> None:
+    base = {f"bot/{layer}/{name}": "" for layer in LAYERS for name in ("__init__.py", "b.py")}
+    base["provisioning/ssh.py"] = ""
+    root = _tree(tmp_path, {**base, **files})
+    found = layer_breaches(root)
+    assert len(found) == 1 and breach in found[0], found

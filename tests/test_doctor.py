@@ -13,8 +13,8 @@ import typer
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from bot.config import Settings, load_settings
-from bot.doctor import (
+from bot.app.config import Settings, load_settings
+from bot.faces.doctor import (
     Check,
     Note,
     check_aws_section,

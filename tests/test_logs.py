@@ -19,9 +19,9 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 
-from bot.config import Settings
-from bot.errors import new_ref
-from bot.logs import REDACTED, log_format, scrub, secret_values, setup_logging
+from bot.adapters.logs import REDACTED, log_format, scrub, secret_values, setup_logging
+from bot.app.config import Settings
+from bot.domain.errors import new_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,9 +52,9 @@ def restore_logging() -> Iterator[None]:
 
 def _emit_everything() -> str:
     """Lines a careless caller (ours or a library's) could write; returns the ref used."""
-    logging.getLogger("bot.worker").info("connecting with %s", BOT_TOKEN)
+    logging.getLogger("bot.faces.worker").info("connecting with %s", BOT_TOKEN)
     logging.getLogger("slack_bolt.App").warning(f"socket mode token {APP_TOKEN} refused")
-    logging.getLogger("bot.slack").info("signing secret is %r", SIGNING_SECRET)
+    logging.getLogger("bot.faces.slack").info("signing secret is %r", SIGNING_SECRET)
     logging.getLogger("sqlalchemy.engine").error(
         "cannot reach postgresql+psycopg://gpubot:%s@db.internal/gpubot", DB_PASSWORD
     )
@@ -67,7 +67,9 @@ def _emit_everything() -> str:
     try:
         raise RuntimeError(f"auth.test failed for token {BOT_TOKEN} and {AWS_SECRET}")
     except RuntimeError as exc:
-        logging.getLogger("bot.dispatch").error("ref=%s /gpu status failed", ref, exc_info=exc)
+        logging.getLogger("bot.faces.dispatch").error(
+            "ref=%s /gpu status failed", ref, exc_info=exc
+        )
     return ref
 
 
@@ -87,7 +89,7 @@ def test_json_lines_parse_and_carry_no_secret(
         assert doc["time"].endswith("+00:00")
     for secret in SECRETS:
         assert secret not in text
-    assert docs[0] == {**docs[0], "level": "INFO", "logger": "bot.worker"}
+    assert docs[0] == {**docs[0], "level": "INFO", "logger": "bot.faces.worker"}
     assert docs[0]["message"] == f"connecting with {REDACTED}"
     assert "postgresql+psycopg://gpubot:<redacted>@db.internal" in docs[3]["message"]
     failed = docs[-1]
@@ -104,7 +106,7 @@ def test_text_lines_are_scrubbed_too(restore_logging: None) -> None:
     text = out.getvalue()
     for secret in SECRETS:
         assert secret not in text
-    assert "INFO bot.worker connecting with <redacted>" in text
+    assert "INFO bot.faces.worker connecting with <redacted>" in text
     assert "Traceback" in text  # the exception is kept, only its secrets are masked
 
 
@@ -135,7 +137,7 @@ def test_a_worker_process_writes_one_json_object_a_line(
         PYTHONPATH=str(ROOT),
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bot.cli", "worker"],
+        [sys.executable, "-m", "bot.faces.cli", "worker"],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -157,7 +159,7 @@ def test_a_bad_log_format_is_one_plain_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLACK_", "GPUBOT_"))}
     env.update(GPUBOT_HOME=str(tmp_path), PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "bot.cli", "worker", "--log-format", "xml"],
+        [sys.executable, "-m", "bot.faces.cli", "worker", "--log-format", "xml"],
         env=env,
         cwd=tmp_path,
         capture_output=True,

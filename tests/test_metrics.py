@@ -25,14 +25,15 @@ from sqlalchemy import func, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot import metrics, views
-from bot.clock import VirtualClock
-from bot.commands import Reserve, Run
-from bot.config import Settings
-from bot.delivery import deliver
-from bot.runs import LocalAccess, RunService
-from bot.service import GpuService
-from bot.slack.notifier import SlackNotifier, make_client
+from bot.adapters import metrics
+from bot.app.config import Settings
+from bot.app.delivery import deliver
+from bot.app.runs import LocalAccess, RunService
+from bot.app.service import GpuService
+from bot.domain import views
+from bot.domain.clock import VirtualClock
+from bot.domain.commands import Reserve, Run
+from bot.faces.slack.notifier import SlackNotifier, make_client
 from db.models import Notification, TrainingRun
 from db.session import make_engine, transaction
 from provisioning.base import GpuDevice, Instance
@@ -43,7 +44,7 @@ from tests.fakes.slack_api import Call, FakeSlack
 from tests.provisioning_aws.conftest import AwsLab, aws_env, inprocess_lab  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE = "import typer; from bot.slack.cli import serve; typer.run(serve)"
+SERVE = "import typer; from bot.faces.slack.cli import serve; typer.run(serve)"
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -275,7 +276,7 @@ def test_the_worker_serves_metrics_and_healthz_on_its_port(
     env = child_env(tmp_path, sqlite_engine, GPUBOT_TICK_SECONDS="0.2")
     env["GPUBOT_METRICS_PORT"] = str(port)  # the environment's default for --metrics-port
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bot.cli", "worker"],
+        [sys.executable, "-m", "bot.faces.cli", "worker"],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,

@@ -26,9 +26,9 @@ from moto.server import ThreadedMotoServer
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
-from bot.cli import app
-from bot.dispatch import handle_text
-from bot.terminal import render
+from bot.faces.cli import app
+from bot.faces.dispatch import handle_text
+from bot.faces.terminal import render
 from provisioning.base import ProvisioningError
 from provisioning.catalog import SHIPPED_PRICES, Catalog
 from provisioning.pricing import fetch_spot, ondemand_price, refresh, to_csv

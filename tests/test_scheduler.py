@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bot.scheduling import (
+from bot.domain.scheduling import (
     LAYERS,
     Action,
     Allocation,
@@ -302,7 +302,7 @@ def test_simulated_schedules_are_feasible(
     rows: list[tuple[float, float, int, int]], policy: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """End to end through the simulator, judged by the independent checker."""
-    from bot.simulate import TraceJob, run_simulation, write_instances, write_schedule
+    from bot.sim.simulate import TraceJob, run_simulation, write_instances, write_schedule
     from tests.sim_checker import check
 
     d = tmp_path_factory.mktemp("sim")
@@ -663,21 +663,23 @@ def test_preemption_only_when_due() -> None:
 
 
 def test_scheduling_modules_import_only_the_layers_before_them() -> None:
-    """The package's one-way arrows (`bot.scheduling.LAYERS`): a module that reached up
+    """The package's one-way arrows (`bot.domain.scheduling.LAYERS`): a module that reached up
     (placement importing preemption, say) would fail here, before it became a cycle."""
     pkg = Path(__file__).resolve().parents[1] / "bot" / "scheduling"
     assert sorted(p.stem for p in pkg.glob("*.py") if p.stem != "__init__") == sorted(LAYERS)
     for rank, name in enumerate(LAYERS):
         tree = ast.parse((pkg / f"{name}.py").read_text())
         imported = {
-            n.module.removeprefix("bot.scheduling.")
+            n.module.removeprefix("bot.domain.scheduling.")
             for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("bot.scheduling")
+            if isinstance(n, ast.ImportFrom)
+            and n.module
+            and n.module.startswith("bot.domain.scheduling")
         } | {
-            a.name.removeprefix("bot.scheduling.")
+            a.name.removeprefix("bot.domain.scheduling.")
             for n in ast.walk(tree)
             if isinstance(n, ast.Import)
             for a in n.names
-            if a.name.startswith("bot.scheduling")
+            if a.name.startswith("bot.domain.scheduling")
         }
         assert imported <= set(LAYERS[:rank]), (name, imported - set(LAYERS[:rank]))

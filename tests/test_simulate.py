@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from bot.simulate import (
+from bot.sim.simulate import (
     FIGURE_KEYS,
     INSTANCES_HEADER,
     SCHEDULE_HEADER,

@@ -15,10 +15,17 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.clock import VirtualClock
-from bot.config import Settings
-from bot.fleet import CloudGpuService, CloudRunService, Fleet, PreparedHost, RemoteAccess, attach
-from bot.service import GpuService
+from bot.app.config import Settings
+from bot.app.fleet import (
+    CatalogSupply,
+    Fleet,
+    PreparedHost,
+    RemoteAccess,
+    attach,
+)
+from bot.app.runs import RunService
+from bot.app.service import GpuService
+from bot.domain.clock import VirtualClock
 from db.models import Host, LaunchRequest, Notification
 from provisioning.base import Instance
 from provisioning.ssh import SshClient, SshRunner, SshTarget
@@ -88,10 +95,10 @@ def make_fleet(
     admins: tuple[str, ...] = ("root",),
     target: SshTarget | None = None,
 ) -> FleetBench:
-    """A fleet attached to its service (the worker's job and `bot.runs` find it), with
+    """A fleet attached to its service (the worker's job and `bot.app.runs` find it), with
     runs on the loopback host kept under `remote_root` (this machine's interpreter)."""
     clock = VirtualClock()
-    svc = CloudGpuService(engine, Settings(admins=admins), clock, compute.catalog)
+    svc = GpuService(engine, Settings(admins=admins), clock, CatalogSupply(compute.catalog))
     client = SshClient(connect_timeout=5, command_timeout=20)
     prepared: list[str] = []
 
@@ -103,5 +110,5 @@ def make_fleet(
     access = RemoteAccess(engine, client, resolver, prepare=prepare)
     fleet = Fleet(svc, compute, access, catalog=compute.catalog)
     attach(svc, fleet)
-    svc.runs = CloudRunService(svc, access, compute.catalog)
+    svc.runs = RunService(svc, access, compute.catalog)
     return FleetBench(service=svc, clock=clock, fleet=fleet, client=client, prepared=prepared)

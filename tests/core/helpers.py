@@ -7,9 +7,9 @@ from datetime import timedelta
 
 from sqlalchemy.engine import Engine
 
-from bot.clock import VirtualClock
-from bot.config import Settings
-from bot.service import Actor, GpuService
+from bot.app.config import Settings
+from bot.app.service import Actor, GpuService
+from bot.domain.clock import VirtualClock
 from provisioning.base import GpuDevice, Instance
 
 

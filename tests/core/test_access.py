@@ -1,4 +1,4 @@
-"""Who may do what (bot.access): the membership port's contract, run against the shell's
+"""Who may do what (bot.app.access): the membership port's contract, run against the shell's
 table and against Slack (the fake Web API); who may start runs, with its cache and its
 refusals; run logs kept to their owner and the admins on both databases; and the audit
 line each admin action leaves, only once its change is committed."""
@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from bot.access import (
+from bot.app.access import (
     AUDIT_LOGGER,
     Membership,
     MembershipError,
@@ -24,12 +24,12 @@ from bot.access import (
     StaticMembership,
     audit,
 )
-from bot.commands import Logs, Reserve, Run
-from bot.config import ConfigError, Settings, load_settings
-from bot.dispatch import handle_text
-from bot.errors import UserError
-from bot.service import Actor, GpuService
-from bot.slack.membership import SlackMembership
+from bot.app.config import ConfigError, Settings, load_settings
+from bot.app.service import Actor, GpuService
+from bot.domain.commands import Logs, Reserve, Run
+from bot.domain.errors import UserError
+from bot.faces.dispatch import handle_text
+from bot.faces.slack.membership import SlackMembership
 from db.models import TrainingRun
 from db.session import transaction
 from tests.core.helpers import actor, host, make_service

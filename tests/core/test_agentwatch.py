@@ -1,4 +1,4 @@
-"""bot.agentwatch in the worker's poll: lease renewal and runs lost in a reboot.
+"""bot.app.agentwatch in the worker's poll: lease renewal and runs lost in a reboot.
 
 Real sshd hosts on loopback (127.0.0.2, 127.0.0.3) declared as static hosts, the worker's
 own `build_runtime` → `RunService.poll`/`dispatch`, and the real host agent run over SSH
@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 from sqlmodel import Session, col, select
 
-from bot import agentwatch
-from bot.commands import Reserve, Run
-from bot.config import load_settings
-from bot.fleet import PreparedHost
-from bot.hostagent import host_holds
-from bot.runtime import Runtime, build_runtime
+from bot.app import agentwatch
+from bot.app.config import load_settings
+from bot.app.fleet import PreparedHost
+from bot.app.hostagent import host_holds
+from bot.domain.commands import Reserve, Run
+from bot.faces.runtime import Runtime, build_runtime
 from db.models import Host, Notification, TrainingRun, UsageInterval
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshRunner, SshTarget
 from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab

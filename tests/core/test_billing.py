@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.billing import shown_cents, team_bill
-from bot.clock import VirtualClock
-from bot.commands import Release, Reserve
-from bot.config import Settings
-from bot.dispatch import handle_text
-from bot.errors import UserError
-from bot.metering import period_window, to_cents
-from bot.service import GpuService
-from bot.terminal import render
+from bot.app.billing import shown_cents, team_bill
+from bot.app.config import Settings
+from bot.app.service import GpuService
+from bot.domain.clock import VirtualClock
+from bot.domain.commands import Release, Reserve
+from bot.domain.errors import UserError
+from bot.domain.metering import period_window, to_cents
+from bot.faces.dispatch import handle_text
+from bot.faces.terminal import render
 from db.migrate import upgrade
 from db.models import HostPeriod
 from db.session import make_engine

@@ -18,12 +18,12 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.budgets import check_budget
-from bot.commands import Release, Reserve, Run
-from bot.dispatch import handle_text
-from bot.errors import UserError
-from bot.runs import LocalAccess, RunService
-from bot.service import Actor, GpuService
+from bot.app.budgets import check_budget
+from bot.app.runs import LocalAccess, RunService
+from bot.app.service import Actor, GpuService
+from bot.domain.commands import Release, Reserve, Run
+from bot.domain.errors import UserError
+from bot.faces.dispatch import handle_text
 from db.models import Notification, Reservation, TrainingRun, UsageInterval, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance

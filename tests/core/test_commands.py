@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bot.commands import (
+from bot.domain.commands import (
     VERBS,
     Budget,
     Cancel,
@@ -27,9 +27,9 @@ from bot.commands import (
     UserRef,
     Util,
 )
-from bot.dispatch import parse_text as parse
-from bot.durations import format_duration, parse_duration
-from bot.errors import UserError
+from bot.domain.durations import format_duration, parse_duration
+from bot.domain.errors import UserError
+from bot.faces.dispatch import parse_text as parse
 
 H = timedelta(hours=1)
 

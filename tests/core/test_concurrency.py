@@ -22,10 +22,10 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Session, col, select
 
-from bot.commands import Reserve
-from bot.dispatch import handle_text
-from bot.service import Actor, GpuService
-from bot.views import Reply
+from bot.app.service import Actor, GpuService
+from bot.domain.commands import Reserve
+from bot.domain.views import Reply
+from bot.faces.dispatch import handle_text
 from db.models import (
     RES_CANCELLED,
     RES_RELEASED,

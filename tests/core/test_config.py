@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from bot.config import ConfigError, Settings, load_settings
+from bot.app.config import ConfigError, Settings, load_settings
 
 
 def test_defaults_are_the_embedded_bot() -> None:

@@ -18,14 +18,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 from typer.testing import CliRunner
 
-from bot.charts import COST_HEIGHT_PX as CHART_H
-from bot.charts import COST_WIDTH_PX as CHART_W
-from bot.cli import app
-from bot.clock import VirtualClock
-from bot.commands import Reserve
-from bot.config import Settings
-from bot.delivery import deliver
-from bot.digest import (
+from bot.app.config import Settings
+from bot.app.delivery import deliver
+from bot.app.digest import (
     digest_chart,
     digest_csv,
     digest_for,
@@ -36,12 +31,17 @@ from bot.digest import (
     parse_week,
     post_digest,
 )
-from bot.errors import UserError
-from bot.metering import to_cents
-from bot.service import GpuService
-from bot.slack.notifier import SlackNotifier
-from bot.terminal import render
-from bot.worker import periodic_jobs
+from bot.app.service import GpuService
+from bot.domain.charts import COST_HEIGHT_PX as CHART_H
+from bot.domain.charts import COST_WIDTH_PX as CHART_W
+from bot.domain.clock import VirtualClock
+from bot.domain.commands import Reserve
+from bot.domain.errors import UserError
+from bot.domain.metering import to_cents
+from bot.faces.cli import app
+from bot.faces.slack.notifier import SlackNotifier
+from bot.faces.terminal import render
+from bot.faces.worker import periodic_jobs
 from db.models import Gpu, GpuSample, Host, Notification, TrainingRun, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance

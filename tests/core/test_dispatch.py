@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import Engine
 
-from bot.clock import VirtualClock
-from bot.config import Settings
-from bot.dispatch import handle_text
-from bot.service import Actor, GpuService
-from bot.terminal import render
+from bot.app.config import Settings
+from bot.app.service import Actor, GpuService
+from bot.domain.clock import VirtualClock
+from bot.faces.dispatch import handle_text
+from bot.faces.terminal import render
 from db.session import make_engine
 from tests.core.helpers import actor, host, make_service
 
@@ -42,7 +42,8 @@ def test_an_unexpected_failure_shows_a_reference_and_logs_the_traceback(
 def test_every_verb_has_a_handler_and_runless_services_say_so(sqlite_engine: Engine) -> None:
     import typing
 
-    from bot import commands, dispatch
+    from bot.domain import commands
+    from bot.faces import dispatch
 
     handled = set(dispatch._HANDLERS)
     assert set(typing.get_args(commands.Command)) == handled

@@ -1,4 +1,4 @@
-"""`/gpu queue`'s estimated start and cost (bot.estimates), against cases worked out by
+"""`/gpu queue`'s estimated start and cost (bot.domain.estimates), against cases worked out by
 hand, and as `/gpu queue` shows them from the database."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
-from bot.commands import Queue, Reserve, Run
-from bot.estimates import (
+from bot.app.runs import LocalAccess, RunService
+from bot.domain.commands import Queue, Reserve, Run
+from bot.domain.estimates import (
     Estimate,
     Hold,
     HostPicture,
@@ -19,8 +20,7 @@ from bot.estimates import (
     estimate_queue,
     start_phrase,
 )
-from bot.runs import LocalAccess, RunService
-from bot.views import Table
+from bot.domain.views import Table
 from db.models import Gpu, Host, TrainingRun, UsageInterval
 from db.session import transaction
 from provisioning.catalog import Catalog
@@ -75,7 +75,7 @@ def test_waiting_reservations_go_first_and_hold_back_runs_of_their_model() -> No
     )
     assert [(e.run_id, e.start_s) for e in got] == [("res:1", NOW + 3600), (1, NOW + 3 * 3600)]
     # 4 A100s are free now and run #1 would be done in 10 min, but while the reservation
-    # for 8 waits no A100 run starts (as bot.runs dispatches); a T4 run is not held back.
+    # for 8 waits no A100 run starts (as bot.app.runs dispatches); a T4 run is not held back.
     hosts = [p4d(Hold(4, NOW + 3600)), HostPicture("t4", "T4", 1, 0.5)]
     got = estimate_queue(
         [

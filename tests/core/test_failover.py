@@ -25,12 +25,12 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.clock import SystemClock
-from bot.commands import Run
-from bot.config import Settings
-from bot.leader import _ADVISORY_KEY
-from bot.runs import LocalAccess, RunService
-from bot.service import GpuService
+from bot.adapters.leader import _ADVISORY_KEY
+from bot.app.config import Settings
+from bot.app.runs import LocalAccess, RunService
+from bot.app.service import GpuService
+from bot.domain.clock import SystemClock
+from bot.domain.commands import Run
 from db.models import TrainingRun
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.postgres
 ROOT = Path(__file__).resolve().parents[2]
 TICK_S = 0.5
 SLOTS = 4
-SERVE = "import typer; from bot.slack.cli import serve; typer.run(serve)"
+SERVE = "import typer; from bot.faces.slack.cli import serve; typer.run(serve)"
 
 
 class WorkerProc:
@@ -54,7 +54,7 @@ class WorkerProc:
         self.log_path = tmp / f"{name}.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bot.cli", "worker", "--log-format", "json"],
+            [sys.executable, "-m", "bot.faces.cli", "worker", "--log-format", "json"],
             env=env,
             cwd=tmp,
             stdout=self._log,
@@ -211,7 +211,7 @@ def test_sigkill_of_the_leader_mid_dispatch_loses_no_run_and_starts_none_twice(
     assert lead_delay <= TICK_S + 0.5
 
     # A run claimed by the dead leader and never started goes back in line after the
-    # starting grace (bot.runs.STARTING_GRACE, 90 s): allow for that.
+    # starting grace (bot.app.runs.STARTING_GRACE, 90 s): allow for that.
     def all_done() -> bool:
         return all(st in ("succeeded", "failed") for st, _ in states(pg_engine).values())
 

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from bot.dispatch import handle_text
-from bot.fleet import fleet_for, fleet_job, fleet_trigger
-from bot.worker import periodic_jobs
+from bot.app.fleet import fleet_job, fleet_trigger
+from bot.faces.dispatch import handle_text
+from bot.faces.worker import periodic_jobs
 from db.models import PoolLimit
 from provisioning.base import Instance
 from tests.core.helpers import host, make_service
@@ -101,5 +101,5 @@ def test_the_worker_runs_the_fleet_at_start_and_every_tick(sqlite_engine: Engine
     assert args["seconds"] == 5.0  # never more often than every 5 s
     assert abs((args["next_run_time"] - datetime.now(UTC)).total_seconds()) < 5
     # Without a cloud provider there is no fleet, and the job does nothing.
-    assert fleet_for(svc) is None
+    assert svc.fleet is None
     fleet_job(svc)

@@ -1,4 +1,4 @@
-"""bot.held: "held now" is an interval with no end, narrowed by host, reservation or run,
+"""bot.app.held: "held now" is an interval with no end, narrowed by host, reservation or run,
 on both databases; an ended interval never counts, and ending a holder's GPUs touches
 only that holder's intervals."""
 
@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from bot.held import end_held, held_gpu_ids, held_host_ids, held_intervals, who_holds
+from bot.app.held import end_held, held_gpu_ids, held_host_ids, held_intervals, who_holds
 from db.models import Gpu, Host, Reservation, TrainingRun, UsageInterval, User
 from db.session import transaction
 

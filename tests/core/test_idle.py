@@ -10,12 +10,12 @@ from datetime import timedelta
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot import views
-from bot.clock import VirtualClock
-from bot.commands import Reserve
-from bot.dispatch import handle_text
-from bot.idle import ACTION_KEEP, ACTION_RELEASE, Point, assess, coverage_s, idle_job
-from bot.utilization import collect
+from bot.app.idle import ACTION_KEEP, ACTION_RELEASE, Point, assess, coverage_s, idle_job
+from bot.app.utilization import collect
+from bot.domain import views
+from bot.domain.clock import VirtualClock
+from bot.domain.commands import Reserve
+from bot.faces.dispatch import handle_text
 from db.models import Notification, Reservation, UsageInterval
 from tests.core.helpers import actor, make_service
 from tests.core.test_utilization import RecordedRunner, gpu_a, snapshot_json, with_access

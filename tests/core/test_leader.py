@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from bot.clock import VirtualClock
-from bot.leader import AdvisoryLeadership, LeaseLeadership, leadership_for
+from bot.adapters.leader import AdvisoryLeadership, LeaseLeadership, leadership_for
+from bot.domain.clock import VirtualClock
 
 
 def test_a_lease_is_held_renewed_and_taken_over_when_it_lapses(sqlite_engine: Engine) -> None:
@@ -58,8 +58,8 @@ def test_the_runtime_picks_the_lock_that_fits_the_database(sqlite_engine: Engine
 def test_a_standby_worker_does_nothing(sqlite_engine: Engine) -> None:
     from sqlmodel import Session, select
 
-    from bot.commands import Reserve
-    from bot.worker import tick_job
+    from bot.domain.commands import Reserve
+    from bot.faces.worker import tick_job
     from db.models import Reservation
     from tests.core.helpers import HOUR, actor, host, make_service
 

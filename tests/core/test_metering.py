@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bot.metering import (
+from bot.domain.metering import (
     HostPeriod,
     Usage,
     UsageKind,

@@ -12,8 +12,8 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.commands import Run
-from bot.runs import RunService, _runner_command
+from bot.app.runs import RunService, _runner_command
+from bot.domain.commands import Run
 from db.models import TrainingRun, UsageInterval
 from tests.core.helpers import actor, make_service
 from tests.core.test_runs import dms_to, local_host, run_until, runs_for, state

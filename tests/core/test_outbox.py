@@ -8,11 +8,11 @@ from datetime import timedelta
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from bot.clock import VirtualClock
-from bot.commands import Release, Reserve
-from bot.delivery import DeliveryRetry, deliver
-from bot.outbox import DeliveryFacts, StoredDeliveryLog
-from bot.service import GpuService, OutboxItem
+from bot.app.delivery import DeliveryRetry, deliver
+from bot.app.outbox import DeliveryFacts, StoredDeliveryLog
+from bot.app.service import GpuService, OutboxItem
+from bot.domain.clock import VirtualClock
+from bot.domain.commands import Release, Reserve
 from db.models import Notification
 from tests.core.helpers import actor, host, make_service
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import Engine
 
-from bot.commands import VERBS, Recommend, parse
-from bot.dispatch import handle_text
-from bot.errors import UserError
-from bot.recommend import THROUGHPUT_TFLOPS, rank, recommend_view
-from bot.terminal import render
+from bot.app.recommend import THROUGHPUT_TFLOPS, rank, recommend_view
+from bot.domain.commands import VERBS, Recommend, parse
+from bot.domain.errors import UserError
+from bot.faces.dispatch import handle_text
+from bot.faces.terminal import render
 from provisioning.catalog import HEADER, Catalog, InstanceType
 from tests.core.helpers import actor, host, make_service
 

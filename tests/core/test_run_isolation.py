@@ -31,13 +31,13 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.commands import Logs, Release, Reserve, Run
-from bot.config import load_settings
-from bot.dispatch import execute
-from bot.errors import UserError
-from bot.runs import RunService
-from bot.runtime import Runtime, build_runtime
-from bot.terminal import render
+from bot.app.config import load_settings
+from bot.app.runs import RunService
+from bot.domain.commands import Logs, Release, Reserve, Run
+from bot.domain.errors import UserError
+from bot.faces.dispatch import execute
+from bot.faces.runtime import Runtime, build_runtime
+from bot.faces.terminal import render
 from db.models import Notification, Reservation, TrainingRun, User
 from tests.core.helpers import make_service
 from tests.provisioning.conftest import RUN_ACCOUNT, run_account_missing

@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.commands import Cancel, Logs, Queue, Reserve, Run
-from bot.errors import UserError
-from bot.runs import LocalAccess, RunService
-from bot.service import GpuService
+from bot.app.runs import LocalAccess, RunService
+from bot.app.service import GpuService
+from bot.domain.commands import Cancel, Logs, Queue, Reserve, Run
+from bot.domain.errors import UserError
 from db.models import Notification, TrainingRun, UsageInterval
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog

@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.commands import Extend, Release, Reserve, Status
-from bot.errors import UserError
-from bot.service import GpuService
+from bot.app.service import GpuService
+from bot.domain.commands import Extend, Release, Reserve, Status
+from bot.domain.errors import UserError
 from db.models import Notification, Reservation, UsageInterval
 from tests.core.helpers import HOUR, actor, host, make_service
 

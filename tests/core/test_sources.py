@@ -1,4 +1,4 @@
-"""Where a run's code comes from (bot.sources): the --git/--path grammar, staging a
+"""Where a run's code comes from (bot.app.sources): the --git/--path grammar, staging a
 local directory, `gpubot submit` end to end on this machine, and a git source cloned
 from a bare repository in tmp on a real sshd host (file:// only because the test
 allows it; nothing dials the network)."""
@@ -15,9 +15,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from bot.commands import Run, parse
-from bot.errors import UserError
-from bot.sources import (
+from bot.app.sources import prepare_code, stage
+from bot.domain.code_sources import (
     GitSource,
     PathSource,
     SourceError,
@@ -25,9 +24,9 @@ from bot.sources import (
     parse_git,
     parse_path,
     parse_source,
-    prepare_code,
-    stage,
 )
+from bot.domain.commands import Run, parse
+from bot.domain.errors import UserError
 from db.models import TrainingRun
 from db.session import make_engine
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshTarget
@@ -454,7 +453,7 @@ def test_a_path_that_is_shell_code_runs_nothing_through_the_service_and_worker(
     and local runner: the path is one word wherever it goes. A missing one fails the run
     with a sentence naming it (no shell's stderr); an existing one is where the command
     runs."""
-    from bot.dispatch import handle_text
+    from bot.faces.dispatch import handle_text
 
     svc, _ = make_service(sqlite_engine, [local_host(1)], home=tmp_path / "home")
     runs = runs_for(svc, tmp_path)
@@ -488,7 +487,7 @@ def test_a_path_that_is_shell_code_runs_nothing_through_the_service_and_worker(
 def test_the_runner_stays_in_the_run_dir_and_the_command_moves_to_its_code() -> None:
     from datetime import UTC, datetime
 
-    from bot.runs import _runner_command
+    from bot.app.runs import _runner_command
 
     placement = {"dir": "/h/runs/7", "status": "/h/runs/7/s.json", "checkpoints": "/h/runs/7/c"}
     run = TrainingRun(
@@ -517,9 +516,9 @@ def test_staged_and_git_runs_on_a_static_ssh_host(
     the runner started there, and a second upload of the same tree that sends nothing."""
     import time
 
-    from bot.config import load_settings
-    from bot.fleet import PreparedHost
-    from bot.runtime import build_runtime
+    from bot.app.config import load_settings
+    from bot.app.fleet import PreparedHost
+    from bot.faces.runtime import build_runtime
 
     host = lab.hosts["gpu-b"]
     monkeypatch.setenv(LOOPBACK_ONLY_ENV, "1")

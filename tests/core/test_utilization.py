@@ -18,12 +18,9 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.commands import Reserve
-from bot.dispatch import handle_text
-from bot.runs import RunService
-from bot.service import GpuService
-from bot.terminal import render
-from bot.utilization import (
+from bot.app.runs import RunService
+from bot.app.service import GpuService
+from bot.app.utilization import (
     TIERS,
     Sample,
     collect,
@@ -31,7 +28,10 @@ from bot.utilization import (
     thin,
     thin_db,
 )
-from bot.worker import periodic_jobs
+from bot.domain.commands import Reserve
+from bot.faces.dispatch import handle_text
+from bot.faces.terminal import render
+from bot.faces.worker import periodic_jobs
 from db.models import Gpu, GpuSample, Host, Notification, TrainingRun, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance
@@ -480,7 +480,7 @@ def test_thinning_in_the_database(engine: Engine) -> None:
 
 
 def sample_minutes(svc: GpuService, minutes: int) -> None:
-    from bot.clock import VirtualClock
+    from bot.domain.clock import VirtualClock
 
     clock = svc.clock
     assert isinstance(clock, VirtualClock)

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from bot.config import load_settings
-from bot.runtime import build_runtime
+from bot.app.config import load_settings
+from bot.faces.runtime import build_runtime
 from provisioning.base import Instance
 
 

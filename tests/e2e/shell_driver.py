@@ -32,7 +32,7 @@ def shell_env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def gpubot_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "bot.cli", *args]
+    return [sys.executable, "-m", "bot.faces.cli", *args]
 
 
 class ShellProcess:

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, select
 
-from bot.clock import SystemClock
-from bot.commands import Reserve
-from bot.config import Settings
-from bot.service import GpuService
+from bot.app.config import Settings
+from bot.app.service import GpuService
+from bot.domain.clock import SystemClock
+from bot.domain.commands import Reserve
 from db.migrate import upgrade
 from db.models import RES_ACTIVE, RES_WAITING, Host, LaunchRequest, Reservation
 from db.session import make_engine
@@ -150,7 +150,7 @@ def test_a_worker_killed_after_launch_is_reconciled_without_a_second_instance(
     assert managed_ids(lab) == sorted([seed.instance_id or "", launched])
 
     worker = subprocess.Popen(
-        [sys.executable, "-m", "bot.cli", "worker"],
+        [sys.executable, "-m", "bot.faces.cli", "worker"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session
 
-from bot.commands import Logs, Run
-from bot.config import load_settings
-from bot.dispatch import execute
-from bot.fleet import PreparedHost
-from bot.runtime import build_runtime
-from bot.terminal import render
+from bot.app.config import load_settings
+from bot.app.fleet import PreparedHost
+from bot.domain.commands import Logs, Run
+from bot.faces.dispatch import execute
+from bot.faces.runtime import build_runtime
+from bot.faces.terminal import render
 from db.models import TrainingRun
 from provisioning.ssh import SshClient, SshRunner, SshTarget
 from tests.ssh_hosts import SshLab

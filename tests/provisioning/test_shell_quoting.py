@@ -30,9 +30,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from bot import sources
-from bot.fleet import PreparedHost, _HostRunner
-from bot.runs import _command_text, _runner_command
+from bot.app import sources
+from bot.app.fleet import PreparedHost, _HostRunner
+from bot.app.runs import _command_text, _runner_command
+from bot.domain import code_sources
 from db.models import TrainingRun
 from provisioning import bootstrap, shell, ssh
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
@@ -452,7 +453,7 @@ def test_pid_and_signal_builders_take_numbers_and_known_names_only() -> None:
         ssh.kill_group_command_line(1234, "TERM; probe")
 
 
-# --- bot.sources: the code a run starts in -----------------------------------------------------
+# --- bot.app.sources: the code a run starts in -----------------------------------------------------
 
 GIT_ENV = ["GIT_TERMINAL_PROMPT", "GIT_SSH_COMMAND"]
 
@@ -468,9 +469,9 @@ def test_git_fetch_line_passes_url_ref_and_dest_as_operands(
     sh: str, boxes: Iterator[Box], url: str, ref: str, dest: str
 ) -> None:
     box = next(boxes)
-    src = sources.GitSource(url, ref)
+    src = code_sources.GitSource(url, ref)
     if url.startswith("-") or ref.startswith("-") or not url or "\n" in url + ref:
-        with pytest.raises(sources.SourceError):
+        with pytest.raises(code_sources.SourceError):
             sources.git_fetch_line(src, dest)
         return
     target = box.dir(dest)  # `git init` is a probe: the directory it would make
@@ -508,10 +509,10 @@ def test_git_fetch_line_passes_url_ref_and_dest_as_operands(
 
 @pytest.mark.parametrize("spec", ["--upload-pack=touch /tmp/x", "-oProxyCommand=x", "ext::sh -c x"])
 def test_a_git_url_that_is_an_option_or_a_transport_is_refused(spec: str) -> None:
-    with pytest.raises(sources.SourceError):
-        sources.parse_git(spec)
-    with pytest.raises(sources.SourceError):
-        sources.parse_git(f"https://github.com/org/repo@{spec}")
+    with pytest.raises(code_sources.SourceError):
+        code_sources.parse_git(spec)
+    with pytest.raises(code_sources.SourceError):
+        code_sources.parse_git(f"https://github.com/org/repo@{spec}")
 
 
 @pytest.mark.parametrize("sh", SHELLS)
@@ -527,7 +528,7 @@ def test_path_check_line_answers_by_exit_code_and_runs_nothing(
     if kind == "file":
         path.rmdir()
         path.write_text("x")
-    proc = box.run(sh, sources.path_check_line(sources.PathSource(str(path))))
+    proc = box.run(sh, sources.path_check_line(code_sources.PathSource(str(path))))
     want = {"dir": 0, "file": sources.PATH_NOT_DIR, "missing": sources.PATH_MISSING}[kind]
     assert (proc.returncode, proc.stdout, proc.stderr) == (want, b"", b"")
     assert box.records() == []
@@ -557,7 +558,7 @@ def test_copy_listed_line_keeps_each_path_whole(
     no_injection(box)
 
 
-# --- bot.runs: the runner's command line, as the runner then starts it ------------------------
+# --- bot.app.runs: the runner's command line, as the runner then starts it ------------------------
 
 
 def _runner_words(line: str) -> str:
@@ -602,7 +603,7 @@ def test_the_runner_line_and_the_users_command_arrive_word_for_word(
         run.metrics = {"oom_retry": {"batch_size": batch} if batch else {}}
     if where == "path":
         code_dir = box.dir(code, trap=False)
-        run.source = sources.parse_path(str(code_dir)).text()
+        run.source = code_sources.parse_path(str(code_dir)).text()
         code_dir = Path(run.source.removeprefix("path:"))
     elif where == "staged":
         run.source = "staged:proj-0123"
@@ -665,7 +666,7 @@ def test_in_code_dir_starts_the_command_in_its_code(
     on_host = box.dir(code, trap=False)
     staged = box.dir(f"{run_dir}/code")
     for text, where in (
-        (sources.parse_path(str(on_host)).text(), on_host),
+        (code_sources.parse_path(str(on_host)).text(), on_host),
         ("staged:proj-0123", staged),
     ):
         box.log.unlink(missing_ok=True)

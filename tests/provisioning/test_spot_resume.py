@@ -36,11 +36,11 @@ from typing import Any
 import pytest
 from sqlmodel import Session, col, select
 
-from bot.billing import note_host_state
-from bot.commands import Run
-from bot.config import load_settings
-from bot.fleet import PreparedHost
-from bot.runtime import Runtime, build_runtime
+from bot.app.billing import note_host_state
+from bot.app.config import load_settings
+from bot.app.fleet import PreparedHost
+from bot.domain.commands import Run
+from bot.faces.runtime import Runtime, build_runtime
 from db.models import HOST_STOPPED, HOST_UNREACHABLE, Host, Notification, TrainingRun
 from db.session import transaction
 from provisioning.ssh import SshClient, SshRunner, SshTarget

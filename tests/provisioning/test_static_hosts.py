@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, select
 
-from bot.commands import Logs, Reserve, Run, Status
-from bot.config import ConfigError, load_settings
-from bot.fleet import PreparedHost, home_prepare
-from bot.runtime import build_runtime
+from bot.app.config import ConfigError, load_settings
+from bot.app.fleet import PreparedHost, home_prepare
+from bot.domain.commands import Logs, Reserve, Run, Status
+from bot.faces.runtime import build_runtime
 from db.models import Gpu, Host, TrainingRun
 from provisioning.hosts import (
     HostEntryError,

@@ -17,10 +17,9 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.commands import Release, Reserve, Run
-from bot.dispatch import handle_text
-from bot.fleet import REQ_FAILED, REQ_LAUNCHED, REQ_PENDING
-from bot.runs import RUN_QUEUED, RUN_RUNNING
+from bot.app.fleet import REQ_FAILED, REQ_LAUNCHED, REQ_PENDING
+from bot.domain.commands import Release, Reserve, Run
+from bot.faces.dispatch import handle_text
 from db.models import (
     HOST_PENDING,
     HOST_READY,
@@ -29,6 +28,8 @@ from db.models import (
     RES_ACTIVE,
     RES_RELEASED,
     RES_WAITING,
+    RUN_QUEUED,
+    RUN_RUNNING,
     Gpu,
     HostPeriod,
     LaunchRequest,

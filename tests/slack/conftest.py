@@ -1,4 +1,4 @@
-"""Fixtures for the Slack face: the real Bolt app on the real HTTP front (bot/slack/server.py) on
+"""Fixtures for the Slack face: the real Bolt app on the real HTTP front (bot/faces/slack/server.py) on
 127.0.0.1, the real service on SQLite, the fake Slack Web API behind it, and a
 client that signs requests the way Slack does (HMAC-SHA256 over v0:ts:body)."""
 
@@ -18,11 +18,11 @@ from urllib.parse import quote, urlencode
 import pytest
 from sqlalchemy.engine import Engine
 
-from bot.clock import VirtualClock
-from bot.service import GpuService
-from bot.slack.app import SlackFace, build_face
-from bot.slack.notifier import SlackNotifier, make_client
-from bot.slack.server import HttpServer
+from bot.app.service import GpuService
+from bot.domain.clock import VirtualClock
+from bot.faces.slack.app import SlackFace, build_face
+from bot.faces.slack.notifier import SlackNotifier, make_client
+from bot.faces.slack.server import HttpServer
 from provisioning.base import Instance
 from tests.core.helpers import host, make_service
 from tests.fakes.slack_api import FakeSlack

@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from bot.slack.app import build_face
-from bot.slack.notifier import SlackNotifier, make_client
-from bot.slack.server import HttpServer
+from bot.faces.slack.app import build_face
+from bot.faces.slack.notifier import SlackNotifier, make_client
+from bot.faces.slack.server import HttpServer
 from db.models import TrainingRun
 from tests.core.helpers import make_service
 from tests.core.test_runs import local_host, runs_for
@@ -62,7 +62,7 @@ class Stack:
 
 @pytest.fixture
 def stack(fake_slack: FakeSlack, sqlite_engine: Engine, tmp_path: Path) -> Iterator[Stack]:
-    """`serve`'s wiring: the service has runs before the face is built (bot.cli)."""
+    """`serve`'s wiring: the service has runs before the face is built (bot.faces.cli)."""
     secret = secrets.token_hex(16)
     service, _ = make_service(
         sqlite_engine,

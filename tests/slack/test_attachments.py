@@ -9,14 +9,14 @@ from datetime import timedelta
 
 from sqlalchemy.engine import Engine
 
-from bot.commands import Reserve
-from bot.delivery import deliver
-from bot.dispatch import handle_text
-from bot.idle import idle_job
-from bot.service import GpuService
-from bot.slack.notifier import SlackNotifier, make_client
-from bot.terminal import render
-from bot.utilization import snapshot_job
+from bot.app.delivery import deliver
+from bot.app.idle import idle_job
+from bot.app.service import GpuService
+from bot.app.utilization import snapshot_job
+from bot.domain.commands import Reserve
+from bot.faces.dispatch import handle_text
+from bot.faces.slack.notifier import SlackNotifier, make_client
+from bot.faces.terminal import render
 from tests.core.helpers import actor, make_service
 from tests.core.test_utilization import A100_HOST_JSON, RecordedRunner, gpu_a, sample_minutes
 from tests.core.test_utilization import with_access as access_with

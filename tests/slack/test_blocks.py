@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bot import views
-from bot.slack import blocks
+from bot.domain import views
+from bot.faces.slack import blocks
 from tests.fakes.slack_api import FakeSlack, load_reference
 
 # Text that stresses escaping and splitting: markup, Slack's control characters, newlines.

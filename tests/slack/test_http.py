@@ -1,4 +1,4 @@
-"""Signed Slack requests over a real socket to the HTTP front (bot/slack/server.py) running the Bolt
+"""Signed Slack requests over a real socket to the HTTP front (bot/faces/slack/server.py) running the Bolt
 app, with the fake Slack as the Web API and the real service on SQLite."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from bot.delivery import deliver
-from bot.slack.modal import GPUS, LIMIT, MODEL, PRECISION, WHAT
+from bot.app.delivery import deliver
+from bot.faces.slack.modal import GPUS, LIMIT, MODEL, PRECISION, WHAT
 from tests.core.helpers import host
 from tests.fakes.slack_api import FakeSlack
 from tests.slack.conftest import (
@@ -32,7 +32,7 @@ def _text(body: dict[str, Any]) -> str:
 
 
 def _holders(st: SlackStack) -> list[str]:
-    from bot.commands import Status
+    from bot.domain.commands import Status
 
     actor = st.service.actor(ALICE)
     view = st.service.status(actor, Status()).view
@@ -317,7 +317,7 @@ def test_status_of_forty_hosts_and_a_long_line_fits_slack(
     hosts = [host(f"node{i:02d}", "A100", 1) for i in range(40)]
     face, server, st = make_stack(fake_slack, sqlite_engine, hosts)
     try:
-        from bot.commands import Reserve
+        from bot.domain.commands import Reserve
 
         for n in range(50):  # 40 granted, 10 waiting
             st.service.reserve(st.service.actor(f"U0USER{n:03d}"), Reserve(count=1))
@@ -349,7 +349,7 @@ def test_grant_dm_follows_the_release_when_the_worker_runs_here(stack: SlackStac
 def test_a_queued_run_shows_on_home_and_its_cancel_button_works(
     stack: SlackStack, tmp_path: Any
 ) -> None:
-    from bot.runs import LocalAccess, RunService
+    from bot.app.runs import LocalAccess, RunService
     from provisioning.catalog import Catalog
     from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bot.slack.server import HttpServer, Limits
+from bot.faces.slack.server import HttpServer, Limits
 from tests.slack.conftest import SlackStack
 
 FORM = "application/x-www-form-urlencoded"

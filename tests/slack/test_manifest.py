@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from bot.slack import manifest as m
+from bot.faces.slack import manifest as m
 from tests.fakes.slack_api import shared_slack_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_scopes_are_exactly_those_of_the_methods_called() -> None:
 def test_cli_prints_yaml() -> None:
     import typer
 
-    from bot.slack.cli import manifest
+    from bot.faces.slack.cli import manifest
 
     app = typer.Typer()
     app.command()(manifest)

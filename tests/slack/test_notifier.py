@@ -16,12 +16,12 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from bot import views
-from bot.clock import VirtualClock
-from bot.delivery import deliver
-from bot.outbox import StoredDeliveryLog
-from bot.service import GpuService
-from bot.slack.notifier import SlackNotifier, make_client
+from bot.app.delivery import deliver
+from bot.app.outbox import StoredDeliveryLog
+from bot.app.service import GpuService
+from bot.domain import views
+from bot.domain.clock import VirtualClock
+from bot.faces.slack.notifier import SlackNotifier, make_client
 from db.models import Notification
 from db.session import transaction
 from tests.core.helpers import host, make_service
@@ -147,12 +147,12 @@ import os
 import sys
 from datetime import datetime
 
-from bot.clock import VirtualClock
-from bot.config import Settings
-from bot.outbox import StoredDeliveryLog
-from bot.service import GpuService
-from bot.slack.notifier import SlackNotifier, make_client
-from bot.delivery import deliver
+from bot.domain.clock import VirtualClock
+from bot.app.config import Settings
+from bot.app.outbox import StoredDeliveryLog
+from bot.app.service import GpuService
+from bot.faces.slack.notifier import SlackNotifier, make_client
+from bot.app.delivery import deliver
 from db.session import make_engine
 
 url, api, start = sys.argv[1:4]
@@ -314,7 +314,7 @@ def test_channel_posts_go_to_the_team_channel(fake_slack: FakeSlack, sqlite_engi
 
 
 def test_chart_upload_uses_the_external_upload_flow(fake_slack: FakeSlack) -> None:
-    from bot.slack.notifier import upload_file
+    from bot.faces.slack.notifier import upload_file
 
     channel = fake_slack.client().conversations_open(users=BOB)["channel"]["id"]
     file_id = upload_file(

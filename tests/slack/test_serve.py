@@ -13,12 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from bot.slack.cli import default_host, default_port
+from bot.faces.slack.cli import default_host, default_port
 from tests.fakes.slack_api import FakeSlack
 from tests.slack.conftest import SignedClient
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVE = "import typer; from bot.slack.cli import serve; typer.run(serve)"
+SERVE = "import typer; from bot.faces.slack.cli import serve; typer.run(serve)"
 
 
 def _free_port() -> int:

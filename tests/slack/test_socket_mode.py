@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from websockets.sync.server import Server, ServerConnection, serve
 
-from bot.slack.server import socket_mode
+from bot.faces.slack.server import socket_mode
 from tests.core.helpers import host
 from tests.fakes.slack_api import FakeSlack, shared_slack_dir
 from tests.slack.conftest import ALICE, block_actions, buttons_of, make_stack, wait_for

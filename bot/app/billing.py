@@ -1,0 +1,330 @@
+"""The instances' side of the bill: one `HostPeriod` row per stretch of a host's state.
+
+Usage intervals say who held which GPU; these rows say what the machines themselves
+cost while running (at their price) or stopped (their storage). Idle overhead is the
+difference, computed from both sides in `bot.domain.metering`. Every change of a host's state
+or price goes through `note_host_state`, inside the transaction that changes the host,
+so the history can never disagree with the host row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from decimal import ROUND_FLOOR, Decimal
+from zoneinfo import ZoneInfo
+
+from sqlmodel import Session, col, func, select
+
+from bot.app.config import Settings
+from bot.domain.metering import HostPeriod as MeteredPeriod
+from bot.domain.metering import (
+    Usage,
+    Window,
+    cost_by_user,
+    host_cost,
+    idle_overhead,
+    storage_usd_per_hour,
+    to_cents,
+)
+from bot.domain.views import Block, Context, Fields, Header, Table, Text, View
+from db.models import (
+    HOST_PENDING,
+    HOST_READY,
+    HOST_STOPPED,
+    HOST_UNREACHABLE,
+    Gpu,
+    Host,
+    HostPeriod,
+    UsageInterval,
+    User,
+)
+from provisioning.catalog import Catalog
+from provisioning.costs import gpu_share
+
+_CENT = Decimal("0.01")
+
+# An unreachable host is still billed: the cloud does not know we cannot reach it.
+_RUNNING_STATES = (HOST_READY, HOST_PENDING, HOST_UNREACHABLE)
+# Only rented machines have a volume the team pays for while stopped.
+_RENTED_PROVIDERS = ("aws", "sim")
+
+
+def billed_state(host: Host) -> str | None:
+    """ "running", "stopped", or None (terminated: no bill at all)."""
+    if host.state in _RUNNING_STATES:
+        return "running"
+    if host.state == HOST_STOPPED:
+        return "stopped"
+    return None
+
+
+def storage_rate(host: Host, settings: Settings) -> float:
+    if host.provider not in _RENTED_PROVIDERS:
+        return 0.0
+    return float(
+        storage_usd_per_hour(Decimal(str(settings.ebs_gb)), Decimal(str(settings.ebs_usd_gb_month)))
+    )
+
+
+def note_host_state(s: Session, host: Host, now: datetime, settings: Settings) -> None:
+    """Closes the host's open period and opens one for its current state when anything
+    billed changed (state, GPU count, price, market). Idempotent: calling it again with
+    nothing changed writes nothing. `host` must be flushed (it needs its id)."""
+    assert host.id is not None, "flush the host before noting its state"
+    state = billed_state(host)
+    gpus = s.exec(
+        select(func.count())
+        .select_from(Gpu)
+        .where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
+    ).one()
+    storage = storage_rate(host, settings)
+    current = s.exec(
+        select(HostPeriod).where(HostPeriod.host_id == host.id, col(HostPeriod.ended_at).is_(None))
+    ).first()
+    if current is not None:
+        same = (
+            current.state == state
+            and current.gpus == gpus
+            and current.usd_per_hour == host.hourly_usd
+            and current.storage_usd_per_hour == storage
+            and current.market == host.market
+        )
+        if same:
+            return
+        current.ended_at = max(now, current.started_at)
+        s.add(current)
+        s.flush()  # the open-period index must see it closed before the next opens
+    if state is None:
+        return
+    s.add(
+        HostPeriod(
+            host_id=host.id,
+            state=state,
+            started_at=now,
+            gpus=int(gpus),
+            usd_per_hour=host.hourly_usd,
+            storage_usd_per_hour=storage,
+            market=host.market,
+        )
+    )
+
+
+def host_periods(s: Session, window: Window) -> list[MeteredPeriod]:
+    """Every period that overlaps the window, as `bot.domain.metering` takes them."""
+    rows = s.exec(
+        select(HostPeriod)
+        .where(
+            col(HostPeriod.started_at) < window.end,
+            col(HostPeriod.ended_at).is_(None) | (col(HostPeriod.ended_at) > window.start),
+        )
+        .order_by(col(HostPeriod.host_id), col(HostPeriod.started_at))
+    ).all()
+    return [
+        MeteredPeriod(
+            host_id=p.host_id,
+            gpus=p.gpus,
+            usd_per_hour=Decimal(str(p.usd_per_hour)),
+            state="running" if p.state == "running" else "stopped",
+            start=p.started_at,
+            end=p.ended_at,
+            storage_usd_per_hour=Decimal(str(p.storage_usd_per_hour)),
+        )
+        for p in rows
+    ]
+
+
+# --- the team's bill: users, idle overhead, instances ---------------------------------
+
+
+@dataclass(frozen=True)
+class MeteredUsage:
+    """A usage interval as metering takes it, with what the savings need beside it."""
+
+    usage: Usage
+    market: str  # "ondemand", "spot" or "owned": the host's market when it opened
+    instance_type: str | None  # to look up the on-demand price a spot interval saved on
+
+
+def load_usages(s: Session, window: Window, user_id: int | None = None) -> list[MeteredUsage]:
+    """Every usage interval that overlaps the window (one user's, when given)."""
+    q = (
+        select(UsageInterval, User, Host)
+        .join(User, col(User.id) == col(UsageInterval.user_id))
+        .join(Host, col(Host.id) == col(UsageInterval.host_id))
+        .where(
+            col(UsageInterval.started_at) < window.end,
+            col(UsageInterval.ended_at).is_(None) | (col(UsageInterval.ended_at) > window.start),
+        )
+        .order_by(col(UsageInterval.id))
+    )
+    if user_id is not None:
+        q = q.where(UsageInterval.user_id == user_id)
+    return [
+        MeteredUsage(
+            usage=Usage(
+                user=u.key,
+                gpu_id=iv.gpu_id,
+                host_id=iv.host_id,
+                start=iv.started_at,
+                end=iv.ended_at,
+                usd_per_hour=Decimal(str(iv.usd_per_hour)),
+                kind="run" if iv.run_id is not None else "reservation",
+                ref_id=iv.run_id or iv.reservation_id or 0,
+            ),
+            market=iv.market,
+            instance_type=h.instance_type,
+        )
+        for iv, u, h in s.exec(q).all()
+    ]
+
+
+def spot_savings(
+    usages: Iterable[MeteredUsage], window: Window, now: datetime, catalog: Catalog
+) -> dict[str, Decimal]:
+    """Per user: what their spot GPU time would have cost on demand, less what it cost.
+
+    Only intervals on a spot market whose instance type the catalog knows count; the
+    on-demand side is metered exactly like the real one, so the saving is exact too.
+    """
+    paid: list[Usage] = []
+    list_price: list[Usage] = []
+    for m in usages:
+        if m.market != "spot" or m.instance_type is None:
+            continue
+        t = catalog.get(m.instance_type)
+        if t is None:
+            continue
+        ondemand = gpu_share(Decimal(str(t.ondemand_usd_hr)), t.gpus)
+        paid.append(m.usage)
+        list_price.append(replace(m.usage, usd_per_hour=ondemand))
+    actual = cost_by_user(paid, window, now)
+    would = cost_by_user(list_price, window, now)
+    return {user: would[user] - actual.get(user, Decimal(0)) for user in would}
+
+
+@dataclass(frozen=True)
+class TeamBill:
+    """`/gpu cost team` and the digest's totals: who held what, and what nobody held."""
+
+    window: Window
+    users: dict[str, Decimal]  # user key -> cost of the GPU time they held
+    names: dict[str, str]  # user key -> display name
+    idle: Decimal  # running GPU time nobody held, plus stopped storage
+    instances: Decimal  # what the instances themselves cost
+    savings: dict[str, Decimal]  # user key -> spot savings (only users with spot time)
+
+    @property
+    def held(self) -> Decimal:
+        return sum(self.users.values(), Decimal(0))
+
+    @property
+    def balanced(self) -> bool:
+        """True when the usage intervals and the host periods tell the same story."""
+        return self.held + self.idle == self.instances
+
+
+def team_bill(
+    s: Session, window: Window, now: datetime, catalog: Catalog | None = None
+) -> TeamBill:
+    usages = load_usages(s, window)
+    periods = host_periods(s, window)
+    plain = [m.usage for m in usages]
+    names = {u.key: u.display_name for u in s.exec(select(User)).all()}
+    users = cost_by_user(plain, window, now)
+    return TeamBill(
+        window=window,
+        users=users,
+        names={k: names.get(k, k) for k in users},
+        idle=idle_overhead(periods, plain, window, now),
+        instances=host_cost(periods, window, now),
+        savings=spot_savings(usages, window, now, catalog) if catalog is not None else {},
+    )
+
+
+def shown_cents(
+    parts: dict[str, Decimal], total: Decimal, absorb: str | None = None
+) -> tuple[dict[str, Decimal], Decimal]:
+    """Cents to show for each part and for the total, such that the shown parts add up
+    to the shown total whenever the exact parts add up to the exact total.
+
+    Rounding each part on its own can leave the column a cent off its total; here the
+    total is rounded and the cents are handed out by largest remainder (Hamilton), so
+    what a reader adds up by hand is what the bill says. When the parts do not add up
+    exactly (records disagree), each is rounded on its own and nothing is hidden. On a
+    tie the `absorb` part (the idle overhead) gives way, so a person's row shows what
+    their own `/gpu cost` says.
+    """
+    if sum(parts.values(), Decimal(0)) != total:
+        return {k: to_cents(v) for k, v in parts.items()}, to_cents(total)
+    shown_total = to_cents(total)
+    floors = {k: v.quantize(_CENT, rounding=ROUND_FLOOR) for k, v in parts.items()}
+    left = int((shown_total - sum(floors.values(), Decimal(0))) / _CENT)
+    by_remainder = sorted(parts, key=lambda k: (-(parts[k] - floors[k]), k == absorb, k))
+    for k in by_remainder[:left]:
+        floors[k] += _CENT
+    return floors, shown_total
+
+
+IDLE_ROW = "idle overhead"
+
+
+def team_cost_view(bill: TeamBill, period: str, tz: str) -> View:
+    """`/gpu cost team`: each person, the idle overhead, and what the instances cost.
+
+    The rows are shown so that they add up to the instances' bill to the cent; where the
+    records disagree (a usage outside any billed period) the gap is said, not hidden.
+    """
+    zone = ZoneInfo(tz)
+    label = {"today": "today", "week": "this week", "month": "this month"}.get(period, period)
+    last = bill.window.end.astimezone(zone) - timedelta(seconds=1)
+    span = f"{bill.window.start.astimezone(zone):%a %d %b} – {last:%a %d %b}, {tz}"
+    parts = {f"user:{k}": v for k, v in bill.users.items()}
+    parts[IDLE_ROW] = bill.idle
+    shown, total = shown_cents(parts, bill.instances, absorb=IDLE_ROW)
+    order = sorted(bill.users, key=lambda k: (-bill.users[k], k))
+    with_savings = any(v > 0 for v in bill.savings.values())
+    columns: tuple[str, ...] = ("who", "cost", "spot saved") if with_savings else ("who", "cost")
+
+    def row(name: str, usd: Decimal, saved: Decimal | None) -> tuple[str, ...]:
+        cells: tuple[str, ...] = (name, f"${usd:,.2f}")
+        if with_savings:
+            cells += (f"${to_cents(saved):,.2f}" if saved else "",)
+        return cells
+
+    rows = [row(bill.names.get(k, k), shown[f"user:{k}"], bill.savings.get(k)) for k in order]
+    saved_total = sum(bill.savings.values(), Decimal(0))
+    held = sum((shown[f"user:{k}"] for k in order), Decimal(0))
+    totals = (
+        ("held by people", f"${held:,.2f}"),
+        ("idle overhead", f"${shown[IDLE_ROW]:,.2f}"),
+        ("instances", f"${total:,.2f}"),
+    )
+    text = (
+        f"Team GPU cost {label} ({span}): the instances cost ${total:,.2f}: "
+        f"${held:,.2f} held by {len(order)} "
+        f"{'person' if len(order) == 1 else 'people'} + ${shown[IDLE_ROW]:,.2f} idle overhead."
+    )
+    notes = [
+        "Idle overhead: GPUs running with nobody holding them, and stopped instances' storage.",
+        "Each person pays every GPU-second they held at its share of the host's hourly price.",
+    ]
+    if with_savings:
+        notes.append(
+            f"Spot saved ${to_cents(saved_total):,.2f} against the same instance types on demand."
+        )
+    if not bill.balanced:
+        gap = bill.instances - bill.held - bill.idle
+        notes.append(
+            f"Usage and instance records differ by ${gap:,.6f} (GPU time held outside a billed "
+            "period, or a price changed mid-reservation); the rows do not add up exactly."
+        )
+    blocks: tuple[Block, ...] = (
+        Header(f"GPU cost {label}"),
+        Text(text),
+    )
+    if rows:
+        blocks += (Table(columns, tuple(rows)),)
+    blocks += (Fields(totals), Context(" ".join(notes)))
+    return View(text=text, blocks=blocks)

@@ -1,0 +1,395 @@
+"""Spend limits per person, checked before money is committed.
+
+A budget is a limit per calendar week or month in the team's time zone. What counts
+against it is what was *spent* in the current period (usage intervals, metered by
+`bot.domain.metering` exactly as `/gpu cost` shows it), plus what is already *committed*
+(the rest of each active reservation at its rate; a running run up to its `--max`,
+or one more hour when it has none; what is waiting or queued at its estimated
+rate), plus the new request. Over the limit → the request is refused with the
+numbers; from 80% → one DM per period.
+
+Two requests of one person that each fit but together do not must not both pass:
+each check runs inside the transaction that commits the request, and holds the
+person's user row (`SELECT … FOR NO KEY UPDATE` on PostgreSQL; SQLite's `BEGIN
+IMMEDIATE` already lets one writer in at a time) until that transaction ends, so the
+second check sees the first request. It follows `db.session`'s lock order: a request,
+grant or dispatch holds the pool (the GPU rows) before it checks, and `/gpu budget`
+locks the one user row and nothing after it, so no cycle can form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING
+from zoneinfo import ZoneInfo
+
+from sqlmodel import Session, col, func, select
+
+from bot.app.access import audit
+from bot.app.billing import load_usages
+from bot.app.config import Settings
+from bot.app.held import held_intervals
+from bot.app.outbox import enqueue
+from bot.domain import views
+from bot.domain.commands import Budget
+from bot.domain.errors import UserError
+from bot.domain.metering import Window, cost_by_user, period_window, to_cents
+from db.models import (
+    RES_ACTIVE,
+    RES_WAITING,
+    RUN_ON_HOST,
+    RUN_QUEUED,
+    Gpu,
+    Host,
+    Reservation,
+    TrainingRun,
+    User,
+)
+from db.session import retrying, transaction
+from provisioning.costs import gpu_share
+
+if TYPE_CHECKING:
+    from bot.app.ports import Actor, Core
+
+USAGE = "/gpu budget [@user AMOUNT[/week|/month]|none]"
+WARN_AT = Decimal("0.8")
+# A run without --max is assumed to need this much more, whatever it has run so far.
+RUN_WITHOUT_MAX = timedelta(hours=1)
+_HOUR_S = Decimal(3600)
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """Where one person stands in the current period."""
+
+    limit: Decimal | None  # None: no budget
+    period: str  # "week" or "month"
+    window: Window  # the current period
+    spent: Decimal  # metered so far this period
+    committed: Decimal  # still to come from what they hold, wait for, or queued
+
+    @property
+    def used(self) -> Decimal:
+        return self.spent + self.committed
+
+
+def _usd(x: float) -> Decimal:
+    return Decimal(str(x))
+
+
+def _hours(seconds: float) -> Decimal:
+    return Decimal(str(max(0.0, seconds))) / _HOUR_S
+
+
+def gpu_rate(s: Session, model: str | None) -> Decimal:
+    """The per-GPU price a request for `model` may be charged: the dearest share among
+    the hosts that carry it (a waiting request does not know yet where it will land, so
+    it is counted at the most it could cost)."""
+    counts = s.exec(
+        select(Host, func.count(col(Gpu.id)))
+        .join(Gpu, col(Gpu.host_id) == col(Host.id))
+        .where(Host.state != "terminated", col(Gpu.present).is_(True))
+        .group_by(col(Host.id))
+    ).all()
+    best = Decimal(0)
+    for host, n in counts:
+        if model is not None:
+            has = s.exec(
+                select(Gpu.id).where(
+                    Gpu.host_id == host.id, Gpu.model == model, col(Gpu.present).is_(True)
+                )
+            ).first()
+            if has is None:
+                continue
+        if n:
+            best = max(best, gpu_share(_usd(host.hourly_usd), int(n)))
+    return best
+
+
+def reservation_estimate(s: Session, model: str | None, count: int, duration_s: int) -> Decimal:
+    return gpu_rate(s, model) * count * _hours(duration_s)
+
+
+def run_estimate(s: Session, model: str | None, gpus: int, max_seconds: int | None) -> Decimal:
+    seconds = max_seconds if max_seconds else RUN_WITHOUT_MAX.total_seconds()
+    return gpu_rate(s, model) * gpus * _hours(seconds)
+
+
+def _open_rate(
+    s: Session, *, reservation_id: int | None = None, run_id: int | None = None
+) -> Decimal:
+    held = held_intervals(s, reservation_id=reservation_id, run_id=run_id)
+    return sum((_usd(iv.usd_per_hour) for iv in held), Decimal(0))
+
+
+def committed_usd(
+    s: Session,
+    user_id: int,
+    now: datetime,
+    *,
+    skip_reservation: int | None = None,
+    skip_run: int | None = None,
+) -> Decimal:
+    """What this person's open reservations and runs will still cost from `now` on."""
+    total = Decimal(0)
+    for res in s.exec(
+        select(Reservation).where(
+            Reservation.user_id == user_id, col(Reservation.state).in_((RES_ACTIVE, RES_WAITING))
+        )
+    ).all():
+        if res.id == skip_reservation:
+            continue
+        if res.state == RES_ACTIVE and res.ends_at is not None:
+            rate = _open_rate(s, reservation_id=res.id)
+            total += rate * _hours((res.ends_at - now).total_seconds())
+        elif res.state == RES_WAITING:
+            total += reservation_estimate(s, res.gpu_model, res.gpu_count, res.duration_s)
+    for run in s.exec(
+        select(TrainingRun).where(
+            TrainingRun.user_id == user_id,
+            col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED)),
+        )
+    ).all():
+        if run.id == skip_run:
+            continue
+        if run.state == RUN_QUEUED:
+            total += run_estimate(s, run.gpu_model, run.gpu_count, run.max_seconds)
+            continue
+        rate = _open_rate(s, run_id=run.id)
+        if run.max_seconds and run.started_at is not None:
+            left = (run.started_at + timedelta(seconds=run.max_seconds) - now).total_seconds()
+        else:
+            left = RUN_WITHOUT_MAX.total_seconds()
+        total += rate * _hours(left)
+    return total
+
+
+def spent_usd(s: Session, user: User, window: Window, now: datetime) -> Decimal:
+    assert user.id is not None
+    usages = [m.usage for m in load_usages(s, window, user.id)]
+    return cost_by_user(usages, window, now).get(user.key, Decimal(0))
+
+
+def budget_status(
+    s: Session,
+    user: User,
+    now: datetime,
+    settings: Settings,
+    *,
+    skip_reservation: int | None = None,
+    skip_run: int | None = None,
+) -> BudgetStatus:
+    assert user.id is not None
+    period = user.budget_period if user.budget_period in ("week", "month") else "week"
+    window = period_window(period, now, settings.timezone)  # type: ignore[arg-type]
+    return BudgetStatus(
+        limit=None if user.budget_usd is None else _usd(user.budget_usd),
+        period=period,
+        window=window,
+        spent=spent_usd(s, user, window, now),
+        committed=committed_usd(
+            s, user.id, now, skip_reservation=skip_reservation, skip_run=skip_run
+        ),
+    )
+
+
+def lock_user(s: Session, user: User) -> None:
+    """Holds the person's row until the transaction ends, and re-reads their limit.
+
+    On SQLite the write transaction (`BEGIN IMMEDIATE`, db.session) is the lock already.
+    """
+    bind = s.get_bind()
+    if bind.dialect.name == "postgresql":
+        # NO KEY UPDATE: serializes budget checks without blocking inserts that merely
+        # point at the user (a reservation, a usage interval, a GPU sample).
+        s.exec(select(User.id).where(User.id == user.id).with_for_update(key_share=True)).one()
+    s.refresh(user)
+
+
+def _resets(window: Window, tz: str) -> str:
+    return f"{window.end.astimezone(ZoneInfo(tz)):%a %d %b %H:%M} {tz}"
+
+
+def _money(x: Decimal) -> str:
+    return f"${to_cents(x):,.2f}"
+
+
+def check_budget(
+    s: Session,
+    user: User,
+    add_usd: Decimal | float,
+    now: datetime,
+    settings: Settings,
+    *,
+    what: str = "This",
+    skip_reservation: int | None = None,
+    skip_run: int | None = None,
+) -> None:
+    """Refuses (UserError) a request that would take `user` over their budget; from 80%
+    writes one DM per period. Call it inside the transaction that commits the request,
+    before anything is granted, placed or launched. `skip_*` leaves out of "committed"
+    the request being checked, when it is already a row (a grant, a dispatch)."""
+    if user.budget_usd is None:
+        return
+    lock_user(s, user)
+    if user.budget_usd is None:
+        return
+    add = add_usd if isinstance(add_usd, Decimal) else _usd(add_usd)
+    st = budget_status(s, user, now, settings, skip_reservation=skip_reservation, skip_run=skip_run)
+    assert st.limit is not None
+    after = st.used + add
+    if after > st.limit:
+        raise UserError(
+            f"{what} would take you over your {st.period}ly GPU budget of {_money(st.limit)}: "
+            f"you have spent {_money(st.spent)} this {st.period}, {_money(st.committed)} is "
+            f"committed to what you hold or queued, and this needs about {_money(add)}. "
+            f"Your budget resets {_resets(st.window, settings.timezone)}. Release something, "
+            "ask for less, or ask an admin to raise it."
+        )
+    if after >= st.limit * WARN_AT:
+        pct = int(after / st.limit * 100) if st.limit else 100
+        text = (
+            f"Heads-up: you are at {pct}% of your {st.period}ly GPU budget "
+            f"({_money(after)} of {_money(st.limit)}, counting what you hold and queued). "
+            f"It resets {_resets(st.window, settings.timezone)}; past 100% new requests are refused."
+        )
+        _dm(
+            s,
+            user.key,
+            views.View(text=text, blocks=(views.Text(text),)),
+            now,
+            f"budget-80:{user.id}:{st.period}:{st.window.start.isoformat()}",
+        )
+
+
+def grant_refusal(
+    s: Session, res: Reservation, usd_per_hour: Decimal, now: datetime, settings: Settings
+) -> str | None:
+    """At grant time: why granting `res` at this rate (all its GPUs together) would go
+    over its holder's budget, or None when it fits. The waiting estimate of `res` is
+    replaced by its real cost."""
+    user = s.get(User, res.user_id)
+    assert user is not None
+    try:
+        check_budget(
+            s,
+            user,
+            usd_per_hour * _hours(res.duration_s),
+            now,
+            settings,
+            what=f"Granting reservation #{res.id}",
+            skip_reservation=res.id,
+        )
+    except UserError as exc:
+        return exc.reason
+    return None
+
+
+def run_refusal(
+    s: Session, run: TrainingRun, usd_per_hour: Decimal, now: datetime, settings: Settings
+) -> str | None:
+    """At dispatch: why starting `run` at this rate would go over budget, or None."""
+    user = s.get(User, run.user_id)
+    assert user is not None
+    seconds = run.max_seconds or int(RUN_WITHOUT_MAX.total_seconds())
+    try:
+        check_budget(
+            s,
+            user,
+            usd_per_hour * _hours(seconds),
+            now,
+            settings,
+            what=f"Starting run #{run.id}",
+            skip_run=run.id,
+        )
+    except UserError as exc:
+        return exc.reason
+    return None
+
+
+def _dm(s: Session, user_key: str, view: views.View, now: datetime, dedupe: str) -> None:
+    enqueue(s, "dm", user_key, view, now, dedupe)
+
+
+# --- /gpu budget -------------------------------------------------------------------------
+
+
+def budget_view(name: str, st: BudgetStatus, tz: str, mine: bool) -> views.View:
+    whose = "Your" if mine else f"{name}'s"
+    if st.limit is None:
+        text = (
+            f"{whose} GPU spend has no budget. This {st.period}: {_money(st.spent)} spent, "
+            f"{_money(st.committed)} committed."
+        )
+        return views.View(text=text, blocks=(views.Text(text),))
+    left = st.limit - st.used
+    text = (
+        f"{whose} GPU budget: {_money(st.limit)} per {st.period}. Spent {_money(st.spent)}, "
+        f"committed {_money(st.committed)}, "
+        + (f"{_money(left)} left" if left >= 0 else f"{_money(-left)} over")
+        + f"; it resets {_resets(st.window, tz)}."
+    )
+    items = (
+        ("limit", f"{_money(st.limit)} / {st.period}"),
+        ("spent", _money(st.spent)),
+        ("committed", _money(st.committed)),
+        ("left", _money(left)),
+        ("resets", _resets(st.window, tz)),
+    )
+    return views.View(
+        text=text,
+        blocks=(
+            views.Text(text),
+            views.Fields(items),
+            views.Context(
+                "Committed: the rest of what you hold at its rate, runs up to their --max "
+                "(one more hour without one), and what waits or is queued at the dearest "
+                "matching GPU price. Past the limit new requests are refused."
+            ),
+        ),
+    )
+
+
+@retrying
+def budget_command(service: Core, actor: Actor, cmd: Budget) -> views.Reply:
+    """`/gpu budget`: show your own; `@user` shows theirs (an admin, or yourself);
+    `@user 200/week` or `@user none` sets or clears it (admins only)."""
+    target = cmd.user.key.strip().lstrip("@") if cmd.user is not None else actor.key
+    changing = cmd.clear or cmd.amount_usd is not None
+    if changing and not actor.admin:
+        raise UserError("Only an admin can set or clear a budget.", USAGE)
+    if not changing and target != actor.key and not actor.admin:
+        raise UserError(
+            "Only an admin can see someone else's budget; `/gpu budget` shows yours.", USAGE
+        )
+    now = service.clock.now()
+    tz = service.settings.timezone
+    with transaction(service.engine, write=changing) as s:
+        if changing:
+            user = service.user_row(s, target)
+            lock_user(s, user)
+            user.budget_usd = None if cmd.clear else cmd.amount_usd
+            user.budget_period = cmd.period
+            s.add(user)
+            limit = "none" if cmd.clear else f"${cmd.amount_usd:g}/{cmd.period}"
+            audit(actor, "budget", f"{user.key} to {limit}", session=s)
+            s.flush()
+        else:
+            found = s.exec(select(User).where(User.key == target)).first()
+            if found is None:
+                raise UserError(
+                    f"I do not know `{target}` yet; they have never used gpubot.", USAGE
+                )
+            user = found
+        st = budget_status(s, user, now, service.settings)
+        view = budget_view(user.display_name, st, tz, mine=user.key == actor.key)
+    if changing:
+        what = (
+            f"Budget for {user.display_name} removed."
+            if cmd.clear
+            else f"Budget for {user.display_name} set to {_money(_usd(cmd.amount_usd or 0))} per {cmd.period}."
+        )
+        view = views.View(text=f"{what} {view.text}", blocks=(views.Text(what), *view.blocks))
+    return views.Reply(view)

@@ -1,0 +1,139 @@
+"""What the use cases are written against, so that the arrows between them point one way.
+
+`GpuService` (bot.app.service) is the core: reservations, the grant pass, usage metering and
+the outbox. Runs (bot.app.runs), the host watch (bot.app.agentwatch), budgets (bot.app.budgets) and
+the fleet build on it, and the core holds the runs and the fleet the runtime hangs on it.
+Each side names what it needs of the other here, as a Protocol, instead of importing the
+other's module: that mutual import was the `service ↔ runs ↔ fleet ↔ budgets ↔
+agentwatch` cycle. `Actor`, the value every use case takes, lives here for the same
+reason (bot.app.access and bot.app.budgets need it and sit below the service).
+
+Sync code, no I/O here; the implementations are the real classes (GpuService, Fleet,
+LocalAccess, bot.app.fleet.RemoteAccess), whose tests use them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+    from sqlmodel import Session
+
+    from bot.app.config import Settings
+    from bot.domain import views
+    from bot.domain.clock import Clock
+    from db.models import Gpu, Host, User
+    from provisioning.ssh import SshRunner, SshTarget
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who is asking: their key (Slack id or shell name) and whether they are an admin."""
+
+    key: str
+    name: str
+    admin: bool = False
+
+
+class HostAccess(Protocol):
+    """How to reach a host's shell: the local runner for this machine, SSH for the rest."""
+
+    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
+        """The runner, its target, and the directory where runs live on that host."""
+        ...
+
+
+class Provisioner(Protocol):
+    """Buys or starts an instance for a queued run (bot.app.fleet.Fleet, when a cloud
+    provider is configured): the scheduler's Launch/Start, carried out by runs."""
+
+    def provision_run(self, run_id: int, instance_type: str | None = None) -> str | None:
+        """What was done, in words, or None when nothing was."""
+        ...
+
+    def cycle(self) -> None:
+        """The worker's periodic pass: reconcile, provision, readiness, idle stop."""
+        ...
+
+
+class Supply(Protocol):
+    """What the pool can have beyond the hosts it has now. A fixed pool (this machine,
+    static SSH hosts) can have nothing more, so a request no host fits is refused up
+    front; a cloud can launch a model its catalog sells, so such a request waits."""
+
+    def can_have(self, model: str, gpus: int) -> bool:
+        """True when `gpus` GPUs of `model` on one machine can be had later."""
+        ...
+
+
+class FixedPool:
+    """The Supply of a pool of hosts that never grows."""
+
+    def can_have(self, model: str, gpus: int) -> bool:
+        return False
+
+
+FIXED_POOL = FixedPool()
+
+
+class Core(Protocol):
+    """The part of `GpuService` that runs, the host watch and budgets use: its engine,
+    settings and clock, users, GPU holdings and the outbox; and the fleet the runtime
+    attached, if any (bot.app.fleet.attach)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def fleet(self) -> Provisioner | None: ...
+
+    @property
+    def supply(self) -> Supply: ...
+
+    def user_row(self, s: Session, key: str, display_name: str | None = None) -> User:
+        """The user with this key, created on first sight."""
+        ...
+
+    def gpu_count(self, s: Session, host_id: int) -> int:
+        """How many GPUs the host has now (its price is shared among them)."""
+        ...
+
+    def open_usage(
+        self,
+        s: Session,
+        host: Host,
+        gpus: list[Gpu],
+        user_id: int,
+        now: datetime,
+        *,
+        reservation_id: int | None = None,
+        run_id: int | None = None,
+    ) -> None:
+        """Starts the clock on these GPUs for a reservation or a run."""
+        ...
+
+    def grant_pass(self, s: Session, now: datetime, quiet_id: int | None = None) -> int:
+        """Grants waiting reservations while GPUs allow; returns how many."""
+        ...
+
+    def notify_dm(
+        self,
+        s: Session,
+        user_key: str,
+        view: views.View,
+        now: datetime,
+        dedupe: str | None,
+        attachment: tuple[str, bytes] | None = None,
+    ) -> None:
+        """Queues a DM in the caller's transaction."""
+        ...

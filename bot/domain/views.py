@@ -1,0 +1,479 @@
+"""What a reply says, as data.
+
+Builders here are pure functions from domain objects to a `View`; the Slack face
+renders a View as Block Kit, the terminal as text, and the outbox stores it as
+JSON (`to_dict`/`from_dict`) so a notification written before a crash is
+rendered the same after it. Nothing here knows Slack's limits: renderers cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from bot.domain.commands import VERBS
+from bot.domain.durations import format_duration
+from bot.domain.readmodels import HostState, ReservationInfo, StatusSnapshot
+from provisioning.catalog import Catalog
+
+# --- the blocks -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Header:
+    text: str
+    type: Literal["header"] = "header"
+
+
+@dataclass(frozen=True)
+class Text:
+    """A paragraph; `*bold*` and `code` in backticks are the only markup (both faces read them)."""
+
+    text: str
+    type: Literal["text"] = "text"
+
+
+@dataclass(frozen=True)
+class Fields:
+    items: tuple[tuple[str, str], ...]
+    type: Literal["fields"] = "fields"
+
+
+@dataclass(frozen=True)
+class Table:
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    type: Literal["table"] = "table"
+
+
+@dataclass(frozen=True)
+class Code:
+    text: str
+    type: Literal["code"] = "code"
+
+
+@dataclass(frozen=True)
+class Context:
+    text: str
+    type: Literal["context"] = "context"
+
+
+@dataclass(frozen=True)
+class Divider:
+    type: Literal["divider"] = "divider"
+
+
+@dataclass(frozen=True)
+class Button:
+    label: str
+    action_id: str
+    value: str
+    style: Literal["primary", "danger"] | None = None
+    # The /gpu line that does the same, for faces without buttons (the terminal).
+    command: str | None = None
+
+
+@dataclass(frozen=True)
+class Actions:
+    buttons: tuple[Button, ...]
+    type: Literal["actions"] = "actions"
+
+
+Block = Header | Text | Fields | Table | Code | Context | Divider | Actions
+
+
+@dataclass(frozen=True)
+class View:
+    # Plain-text summary: notification text, fallback for clients without blocks.
+    text: str
+    blocks: tuple[Block, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "blocks": [asdict(b) for b in self.blocks]}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> View:
+        return View(
+            text=str(data.get("text", "")), blocks=tuple(_block(b) for b in data.get("blocks", []))
+        )
+
+
+def _block(data: dict[str, Any]) -> Block:
+    kind = data.get("type")
+    if kind == "header":
+        return Header(data["text"])
+    if kind == "text":
+        return Text(data["text"])
+    if kind == "fields":
+        return Fields(tuple((str(a), str(b)) for a, b in data["items"]))
+    if kind == "table":
+        return Table(tuple(data["columns"]), tuple(tuple(r) for r in data["rows"]))
+    if kind == "code":
+        return Code(data["text"])
+    if kind == "context":
+        return Context(data["text"])
+    if kind == "divider":
+        return Divider()
+    if kind == "actions":
+        return Actions(tuple(Button(**b) for b in data["buttons"]))
+    raise ValueError(f"unknown block type {kind!r}")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A view and who sees it: the caller alone (ephemeral) or the channel."""
+
+    view: View
+    ephemeral: bool = True
+    # Set when the reply is an error, so faces can style it and tests can tell.
+    error: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --- action ids shared with the Slack face -------------------------------------
+
+ACTION_RELEASE = "gpubot_release"
+ACTION_EXTEND = "gpubot_extend_1h"
+ACTION_CANCEL_RUN = "gpubot_cancel_run"
+
+
+def cancel_run_button(run_id: int) -> Actions:
+    return Actions(
+        (Button("Cancel run", ACTION_CANCEL_RUN, str(run_id), "danger", f"/gpu cancel {run_id}"),)
+    )
+
+
+# --- formatting helpers ------------------------------------------------------------
+
+
+def when(at: datetime, now: datetime) -> str:
+    """ "14:30 UTC (in 2h)": absolute for the record, relative for the reader."""
+    delta = at - now
+    rel = (
+        f"in {format_duration(delta)}"
+        if delta >= timedelta(0)
+        else f"{format_duration(-delta)} ago"
+    )
+    day = "" if at.date() == now.date() else at.strftime("%a %d %b ")
+    return f"{day}{at.strftime('%H:%M')} UTC ({rel})"
+
+
+def gpu_phrase(count: int, model: str | None) -> str:
+    what = model if model and model != "cpu" else ("CPU slot" if model == "cpu" else "GPU")
+    if model == "cpu":
+        return f"{count} CPU slot" + ("s" if count != 1 else "")
+    if model:
+        return f"{count}× {what}"
+    return f"{count} GPU" + ("s" if count != 1 else "")
+
+
+def error(text: str) -> Reply:
+    return Reply(View(text=text, blocks=(Text(text),)), ephemeral=True, error=True)
+
+
+def message(text: str, ephemeral: bool = True) -> Reply:
+    return Reply(View(text=text, blocks=(Text(text),)), ephemeral=ephemeral)
+
+
+# --- help ------------------------------------------------------------------------------
+
+
+def help_view(topic: str | None) -> View:
+    if topic is None:
+        rows = tuple(
+            (f"`{spec.usage.split(' [')[0].split(' -')[0]}`", spec.summary)
+            for spec in VERBS.values()
+        )
+        blocks: list[Block] = [
+            Header("gpubot: share the team's GPUs"),
+            Text("Reserve a GPU, queue a training run, see who holds what and what it costs."),
+            Table(("command", "what it does"), rows),
+            Text(
+                "Try `/gpu reserve a100 for 3h`, `/gpu status`, `/gpu release`. "
+                "`/gpu help VERB` shows the options and examples of one verb."
+            ),
+        ]
+        return View(text="gpubot commands: " + ", ".join(VERBS), blocks=tuple(blocks))
+    spec = VERBS[topic]
+    blocks = [Header(f"/gpu {topic}"), Text(spec.summary[0].upper() + spec.summary[1:] + ".")]
+    blocks.append(Code(spec.usage))
+    if spec.details:
+        blocks.append(Text(spec.details))
+    blocks.append(Text("*Examples*"))
+    blocks.append(Code("\n".join(spec.examples)))
+    return View(text=f"{spec.usage} — {spec.summary}", blocks=tuple(blocks))
+
+
+# --- reservations -----------------------------------------------------------------
+
+
+def _how_to_use(res: ReservationInfo) -> list[Block]:
+    host = res.host
+    if host is None:
+        return []
+    devices = ",".join(str(i) for i in res.gpu_indexes)
+    is_cpu = all(m == "cpu" for m in res.gpu_models)
+    lines = []
+    if host.address:
+        target = f"{host.ssh_user}@{host.address}" if host.ssh_user else host.address
+        port = f" -p {host.ssh_port}" if host.ssh_port not in (0, 22) else ""
+        lines.append(f"ssh{port} {target}")
+    if is_cpu:
+        lines.append('export CUDA_VISIBLE_DEVICES=""   # CPU slot: no GPU on this host')
+    else:
+        lines.append(f"export CUDA_VISIBLE_DEVICES={devices}")
+    return [Text("*How to use them*"), Code("\n".join(lines))]
+
+
+def _res_buttons(res: ReservationInfo) -> Actions:
+    return Actions(
+        (
+            Button("Extend 1h", ACTION_EXTEND, str(res.id), "primary", f"/gpu extend {res.id} 1h"),
+            Button("Release", ACTION_RELEASE, str(res.id), "danger", f"/gpu release {res.id}"),
+        )
+    )
+
+
+def _devices(res: ReservationInfo) -> str:
+    label = "CPU slot" if all(m == "cpu" for m in res.gpu_models) else "GPU"
+    plural = "s" if len(res.gpu_indexes) != 1 else ""
+    models = sorted(set(res.gpu_models))
+    model = "" if label == "CPU slot" else f" {'/'.join(models)}"
+    return f"{label}{plural}{model} {', '.join(str(i) for i in res.gpu_indexes)}"
+
+
+def granted_view(res: ReservationInfo, now: datetime, was_waiting: bool = False) -> View:
+    assert res.host is not None and res.ends_at is not None
+    lead = "Your turn: granted" if was_waiting else "Reserved"
+    summary = (
+        f"{lead}: reservation #{res.id}, {_devices(res)} on {res.host.name}, "
+        f"until {when(res.ends_at, now)}."
+    )
+    blocks: list[Block] = [Text(summary), *_how_to_use(res), _res_buttons(res)]
+    return View(text=summary, blocks=tuple(blocks))
+
+
+def waiting_view(res: ReservationInfo) -> View:
+    ahead = (res.position or 1) - 1
+    queue = "you are first in line" if ahead == 0 else f"{ahead} ahead of you"
+    text = (
+        f"Nothing free for {gpu_phrase(res.gpu_count, res.gpu_model)} right now. Reservation #{res.id} "
+        f"is waiting ({queue}); I'll DM you when it is granted. "
+        f"`/gpu release {res.id}` leaves the line."
+    )
+    return View(text=text, blocks=(Text(text),))
+
+
+def already_view(res: ReservationInfo, now: datetime) -> View:
+    """The answer to a retried request: what the first delivery created, unchanged."""
+    if res.state == "active":
+        return granted_view(res, now)
+    if res.state == "waiting":
+        return waiting_view(res)
+    text = f"Reservation #{res.id} is {res.state}."
+    return View(text=text, blocks=(Text(text),))
+
+
+def released_view(items: list[ReservationInfo], actor_key: str) -> View:
+    parts = []
+    for r in items:
+        whose = "" if r.user_key == actor_key else f" (held by {r.user_name})"
+        what = "left the line" if r.state == "cancelled" else "released"
+        parts.append(f"#{r.id}{whose} {what}")
+    text = "Done: " + "; ".join(parts) + "."
+    return View(text=text, blocks=(Text(text),))
+
+
+def released_by_admin_dm(res: ReservationInfo, admin_name: str) -> View:
+    text = f"{admin_name} released your reservation #{res.id} ({_devices(res)})."
+    return View(text=text, blocks=(Text(text),))
+
+
+def extended_view(res: ReservationInfo, now: datetime, added: timedelta) -> View:
+    assert res.ends_at is not None
+    text = f"Reservation #{res.id} extended by {format_duration(added)}: now until {when(res.ends_at, now)}."
+    return View(text=text, blocks=(Text(text),))
+
+
+def expiry_warning_view(res: ReservationInfo, now: datetime) -> View:
+    assert res.ends_at is not None
+    text = (
+        f"Reservation #{res.id} ({_devices(res)} on {res.host.name if res.host else '?'}) "
+        f"ends {when(res.ends_at, now)}. `/gpu extend {res.id} 1h` keeps it longer."
+    )
+    return View(text=text, blocks=(Text(text), _res_buttons(res)))
+
+
+def expired_view(res: ReservationInfo) -> View:
+    text = f"Reservation #{res.id} ended; its GPUs went back to the pool."
+    return View(text=text, blocks=(Text(text),))
+
+
+def status_view(snap: StatusSnapshot) -> View:
+    now = snap.now
+    blocks: list[Block] = [Header("GPU status")]
+    total = sum(len(h.gpus) for h in snap.hosts)
+    free = sum(h.free for h in snap.hosts)
+    summary = f"{free} of {total} free on {len(snap.hosts)} host" + (
+        "s" if len(snap.hosts) != 1 else ""
+    )
+    if snap.waiting:
+        summary += f"; {len(snap.waiting)} waiting"
+    blocks.append(Context(summary))
+    hosts = snap.hosts
+    if snap.mine_only:
+        keys = {r.host.name for r in snap.mine if r.host is not None}
+        hosts = tuple(h for h in hosts if h.name in keys)
+    for host in hosts:
+        blocks.append(Text(_host_line(host)))
+        rows = []
+        for g in host.gpus:
+            if g.holder is None:
+                rows.append((str(g.index), g.model, "free", ""))
+            else:
+                until = when(g.until, now) if g.until else ""
+                ref = (
+                    f" (#{g.reservation_id})"
+                    if g.reservation_id
+                    else (f" (run {g.run_id})" if g.run_id else "")
+                )
+                rows.append((str(g.index), g.model, f"{g.holder}{ref}", until))
+        blocks.append(Table(("gpu", "model", "held by", "until"), tuple(rows)))
+    if not hosts:
+        blocks.append(Text("You hold no GPUs." if snap.mine_only else "No hosts are configured."))
+    if snap.waiting and not snap.mine_only:
+        waiting_rows = tuple(
+            (
+                str(r.position or i + 1),
+                f"#{r.id}",
+                r.user_name,
+                gpu_phrase(r.gpu_count, r.gpu_model),
+                format_duration(timedelta(seconds=r.duration_s)),
+                f"{format_duration(now - r.requested_at)}",
+            )
+            for i, r in enumerate(snap.waiting)
+        )
+        blocks.append(Text("*Waiting*"))
+        blocks.append(Table(("pos", "id", "who", "wants", "for", "waiting"), waiting_rows))
+    if snap.mine:
+        mine = []
+        for r in snap.mine:
+            if r.state == "active" and r.ends_at is not None:
+                mine.append(
+                    f"#{r.id}: {_devices(r)} on {r.host.name if r.host else '?'} until {when(r.ends_at, now)}"
+                )
+            else:
+                mine.append(
+                    f"#{r.id}: waiting for {gpu_phrase(r.gpu_count, r.gpu_model)}, position {r.position}"
+                )
+        blocks.append(Text("*Yours*\n" + "\n".join(mine)))
+    return View(text=summary, blocks=tuple(blocks))
+
+
+def _host_line(host: HostState) -> str:
+    price = f", ${host.hourly_usd:.2f}/h" if host.hourly_usd else ""
+    where = f" ({host.address})" if host.address else ""
+    return f"*{host.name}*{where}: {host.provider}, {host.state}{price}, {host.free}/{len(host.gpus)} free"
+
+
+def prices_view(catalog: Catalog, model: str | None) -> View:
+    types = (
+        catalog.for_model(model)
+        if model
+        else sorted(catalog.types, key=lambda t: (t.gpu_model, t.ondemand_usd_hr))
+    )
+    rows = tuple(
+        (
+            t.instance_type,
+            f"{t.gpus}× {t.gpu_model} {t.gpu_mem_gb:g} GB",
+            f"${t.ondemand_usd_hr:.2f}",
+            f"${t.ondemand_per_gpu_hr:.2f}",
+            f"${t.spot_usd_hr:.2f}" if t.spot_usd_hr is not None else "—",
+        )
+        for t in types
+    )
+    title = f"{model} prices" if model else "GPU instance prices"
+    text = f"{title}: {len(rows)} instance types, on-demand and typical spot, USD per hour."
+    blocks: tuple[Block, ...] = (
+        Header(title),
+        Table(("instance", "GPUs", "on-demand/h", "per GPU/h", "spot/h"), rows),
+        Context(
+            f"Source: {catalog.source}. As of: {catalog.as_of}. Prices change; spot varies by zone."
+            + (
+                ""
+                if catalog.shipped
+                else " Using refreshed prices (`gpubot prices refresh`), not the shipped snapshot."
+            )
+        ),
+    )
+    return View(text=text, blocks=blocks)
+
+
+def run_finished_view(run: Any, summary: dict[str, Any], cost_usd: float, log_tail: str) -> View:
+    """The owner's DM when a run ends: the outcome first, then what it cost and why it failed."""
+    wall = summary.get("wall_s")
+    took = f" in {format_duration(timedelta(seconds=float(wall)))}" if wall else ""
+    metrics = summary.get("final_metrics") or {}
+    shown = ", ".join(
+        f"{k} {v:.2%}" if "accuracy" in k and isinstance(v, int | float) else f"{k} {v:.4g}"
+        for k, v in metrics.items()
+        if isinstance(v, int | float)
+    )
+    cost = f"cost ${cost_usd:.2f}" if cost_usd >= 0.005 else "cost $0.00 (owned host)"
+    what = (run.recipe and f"recipe {run.recipe}") or f"`{run.command[:80]}`"
+    if run.state == "succeeded":
+        text = f"Run #{run.id} ({what}) finished{took}: {shown or 'no metrics reported'}; {cost}."
+        return View(text=text, blocks=(Text(text),))
+    if run.state == "cancelled":
+        text = f"Run #{run.id} ({what}) was cancelled{took}; {cost}."
+        return View(text=text, blocks=(Text(text),))
+    code = f"exit status {run.exit_code}" if run.exit_code is not None else "no exit status"
+    reason = summary.get("error") or summary.get("state") or "it stopped"
+    text = f"Run #{run.id} ({what}) failed ({code}): {reason}; {cost}."
+    blocks: list[Block] = [Text(text)]
+    if log_tail.strip():
+        blocks += [Text("*Last lines of its log*"), Code(log_tail.strip()[-2500:])]
+    return View(text=text, blocks=tuple(blocks))
+
+
+def cost_view(
+    scope: str,
+    period: str,
+    window: Any,
+    costs: dict[str, Any],
+    names: dict[str, str],
+    tz: str,
+    who: str | None = None,
+) -> View:
+    """`/gpu cost`: what the GPUs held cost over a calendar period in the team's zone."""
+    span = f"{window.start.astimezone(_zone(tz)):%a %d %b} – {(window.end.astimezone(_zone(tz)) - timedelta(seconds=1)):%a %d %b}, {tz}"
+    label = {"today": "today", "week": "this week", "month": "this month"}[period]
+    if scope != "team":
+        key = who or ""
+        amount = costs.get(key, 0)
+        subject = "Your" if scope == "me" else f"{names.get(key, key)}'s"
+        text = f"{subject} GPU cost {label} ({span}): ${amount:,.2f}."
+        return View(text=text, blocks=(Text(text), Context(_COST_NOTE)))
+    rows = tuple(
+        (names.get(k, k), f"${v:,.2f}")
+        for k, v in sorted(costs.items(), key=lambda kv: (-kv[1], kv[0]))
+    )
+    total = sum(costs.values(), 0)
+    text = f"Team GPU cost {label} ({span}): ${total:,.2f} held by {len(rows)} people."
+    blocks: tuple[Block, ...] = (Header(f"GPU cost {label}"), Text(text))
+    if rows:
+        blocks += (Table(("who", "cost"), rows),)
+    blocks += (
+        Context(_COST_NOTE + " `/gpu cost team` adds the idle overhead and the instances' bill."),
+    )
+    return View(text=text, blocks=blocks)
+
+
+_COST_NOTE = "Every GPU-second held by a reservation or run, at its share of the host's hourly price; owned hosts cost nothing per hour."
+
+
+def _zone(tz: str) -> Any:
+    from zoneinfo import ZoneInfo
+
+    return ZoneInfo(tz)

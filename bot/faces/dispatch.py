@@ -1,0 +1,197 @@
+"""From a line of text to a reply, for every face: parse, call the use case, and
+turn failures into words. A `UserError` becomes a short ephemeral error with the
+verb's usage; anything else is logged with a reference id, and the user sees
+only that id. No input reaches a user as a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import lru_cache
+
+from bot.app.billing import team_cost_view
+from bot.app.budgets import budget_command
+from bot.app.fleet import pool as fleet_pool
+from bot.app.idle import keep as idle_keep
+from bot.app.recommend import priced_catalog, recommend_view
+from bot.app.runs import RunService
+from bot.app.service import Actor, GpuService
+from bot.app.utilization import util_reply
+from bot.domain import views
+from bot.domain.commands import (
+    Budget,
+    Cancel,
+    Command,
+    Cost,
+    Extend,
+    Help,
+    Logs,
+    Pool,
+    Prices,
+    Queue,
+    Recommend,
+    Release,
+    Reserve,
+    Run,
+    Status,
+    Util,
+    parse,
+)
+from bot.domain.errors import UserError, failure_message
+from provisioning.catalog import Catalog
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def _catalog() -> Catalog:
+    return Catalog.load()
+
+
+def normalize_model(text: str) -> str | None:
+    """User-typed GPU model to the catalog's name; `cpu` names the local CPU slots."""
+    if text.lower() in {"cpu", "cpus"}:
+        return "cpu"
+    return _catalog().normalize_model(text)
+
+
+def known_models() -> tuple[str, ...]:
+    return (*_catalog().models(), "cpu")
+
+
+def parse_text(text: str) -> Command:
+    return parse(text, normalize_model=normalize_model, known_models=known_models())
+
+
+def handle_text(
+    service: GpuService, actor: Actor, text: str, request_key: str | None = None
+) -> views.Reply:
+    try:
+        command = parse_text(text)
+        return execute(service, actor, command, request_key)
+    except UserError as exc:
+        return views.error(exc.text)
+    except Exception as exc:
+        verb = text.strip().removeprefix("/gpu").strip().split(" ", 1)[0][:20]
+        return views.error(failure_message(exc, f"/gpu {verb} by {actor.key}"))
+
+
+def execute(
+    service: GpuService, actor: Actor, command: Command, request_key: str | None = None
+) -> views.Reply:
+    # Every verb has a handler (tests/core/test_dispatch.py checks the table is whole).
+    return _HANDLERS[type(command)](service, actor, command, request_key)
+
+
+def _help(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Help)
+    return views.Reply(views.help_view(cmd.topic))
+
+
+def _status(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Status)
+    return service.status(actor, cmd)
+
+
+def _reserve(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Reserve)
+    return service.reserve(actor, cmd, request_key=key)
+
+
+def _release(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Release)
+    return service.release(actor, cmd)
+
+
+def _extend(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Extend)
+    return service.extend(actor, cmd)
+
+
+def _prices(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Prices)
+    return views.Reply(views.prices_view(priced_catalog(service.settings), cmd.model))
+
+
+def _recommend(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Recommend)
+    return views.Reply(recommend_view(priced_catalog(service.settings), cmd))
+
+
+def _runs(service: GpuService, what: str) -> RunService:
+    if service.runs is None:
+        raise UserError(
+            f"`/gpu {what}` needs hosts that can run training; none is configured here."
+        )
+    return service.runs
+
+
+def _run(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Run)
+    return _runs(service, "run").submit(actor, cmd, request_key=key)
+
+
+def _queue(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Queue)
+    return _runs(service, "queue").queue(actor, cmd)
+
+
+def _cancel(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Cancel)
+    return _runs(service, "cancel").cancel(actor, cmd)
+
+
+def _logs(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Logs)
+    return _runs(service, "logs").logs(actor, cmd)
+
+
+def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Cost)
+    if cmd.scope == "team":
+        bill = service.team_bill(cmd.period, _catalog())
+        return views.Reply(team_cost_view(bill, cmd.period, service.settings.timezone))
+    who = actor.key if cmd.scope == "me" else (cmd.user.key if cmd.user else None)
+    window, costs, names = service.costs(cmd.period, None if cmd.scope == "team" else who)
+    if cmd.scope == "user" and who not in names and who is not None:
+        names[who] = who
+    tz = service.settings.timezone
+    return views.Reply(views.cost_view(cmd.scope, cmd.period, window, costs, names, tz, who))
+
+
+def _budget(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Budget)
+    return budget_command(service, actor, cmd)
+
+
+def _util(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Util)
+    if cmd.keep is not None:
+        return idle_keep(service, actor, cmd.keep)
+    return util_reply(service, actor, cmd.host, key)
+
+
+def _pool(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Pool)
+    return fleet_pool(service, actor, cmd)
+
+
+_Handler = Callable[[GpuService, Actor, Command, "str | None"], views.Reply]
+_HANDLERS: dict[type, _Handler] = {
+    Help: _help,
+    Status: _status,
+    Reserve: _reserve,
+    Release: _release,
+    Extend: _extend,
+    Prices: _prices,
+    Recommend: _recommend,
+    Run: _run,
+    Queue: _queue,
+    Cancel: _cancel,
+    Logs: _logs,
+    Cost: _cost,
+    Util: _util,
+    Budget: _budget,
+    Pool: _pool,
+}

@@ -1,0 +1,371 @@
+"""Start-up shared by every entry point: engine, schema upgrade, providers, service.
+
+The app upgrades its own schema on start (DESIGN: "the app upgrades itself"),
+then makes the host rows match what the configured provider reports.
+
+Providers (GPUBOT_PROVIDER):
+
+- `local`: this machine, reached without SSH.
+- `ssh`: the static hosts of GPUBOT_SSH_HOSTS (`[name=][user@]host[:port][/4xA100]`),
+  owned (no hourly bill), reached over SSH.
+- `aws`: EC2 (GPUBOT_AWS_* settings); instances are launched, started, stopped and
+  terminated by the fleet (bot.app.fleet) from the worker. The host rows are not synced
+  here but by the worker's first fleet pass (reconcile), which also waits for SSH
+  before calling an instance ready: a web process never needs EC2 credentials.
+
+SSH and EC2 hosts share one `SshClient`; a `Resolver` says where to dial each host
+(tests pass one that maps instances to loopback sshd hosts).
+
+Runs on this machine never run as the bot (it holds the Slack token, the signing secret,
+AWS keys and the database password): with GPUBOT_RUN_AS they run as that unprivileged
+account, their directories in its home as on a remote host, and $GPUBOT_HOME (0700) with
+the SQLite file (0600) out of its reach. Without it, `gpubot serve` refuses runs and only
+`gpubot shell`, one trusted person at their own terminal, runs them as itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import site
+import stat
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+
+from bot.adapters.leader import Leadership, leadership_for
+from bot.app.config import ConfigError, Settings
+from bot.app.fleet import (
+    CatalogSupply,
+    Fleet,
+    Prepare,
+    PreparedHost,
+    RemoteAccess,
+    _HostRunner,
+    attach,
+    bootstrap_prepare,
+)
+from bot.app.ports import FIXED_POOL
+from bot.app.runs import LocalAccess, RunService
+from bot.app.service import GpuService
+from bot.domain.clock import Clock, SystemClock
+from db.migrate import upgrade
+from db.session import make_engine
+from provisioning import shell
+from provisioning.aws import Ec2Compute
+from provisioning.base import Compute, ProvisioningError
+from provisioning.bootstrap import bootstrap, default_package_dir
+from provisioning.catalog import Catalog
+from provisioning.hosts import LocalCompute, StaticHostsCompute
+from provisioning.local_runner import LOCAL_TARGET, LocalRunner
+from provisioning.ssh import (
+    InstanceResolver,
+    Resolver,
+    RunResult,
+    SshClient,
+    SshError,
+    SshRunner,
+    SshTarget,
+    StaticResolver,
+)
+
+log = logging.getLogger(__name__)
+
+RUN_AS_MISSING = (
+    "Runs are off on this bot: it would run them as its own user, next to its Slack and "
+    "database secrets. An admin turns them on by setting GPUBOT_RUN_AS to an unprivileged "
+    "unix account (e.g. gpubot-run) and restarting. Reservations work as usual."
+)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    service: GpuService
+    compute: Compute
+    # The cloud side (launch, reuse, reconcile, idle stop); None for owned hosts.
+    fleet: Fleet | None = None
+
+    def leadership(self) -> Leadership:
+        """Only the leading worker acts; the others stand by (see bot.adapters.leader)."""
+        return leadership_for(self.engine, self.service.clock, self.settings.tick_seconds)
+
+
+def _ssh_key() -> str | None:
+    key = os.environ.get("GPUBOT_SSH_KEY", "").strip()
+    return str(Path(key).expanduser()) if key else None
+
+
+def make_compute(settings: Settings, runner: SshRunner | None = None) -> Compute:
+    """The configured provider; `runner` lets static hosts without declared GPUs be probed."""
+    if settings.provider == "local":
+        if settings.local_gpus == "none":
+            return LocalCompute(slots=settings.local_slots, probe=list)
+        return LocalCompute(slots=settings.local_slots)
+    # Imported here: the doctor pulls in Slack's client, which the local build never needs.
+    from bot.faces.doctor import ec2_settings_from_env, static_hosts_from_env
+
+    if settings.provider == "ssh":
+        hosts = static_hosts_from_env(os.environ)
+        if not hosts:
+            raise ConfigError(
+                "GPUBOT_PROVIDER=ssh but GPUBOT_SSH_HOSTS lists no hosts; list them as "
+                "[name=][user@]host[:port][/4xA100], comma-separated."
+            )
+        return StaticHostsCompute(hosts, runner)
+    if settings.provider == "aws":
+        from bot.adapters.metrics import instrument_boto3_session
+        from provisioning.aws import make_session
+        from provisioning.base import ProvisioningError
+
+        try:
+            aws = ec2_settings_from_env(os.environ)
+            # Timed from the bot's side (AWS latency and errors on /metrics); prices
+            # from `gpubot prices refresh` when it has run.
+            return Ec2Compute(
+                aws,
+                Catalog.load(prefer=settings.prices_path),
+                session=instrument_boto3_session(make_session(aws.region)),
+            )
+        except ProvisioningError as exc:
+            raise ConfigError(str(exc)) from None
+    raise ConfigError(
+        f"GPUBOT_PROVIDER={settings.provider} is not supported; use local, ssh or aws."
+    )
+
+
+def _for_hosts(prepare: Prepare | None, *, cloud: bool) -> Prepare | None:
+    """The production preparation told which kind of host it prepares (an EC2 instance
+    gets the stopping agent, a team's own server a watching one) rather than guessing it
+    from the host's name; a test's own preparation is passed through as it is."""
+    if prepare is bootstrap_prepare:
+        return functools.partial(bootstrap_prepare, cloud=cloud)
+    return prepare
+
+
+# --- runs on this machine, as the run account -------------------------------------------
+
+
+def private_home(home: Path) -> None:
+    """$GPUBOT_HOME as 0700: the database, the config and staged uploads live there, and
+    no other account (the run account least of all) may list or read it. A directory
+    many people share (sticky and world-writable, like /tmp) is refused, not chmodded."""
+    if not home.exists():
+        home.mkdir(mode=0o700, parents=True)
+    st = home.stat()
+    if st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH:
+        raise ConfigError(
+            f"GPUBOT_HOME is {home}, a directory everyone shares; give the bot one of its own"
+        )
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        home.chmod(stat.S_IMODE(st.st_mode) & 0o700)
+        log.info("made %s private to the bot (0700)", home)
+
+
+def private_database(settings: Settings) -> None:
+    """The SQLite file 0600 (its -wal and -journal files take the same mode from it)."""
+    if settings.database_url:
+        return
+    for path in settings.home.glob("gpubot.db*"):
+        if path.is_file() and path.stat().st_uid == os.geteuid():
+            path.chmod(0o600)
+
+
+def prepare_run_account(runner: LocalRunner) -> PreparedHost:
+    """Where `python -m training.runner` comes from when it runs as the run account.
+
+    The bot's own interpreter when that account can run it and import `training` with
+    it (a virtualenv under /opt, readable by all: torch and all come with it). Otherwise
+    the package is staged into the account's ``~/.gpubot`` as bootstrap does for a remote
+    host, with a virtualenv made from the account's ``python3`` (torch only if that
+    interpreter has it). Raises SshError naming the paths when neither works."""
+    account = runner.account
+    root = f"{account.home}/.gpubot"
+    probe = runner.run(
+        LOCAL_TARGET,
+        shell.join([sys.executable, "-c", "import training.runner"]),
+        timeout=120,
+        cwd=account.home,
+    )
+    if probe.ok:
+        return PreparedHost(root=root, python=sys.executable)
+    why = (probe.stderr.strip().splitlines() or [f"exit {probe.exit_code}"])[-1][:200]
+    try:
+        report = bootstrap(runner, LOCAL_TARGET, remote_root=root, install_torch=False)
+    except ProvisioningError as exc:
+        raise SshError(
+            f"the run account {account.name} cannot use the bot's interpreter "
+            f"{sys.executable} ({why}), and staging the training package "
+            f"({default_package_dir()}) into {root} failed: {exc}. Make the bot's "
+            f"virtualenv and code readable by {account.name}, or give it a python3."
+        ) from None
+    torch = report.torch or _lend_bot_packages(runner, report.venv_python)
+    log.info(
+        "run account %s cannot use %s (%s); staged the training package into %s (torch: %s)",
+        account.name,
+        sys.executable,
+        why,
+        report.root,
+        torch or "none: recipes and torch scripts will fail",
+    )
+    return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
+
+
+# The .pth that lends the bot's site-packages to the staged virtualenv.
+_LENT_PTH = "_gpubot_bot_packages.pth"
+
+
+def _lend_bot_packages(runner: LocalRunner, python: str) -> str | None:
+    """The staged virtualenv's interpreter may not reach the bot's, but often it can read
+    the bot's site-packages (torch and all): with the same Python minor version, a .pth
+    naming them lends it those packages, as bootstrap does with an image's virtualenv.
+    Returns torch's version when it then imports; None otherwise."""
+
+    def ask(code: str) -> str | None:
+        result = runner.run(LOCAL_TARGET, shell.join([python, "-c", code]), timeout=180)
+        return result.stdout.strip() if result.ok else None
+
+    ours = "{}.{}".format(*sys.version_info[:2])
+    if ask("import sys; print('%d.%d' % sys.version_info[:2])") != ours:
+        return None
+    purelib = ask("import sysconfig; print(sysconfig.get_path('purelib'))")
+    if not purelib or not purelib.startswith("/"):
+        return None
+    lent = "".join(f"{d}\n" for d in site.getsitepackages())
+    runner.write_file(LOCAL_TARGET, f"{purelib}/{_LENT_PTH}", lent.encode())
+    return ask("import torch; print(torch.__version__)")
+
+
+class RunAccountRunner(_HostRunner):
+    """The LocalRunner as the run account, with `training` prepared for that account on
+    first use (`prepare_run_account`): a failure then fails the run with the reason,
+    instead of the bot refusing to start."""
+
+    _PROBES = ("training.telemetry", "training.inventory")
+
+    def __init__(self, inner: LocalRunner) -> None:
+        super().__init__(inner, PreparedHost(root=f"{inner.account.home}/.gpubot", python=""))
+        self.local = inner
+        self._ready = False
+        self._lock = threading.Lock()
+
+    def prepared(self) -> PreparedHost:
+        with self._lock:
+            if not self._ready:
+                self.host = prepare_run_account(self.local)
+                self._ready = True
+            return self.host
+
+    def run(
+        self,
+        target: SshTarget,
+        command: str,
+        timeout: float | None = None,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> RunResult:
+        # The utilization probe runs `python -m training.telemetry` with the bot's
+        # interpreter too; it gets the prepared one, as the runner does.
+        for module in self._PROBES:
+            old = (sys.executable, "-m", module)
+            if shell.replace_program(command, old, old) is not None:
+                host = self.prepared()
+                command = shell.replace_program(command, old, (host.python, *old[1:])) or command
+                if host.code_dir:
+                    env = {**(env or {}), "PYTHONPATH": host.code_dir}
+                break
+        return super().run(target, command, timeout, cwd=cwd, env=env)
+
+    def start_detached(
+        self,
+        target: SshTarget,
+        command: str,
+        log_path: str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> int:
+        self.prepared()
+        return super().start_detached(target, command, log_path, cwd=cwd, env=env)
+
+
+def local_access(settings: Settings) -> LocalAccess:
+    """This machine's runs: as the run account in its home, or (no GPUBOT_RUN_AS) as
+    the bot under $GPUBOT_HOME/runs."""
+    if settings.run_as:
+        try:
+            runner = LocalRunner(run_as=settings.run_as)
+        except SshError as exc:
+            raise ConfigError(str(exc)) from None
+        runs_dir = Path(runner.account.home) / ".gpubot" / "runs"
+        return LocalAccess(RunAccountRunner(runner), LOCAL_TARGET, runs_dir)
+    log.warning(
+        "GPUBOT_RUN_AS is not set: runs on this machine run as the bot's own user (fine "
+        "for gpubot shell; set it wherever a worker starts runs that Slack users submit)"
+    )
+    return LocalAccess(LocalRunner(), LOCAL_TARGET, (settings.home / "runs").resolve())
+
+
+def build_runtime(
+    settings: Settings,
+    clock: Clock | None = None,
+    compute: Compute | None = None,
+    *,
+    resolver: Resolver | None = None,
+    ssh: SshRunner | None = None,
+    prepare: Prepare | None = bootstrap_prepare,
+    runs_as_self: bool = True,
+) -> Runtime:
+    """`resolver`, `ssh` and `prepare` replace where hosts are dialed, the SSH client, and
+    how a host is made ready on first use (tests: loopback sshd hosts, no bootstrap).
+    `runs_as_self=False` (`gpubot serve`): on the local provider without GPUBOT_RUN_AS,
+    runs are refused rather than run as the bot's own user."""
+    private_home(settings.home)
+    engine = make_engine(settings.sqlalchemy_url)
+    upgrade(engine)
+    private_database(settings)
+    runner = ssh or SshClient()
+    compute = compute or make_compute(settings, runner)
+    catalog = (
+        compute.catalog
+        if isinstance(compute, Ec2Compute)
+        else Catalog.load(prefer=settings.prices_path)
+    )
+    supply = CatalogSupply(catalog) if isinstance(compute, Ec2Compute) else FIXED_POOL
+    service = GpuService(engine, settings, clock or SystemClock(), supply)
+    fleet: Fleet | None = None
+    if isinstance(compute, LocalCompute):
+        service.sync_hosts(compute.list_instances())
+        refused = not settings.run_as and not runs_as_self
+        service.runs = RunService(
+            service, local_access(settings), catalog, refusal=RUN_AS_MISSING if refused else None
+        )
+    elif isinstance(compute, StaticHostsCompute):
+        service.sync_hosts(compute.list_instances())
+        access = RemoteAccess(
+            engine,
+            runner,
+            resolver or StaticResolver(compute.targets()),
+            prepare=_for_hosts(prepare, cloud=False),
+        )
+        service.runs = RunService(service, access, catalog)
+    elif isinstance(compute, Ec2Compute):
+        access = RemoteAccess(
+            engine,
+            runner,
+            resolver or InstanceResolver(user=compute.settings.ssh_user, key_path=_ssh_key()),
+            prepare=_for_hosts(prepare, cloud=True),
+        )
+        service.runs = RunService(service, access, catalog)
+        fleet = Fleet(service, compute, access, catalog=catalog)
+        attach(service, fleet)
+    else:
+        service.sync_hosts(compute.list_instances())
+    return Runtime(settings=settings, engine=engine, service=service, compute=compute, fleet=fleet)

@@ -1,0 +1,138 @@
+"""The periodic work: ending reservations, warning holders, granting the line,
+delivering the outbox (`bot.app.delivery`). APScheduler 3 runs it on a background
+thread; job functions are module-level so APScheduler could persist and restore them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from bot.adapters.leader import Leadership
+from bot.adapters.metrics import TICK_SECONDS, note_tick
+from bot.app import digest, fleet, idle, utilization
+from bot.app.delivery import Notifier, deliver
+from bot.app.service import GpuService
+from bot.domain.errors import new_ref
+
+log = logging.getLogger(__name__)
+
+
+def tick_job(
+    service: GpuService, notifier: Notifier | None, leader: Leadership | None = None
+) -> None:
+    try:
+        if leader is not None and not leader.hold():
+            note_tick(leading=False)
+            return  # a standby: another worker leads
+        tick_started = time.perf_counter()
+        report = service.tick()
+        if report.expired or report.warned or report.granted:
+            log.info("tick: %s", report)
+        if service.runs is not None:
+            finished = service.runs.poll()
+            started = service.runs.dispatch()
+            if finished or started:
+                log.info("runs: %d finished, %d started", finished, started)
+        if notifier is not None:
+            deliver(service, notifier)
+        TICK_SECONDS.observe(time.perf_counter() - tick_started)
+        # After the work: /healthz's "last tick" is the last one that completed, and a
+        # scrape that sees "leader" also sees that tick counted.
+        note_tick(leading=True)
+    except Exception as exc:
+        log.error("ref=%s worker tick failed", new_ref(), exc_info=exc)
+
+
+@dataclass(frozen=True)
+class PeriodicJob:
+    """One more piece of periodic work beside the tick (sampling, reconcile, digest, …).
+
+    `run` must be a module-level function (APScheduler can only restore those) taking
+    the service; `trigger` and `trigger_args` are APScheduler's ("interval" with
+    seconds=…, or "cron" with day_of_week/hour/minute/timezone).
+    """
+
+    id: str
+    run: Callable[[GpuService], object]
+    trigger: str
+    trigger_args: dict[str, Any]
+
+
+def leader_job(
+    job_id: str, run: Callable[[GpuService], object], service: GpuService, leader: Leadership | None
+) -> None:
+    """Runs a periodic job only on the leading worker; a failure is logged with a ref and
+    the next firing tries again (a job never takes the scheduler down)."""
+    try:
+        if leader is not None and not leader.hold():
+            return
+        run(service)
+    except Exception as exc:
+        log.error("ref=%s worker job %s failed", new_ref(), job_id, exc_info=exc)
+
+
+def periodic_jobs(service: GpuService) -> list[PeriodicJob]:
+    """Every periodic job besides the tick, from the settings. Each feature adds its own
+    line here; its function lives in its own module."""
+    jobs: list[PeriodicJob] = []
+    every_sample = {"seconds": service.settings.util_sample_s}
+    jobs.append(PeriodicJob("util-sample", utilization.sample_job, "interval", every_sample))
+    jobs.append(PeriodicJob("idle-check", idle.idle_job, "interval", every_sample))
+    post_s = max(60.0, service.settings.util_post_interval.total_seconds())  # 0 = off: job skips
+    jobs.append(PeriodicJob("util-post", utilization.snapshot_job, "interval", {"seconds": post_s}))
+    jobs.append(
+        PeriodicJob("digest", digest.digest_job, "cron", digest.digest_trigger(service.settings))
+    )
+    jobs.append(
+        PeriodicJob("fleet", fleet.fleet_job, "interval", fleet.fleet_trigger(service.settings))
+    )
+    return jobs
+
+
+@dataclass
+class Worker:
+    service: GpuService
+    notifier: Notifier | None
+    interval_s: float
+    # None: act on every tick (tests); otherwise only while this process leads.
+    leader: Leadership | None = None
+    # None: the jobs the settings ask for (periodic_jobs); tests pass their own list.
+    extra_jobs: list[PeriodicJob] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        self._scheduler = BackgroundScheduler(
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+            timezone="UTC",
+        )
+        self._scheduler.add_job(
+            tick_job,
+            "interval",
+            seconds=self.interval_s,
+            args=[self.service, self.notifier, self.leader],
+            id="tick",
+            replace_existing=True,
+        )
+        for job in self.extra_jobs if self.extra_jobs is not None else periodic_jobs(self.service):
+            self._scheduler.add_job(
+                leader_job,
+                job.trigger,
+                args=[job.id, job.run, self.service, self.leader],
+                id=job.id,
+                replace_existing=True,
+                **job.trigger_args,
+            )
+
+    def start(self) -> None:
+        self._scheduler.start()
+
+    def stop(self) -> None:
+        if self._scheduler.running:
+            self._scheduler.shutdown(wait=True)
+        if self.leader is not None:
+            self.leader.release()

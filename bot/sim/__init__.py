@@ -1,0 +1,2 @@
+"""`gpubot simulate`: the scheduler replayed on a virtual clock; beside the app, over
+`bot.domain.scheduling` and `provisioning.simulated`."""

@@ -1,0 +1,845 @@
+"""`gpubot simulate`: a trace of jobs through the real scheduler on a simulated cloud.
+
+Why: the scheduler's choices (pack, reuse, wait or launch, stop) are where the team's
+money goes, and a trace replay is the only way to see that before paying for it. The
+loop calls the very `bot.domain.scheduling.decide` the worker calls, on a virtual clock
+(`provisioning.simulated.SimulatedCloud`), jumping from event to event through a heap —
+arrivals, run starts and ends, instances becoming ready, idle timers — so 100,000 jobs
+take seconds, not the trace's months.
+
+Figures (all over the jobs that ran; a job that can never run is reported as rejected):
+
+* ``jobs``: jobs that ran.
+* ``total_cost_usd``: the sum of every instance's bill (running per second with a 60 s
+  minimum per start, stopped at storage price, see `provisioning.simulated`).
+* ``ideal_cost_usd``: every job's GPU-seconds at the cheapest on-demand per-GPU price of
+  an instance type of its GPU model: no idle, no boot, perfect packing; the floor.
+* ``cost_efficiency``: ideal / total (1.0 is the floor, higher is impossible).
+* ``avg_jct_s``: mean of (last) end − submit.
+* ``avg_queue_s``, ``p95_queue_s``: mean and 95th percentile (nearest rank) of the time
+  a job spent not running: start − submit, plus, for a preempted job, every gap between
+  its segments.
+* ``gpu_utilization``: busy GPU-seconds (jobs' GPUs × duration) / paid running
+  GPU-seconds (each instance's GPUs × its time not stopped, launch to end).
+* ``makespan_s``: last end − first submit.
+
+Rejected jobs: a job needing more GPUs than `--max-gpus` allows at once (after rounding
+up to whole instances), or, under ``fifo``, more than its model's part of the fixed
+fleet, can never start. It is left out of the schedule and the figures and named on
+stderr (and in ``SimResult.rejected``), rather than run at a fraction of its size, which
+would change its duration and thus the figures.
+
+Preemption (``fair`` only, ``--no-preempt`` turns it off): the scheduler may stop a
+running job with a checkpoint and start it again later or elsewhere (fair-share
+preemption, defragmentation, consolidation; see `bot.domain.scheduling`). Philly's own jobs were
+restarted this way: the trace's duration is the sum of a job's attempts. Every job is
+taken to checkpoint on SIGTERM, as the bot's runner does. A preempted job keeps the work
+it did and owes ``--resume-s`` more on each resume (the checkpoint write and reload, run
+on its GPUs and billed like any other second). Its schedule has one row per segment, in
+time order, each on the instances it used then; the rows' lengths add up to its duration
+plus ``--resume-s`` per resume.
+
+The trace records each job's run time; the simulator hands it to the scheduler as the
+user's time limit (a perfect estimate), as trace-driven backfill studies do. Spot runs
+are not in the trace format, so every simulated job is on-demand.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import heapq
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import typer
+
+from bot.domain.scheduling import (
+    POLICIES,
+    Action,
+    Allocation,
+    FleetInstance,
+    Launch,
+    Place,
+    Preempt,
+    QueuedRun,
+    SchedulerConfig,
+    Start,
+    Stop,
+    Terminate,
+    decay_usage,
+    decide,
+    fifo_fleet,
+    next_wakeup,
+    preempt_slot,
+    run_shape,
+)
+from provisioning.catalog import Catalog
+from provisioning.costs import DEFAULT_COSTS
+from provisioning.simulated import InstanceRecord, SimulatedCloud
+
+TRACE_HEADER = ("job_id", "user", "submit_time", "duration_s", "gpus", "gpu_type")
+SCHEDULE_HEADER = ("job_id", "user", "instance_ids", "submit_s", "start_s", "end_s", "gpus")
+INSTANCES_HEADER = (
+    "instance_id",
+    "instance_type",
+    "market",
+    "launch_s",
+    "ready_s",
+    "end_s",
+    "stopped",
+    "usd",
+)
+FIGURE_KEYS = (
+    "policy",
+    "jobs",
+    "total_cost_usd",
+    "ideal_cost_usd",
+    "cost_efficiency",
+    "avg_jct_s",
+    "avg_queue_s",
+    "p95_queue_s",
+    "gpu_utilization",
+    "makespan_s",
+)
+
+
+class SimInputError(ValueError):
+    """Bad input to the simulator; its text is the whole message for the user."""
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    job_id: str
+    user: str
+    submit_s: float
+    duration_s: float
+    gpus: int
+    gpu_model: str  # canonical, the default filled in
+
+
+@dataclass(frozen=True)
+class ScheduledJob:
+    job_id: str
+    user: str
+    instance_ids: tuple[str, ...]
+    submit_s: float
+    start_s: float
+    end_s: float
+    gpus: int
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    jobs: int
+    total_cost_usd: float
+    ideal_cost_usd: float
+    cost_efficiency: float
+    avg_jct_s: float
+    avg_queue_s: float
+    p95_queue_s: float
+    gpu_utilization: float
+    makespan_s: float
+    schedule: tuple[ScheduledJob, ...] = ()
+    instances: tuple[InstanceRecord, ...] = ()
+    rejected: tuple[tuple[str, str], ...] = ()  # (job_id, why)
+    wall_s: float = 0.0
+    preemptions: int = 0  # checkpoint-and-requeue events (each a new schedule row)
+
+    def figures(self) -> dict[str, object]:
+        """Exactly the `--json` object of DESIGN.md."""
+        return {k: getattr(self, k) for k in FIGURE_KEYS}
+
+
+# ---------------------------------------------------------------- input
+
+
+def load_trace(path: Path, catalog: Catalog, default_model: str) -> list[TraceJob]:
+    """Reads and validates a trace; any problem is one SimInputError line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SimInputError(f"cannot read trace {path}: {exc.strerror or exc}") from exc
+    return parse_trace(text.splitlines(), catalog, default_model, str(path))
+
+
+def parse_trace(
+    lines: Sequence[str], catalog: Catalog, default_model: str, name: str = "trace"
+) -> list[TraceJob]:
+    rows = csv.reader(lines)
+    header = next(rows, None)
+    if header is None or tuple(h.strip() for h in header) != TRACE_HEADER:
+        raise SimInputError(f"{name}: header must be {','.join(TRACE_HEADER)}")
+    jobs: list[TraceJob] = []
+    seen: set[str] = set()
+    for lineno, row in enumerate(rows, start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        if len(row) != len(TRACE_HEADER):
+            raise SimInputError(f"{name} line {lineno}: expected {len(TRACE_HEADER)} fields")
+        job_id, user, submit, dur, gpus, gtype = (c.strip() for c in row)
+        try:
+            submit_s = float(submit)
+            duration_s = float(dur)
+            n = int(gpus)
+        except ValueError:
+            raise SimInputError(
+                f"{name} line {lineno}: submit_time, duration_s and gpus must be numbers"
+            ) from None
+        if not job_id or not user:
+            raise SimInputError(f"{name} line {lineno}: job_id and user must not be empty")
+        if job_id in seen:
+            raise SimInputError(f"{name} line {lineno}: job_id {job_id} appears twice")
+        if (
+            not (math.isfinite(submit_s) and math.isfinite(duration_s))
+            or submit_s < 0
+            or duration_s < 0
+            or n < 1
+        ):
+            raise SimInputError(
+                f"{name} line {lineno}: need submit_time >= 0, duration_s >= 0, gpus >= 1"
+            )
+        model = catalog.normalize_model(gtype) if gtype else default_model
+        if model is None:
+            raise SimInputError(
+                f"{name} line {lineno}: unknown gpu_type {gtype!r} "
+                f"(known: {', '.join(catalog.models())})"
+            )
+        seen.add(job_id)
+        jobs.append(TraceJob(job_id, user, submit_s, duration_s, n, model))
+    jobs.sort(key=lambda j: (j.submit_s, j.job_id))
+    return jobs
+
+
+# ---------------------------------------------------------------- the loop
+
+_ARRIVE, _READY, _START, _END, _WAKE = 0, 1, 2, 3, 4
+
+
+@dataclass
+class _Inst:
+    """The loop's mutable view of one instance; `snap` caches its FleetInstance."""
+
+    iid: str
+    type_name: str
+    model: str
+    gpus: int
+    usd_hr: float
+    market: str
+    state: str  # pending | running | stopped
+    ready_at: float
+    allocs: dict[str, Allocation] = field(default_factory=dict)
+    idle_since: float | None = None
+    stopped_since: float | None = None
+    snap: FleetInstance | None = None
+
+    def snapshot(self) -> FleetInstance:
+        if self.snap is None:
+            self.snap = FleetInstance(
+                instance_id=self.iid,
+                instance_type=self.type_name,
+                gpu_model=self.model,
+                gpus=self.gpus,
+                usd_hr=self.usd_hr,
+                market="spot" if self.market == "spot" else "ondemand",
+                state="pending"
+                if self.state == "pending"
+                else ("running" if self.state == "running" else "stopped"),
+                ready_at_s=self.ready_at,
+                allocations=tuple(self.allocs.values()),
+                idle_since_s=self.idle_since,
+                stopped_since_s=self.stopped_since,
+            )
+        return self.snap
+
+
+def run_simulation(
+    trace: Path | Sequence[TraceJob],
+    *,
+    policy: str = "fair",
+    prices: Path | None = None,
+    catalog: Catalog | None = None,
+    gpu_type: str = "A100",
+    max_gpus: int = 256,
+    boot_s: float = DEFAULT_COSTS.boot_s,
+    setup_s: float = DEFAULT_COSTS.setup_s,
+    start_s: float = DEFAULT_COSTS.start_s,
+    ebs_gb: float = DEFAULT_COSTS.ebs_gb,
+    ebs_usd_gb_month: float = DEFAULT_COSTS.ebs_usd_gb_month,
+    config: SchedulerConfig | None = None,
+    preempt: bool | None = None,
+    resume_s: float | None = None,
+) -> SimResult:
+    """Replays `trace` (a file or parsed jobs) under `policy`; raises SimInputError."""
+    t_wall = time.perf_counter()
+    if policy not in POLICIES:
+        raise SimInputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if catalog is None:
+        try:
+            catalog = Catalog.load(prices)
+        except ValueError as exc:
+            raise SimInputError(str(exc)) from None
+    model = catalog.normalize_model(gpu_type)
+    if model is None:
+        raise SimInputError(f"unknown GPU type {gpu_type!r} (known: {', '.join(catalog.models())})")
+    if max_gpus < 1:
+        raise SimInputError("--max-gpus must be at least 1")
+    for name, v in (
+        ("--boot-s", boot_s),
+        ("--setup-s", setup_s),
+        ("--start-s", start_s),
+        ("--ebs-gb", ebs_gb),
+        ("--ebs-usd-gb-month", ebs_usd_gb_month),
+        ("--resume-s", 0.0 if resume_s is None else resume_s),
+    ):
+        if not (math.isfinite(v) and v >= 0):
+            raise SimInputError(f"{name} must be a number >= 0")
+    jobs = load_trace(trace, catalog, model) if isinstance(trace, Path) else list(trace)
+    jobs.sort(key=lambda j: (j.submit_s, j.job_id))
+
+    cloud = SimulatedCloud(
+        catalog,
+        max_gpus=max_gpus,
+        boot_s=boot_s,
+        setup_s=setup_s,
+        start_s=start_s,
+        ebs_gb=ebs_gb,
+        ebs_usd_gb_month=ebs_usd_gb_month,
+    )
+    base = config or SchedulerConfig()
+    cfg = SchedulerConfig(
+        **{
+            **base.__dict__,
+            "policy": policy,
+            "max_gpus": max_gpus,
+            "boot_s": boot_s,
+            "setup_s": setup_s,
+            "start_s": start_s,
+            "ebs_usd_s": cloud.ebs_usd_s,
+            "preempt": base.preempt if preempt is None else preempt,
+            "resume_s": base.resume_s if resume_s is None else resume_s,
+        }
+    )
+    rejected: list[tuple[str, str]] = []
+    runnable: list[TraceJob] = []
+    cap: dict[str, int] = {}
+    if policy == "fifo":
+        demand: dict[str, float] = {}
+        biggest: dict[str, int] = {}
+        for j in jobs:
+            demand[j.gpu_model] = demand.get(j.gpu_model, 0.0) + j.gpus * j.duration_s
+            biggest[j.gpu_model] = max(biggest.get(j.gpu_model, 0), j.gpus)
+        plan = fifo_fleet(catalog, demand, biggest, max_gpus)
+        cfg = SchedulerConfig(**{**cfg.__dict__, "fixed_fleet": plan})
+        for type_name, count in plan:
+            t = catalog.get(type_name)
+            if t is not None:
+                cap[t.gpu_model] = cap.get(t.gpu_model, 0) + count * t.gpus
+    for j in jobs:
+        shape = run_shape(catalog, j.gpu_model, j.gpus)
+        if shape is None:
+            rejected.append((j.job_id, f"no instance type carries {j.gpu_model}"))
+        elif shape[1] * shape[0].gpus > max_gpus:
+            rejected.append(
+                (
+                    j.job_id,
+                    f"needs {shape[1]} x {shape[0].instance_type} "
+                    f"({shape[1] * shape[0].gpus} GPUs) > --max-gpus {max_gpus}",
+                )
+            )
+        elif policy == "fifo" and j.gpus > cap.get(j.gpu_model, 0):
+            rejected.append(
+                (
+                    j.job_id,
+                    f"needs {j.gpus} GPUs > the fixed fleet's "
+                    f"{cap.get(j.gpu_model, 0)} {j.gpu_model}",
+                )
+            )
+        else:
+            runnable.append(j)
+
+    loop = _Loop(runnable, cloud, catalog, cfg)
+    loop.run()
+    schedule = tuple(row for j in runnable for row in loop.schedule[j.job_id])
+    records = tuple(cloud.records())
+    res = _figures(policy, runnable, schedule, records, catalog, cloud.min_bill_s)
+    return SimResult(
+        **{
+            **res.__dict__,
+            "schedule": schedule,
+            "instances": records,
+            "rejected": tuple(rejected),
+            "wall_s": time.perf_counter() - t_wall,
+            "preemptions": loop.preemptions,
+        }
+    )
+
+
+class _Loop:
+    def __init__(
+        self, jobs: list[TraceJob], cloud: SimulatedCloud, catalog: Catalog, cfg: SchedulerConfig
+    ) -> None:
+        self.jobs = jobs
+        self.cloud = cloud
+        self.catalog = catalog
+        self.cfg = cfg
+        self.by_id = {j.job_id: j for j in jobs}
+        self.heap: list[tuple[float, int, int, str]] = []
+        self.seq = 0
+        self.insts: dict[str, _Inst] = {}
+        self.queues: dict[str, list[QueuedRun]] = {}
+        self.queued = 0
+        self.usage: dict[str, float] = {}
+        self.running: dict[str, int] = {}
+        self.schedule: dict[str, list[ScheduledJob]] = {}  # a row per run segment
+        self.left: dict[str, float] = {j.job_id: j.duration_s for j in jobs}  # work to do
+        self.seg: dict[str, tuple[float, float, float]] = {}  # running: start, end, resume
+        self.preemptions = 0
+        self.pslot = -(2**62)  # the last preemption slot looked at (see preempt_slot)
+        self.placed_on: dict[str, tuple[str, ...]] = {}
+        self.per_host: dict[str, int] = {}
+        self.wakes: set[float] = set()
+        self.arrivals_left = len(jobs)
+        self.last_t = 0.0
+        self.fair = cfg.policy == "fair"
+
+    def push(self, t: float, kind: int, key: str) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, key))
+
+    def run(self) -> None:
+        for j in self.jobs:
+            self.push(j.submit_s, _ARRIVE, j.job_id)
+        heap = self.heap
+        while heap:
+            t = heap[0][0]
+            self.advance(t)
+            dirty = False
+            while heap and heap[0][0] == t:
+                _, kind, _, key = heapq.heappop(heap)
+                self.handle(kind, key, t)
+                dirty = dirty or kind != _START  # a start changes no decision's inputs
+            if dirty:
+                self.tick(t)
+        end = self.cloud.now
+        for inst in list(self.insts.values()):  # nothing is left running unaccounted
+            self.cloud.terminate(inst.iid)
+            del self.insts[inst.iid]
+        self.cloud.advance_to(end)
+
+    def advance(self, t: float) -> None:
+        if self.fair and t > self.last_t:
+            self.usage = decay_usage(
+                self.usage, self.running, t - self.last_t, self.cfg.half_life_s
+            )
+        self.last_t = t
+        self.cloud.advance_to(t)
+
+    def handle(self, kind: int, key: str, t: float) -> None:
+        if kind == _ARRIVE:
+            j = self.by_id[key]
+            self.arrivals_left -= 1
+            self.queues.setdefault(j.user, []).append(
+                QueuedRun(
+                    run_id=j.job_id,
+                    user=j.user,
+                    gpus=j.gpus,
+                    gpu_model=j.gpu_model,
+                    submit_s=j.submit_s,
+                    est_duration_s=j.duration_s,
+                )
+            )
+            self.queued += 1
+        elif kind == _READY:
+            inst = self.insts.get(key)
+            if inst is not None and inst.state == "pending" and t >= inst.ready_at:
+                self.cloud.mark_ready(key)
+                inst.state = "running"
+                if not inst.allocs:
+                    inst.idle_since = t
+                inst.snap = None
+        elif kind == _START:
+            j = self.by_id[key]
+            self.running[j.user] = self.running.get(j.user, 0) + j.gpus
+        elif kind == _END:
+            seg = self.seg.get(key)
+            if seg is None or seg[1] != t:
+                return  # the segment was preempted before this end
+            del self.seg[key]
+            self.left[key] = 0.0
+            self.release(key, t)
+        elif kind == _WAKE:
+            self.wakes.discard(t)
+
+    def window(self) -> list[QueuedRun]:
+        limit = self.cfg.scan_limit
+        out: list[QueuedRun] = []
+        for q in self.queues.values():
+            out.extend(q[:limit])
+        return out
+
+    def tick(self, now: float) -> None:
+        queue = self.window() if self.queued else []
+        fleet = [i.snapshot() for i in self.insts.values()]
+        if not queue and not fleet and self.arrivals_left:
+            return
+        due = False
+        if self.fair and self.cfg.preempt:
+            slot = preempt_slot(now, self.cfg)
+            due = slot > self.pslot
+            if due:
+                self.pslot = slot
+            elif self.queued or any(i.allocs for i in self.insts.values()):
+                # look again at the next slot even if nothing else happens by then
+                nxt = (self.pslot + 1) * self.cfg.preempt_period_s
+                if nxt not in self.wakes:
+                    self.wakes.add(nxt)
+                    self.push(nxt, _WAKE, "")
+        actions = decide(
+            queue,
+            fleet,
+            now,
+            catalog=self.catalog,
+            config=self.cfg,
+            usage=self.usage,
+            more_expected=self.arrivals_left > 0,
+            preempt_due=due,
+        )
+        if actions:
+            self.apply(actions, now)
+            fleet = [i.snapshot() for i in self.insts.values()]
+            if any(isinstance(a, Preempt) for a in actions):
+                # the window moved on and the shares changed: look again at once
+                self.pslot -= 1
+                self.push(now, _WAKE, "")
+        wake = next_wakeup(fleet, self.cfg, queue, now)
+        if wake is not None and wake > now and wake not in self.wakes:
+            self.wakes.add(wake)
+            self.push(wake, _WAKE, "")
+
+    def apply(self, actions: list[Action], now: float) -> None:
+        refs: dict[str, str] = {}
+        cloud = self.cloud
+        for a in actions:
+            if isinstance(a, Place):
+                self.place(a, refs, now)
+            elif isinstance(a, Preempt):
+                self.preempt(a.run_id, now)
+            elif isinstance(a, Launch):
+                iid = cloud.launch(a.instance_type, a.market)
+                t = self.catalog.get(a.instance_type)
+                assert t is not None
+                refs[a.ref] = iid
+                ready = cloud.usable_at(iid)
+                usd = t.spot_usd_hr if a.market == "spot" and t.spot_usd_hr else t.ondemand_usd_hr
+                self.insts[iid] = _Inst(
+                    iid, t.instance_type, t.gpu_model, t.gpus, usd, a.market, "pending", ready
+                )
+                self.push(ready, _READY, iid)
+            elif isinstance(a, Start):
+                ready = cloud.start(a.instance_id)
+                inst = self.insts[a.instance_id]
+                inst.state, inst.ready_at, inst.stopped_since, inst.snap = (
+                    "pending",
+                    ready,
+                    None,
+                    None,
+                )
+                self.push(ready, _READY, inst.iid)
+            elif isinstance(a, Stop):
+                cloud.stop(a.instance_id)
+                inst = self.insts[a.instance_id]
+                if inst.allocs:
+                    raise RuntimeError(f"scheduler stopped busy instance {inst.iid}")
+                inst.state, inst.stopped_since, inst.idle_since, inst.snap = (
+                    "stopped",
+                    now,
+                    None,
+                    None,
+                )
+            elif isinstance(a, Terminate):
+                inst = self.insts[a.instance_id]
+                if inst.allocs:
+                    raise RuntimeError(f"scheduler terminated busy instance {inst.iid}")
+                cloud.terminate(a.instance_id)
+                del self.insts[a.instance_id]
+
+    def release(self, job_id: str, t: float) -> None:
+        """A job's GPUs go back (it ended or was preempted); emptied instances idle from t."""
+        j = self.by_id[job_id]
+        self.running[j.user] -= j.gpus
+        for iid in self.placed_on.pop(job_id):
+            inst = self.insts[iid]
+            del inst.allocs[job_id]
+            if not inst.allocs:
+                inst.idle_since = t
+            inst.snap = None
+
+    def preempt(self, job_id: str, now: float) -> None:
+        """Stops a running job with a checkpoint: the GPUs free at once, the work done
+        is kept, and the job goes back in line owing `resume_s` more on its next start."""
+        seg = self.seg.pop(job_id, None)
+        j = self.by_id[job_id]
+        if seg is None or seg[0] > now:
+            raise RuntimeError(f"scheduler preempted {job_id}, which is not running")
+        start, _, resume = seg
+        self.left[job_id] -= max(0.0, now - start - resume)
+        self.release(job_id, now)
+        rows = self.schedule[job_id]
+        last = rows[-1]
+        rows[-1] = ScheduledJob(
+            last.job_id, last.user, last.instance_ids, last.submit_s, last.start_s, now, last.gpus
+        )
+        self.preemptions += 1
+        # back in its place in line (by submission): the user's queue stays sorted, and
+        # with an overloaded trace it is long, so insert rather than sort
+        bisect.insort(
+            self.queues.setdefault(j.user, []),
+            QueuedRun(
+                run_id=j.job_id,
+                user=j.user,
+                gpus=j.gpus,
+                gpu_model=j.gpu_model,
+                submit_s=j.submit_s,
+                est_duration_s=self.left[job_id] + self.cfg.resume_s,
+            ),
+            key=lambda r: (r.submit_s, r.run_id),
+        )
+        self.queued += 1
+
+    def place(self, a: Place, refs: dict[str, str], now: float) -> None:
+        j = self.by_id[a.run_id]
+        iids = tuple(refs.get(i, i) for i in a.instance_ids)
+        insts = [self.insts[i] for i in iids]
+        if a.gpus_per_instance * len(insts) != j.gpus:
+            raise RuntimeError(f"scheduler split {j.job_id} wrongly")
+        start = max([now] + [i.ready_at for i in insts])
+        resume = self.cfg.resume_s if j.job_id in self.schedule else 0.0
+        end = start + self.left[j.job_id] + resume
+        for inst in insts:
+            if (
+                inst.state == "stopped"
+                or inst.gpus - sum(x.gpus for x in inst.allocs.values()) < a.gpus_per_instance
+                or inst.model != j.gpu_model
+            ):
+                raise RuntimeError(f"scheduler over-committed {inst.iid} with {j.job_id}")
+            inst.allocs[j.job_id] = Allocation(
+                j.job_id, j.user, a.gpus_per_instance, end, preemptible=True, started_s=start
+            )
+            inst.idle_since = None
+            inst.snap = None
+        self.placed_on[j.job_id] = iids
+        q = self.queues[j.user]
+        for idx, r in enumerate(q):
+            if r.run_id == j.job_id:
+                del q[idx]
+                break
+        self.queued -= 1
+        self.schedule.setdefault(j.job_id, []).append(
+            ScheduledJob(j.job_id, j.user, iids, j.submit_s, start, end, j.gpus)
+        )
+        self.seg[j.job_id] = (start, end, resume)
+        if start > now:
+            self.push(start, _START, j.job_id)
+        else:
+            self.running[j.user] = self.running.get(j.user, 0) + j.gpus
+        self.push(end, _END, j.job_id)
+
+
+# ---------------------------------------------------------------- figures
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
+def _figures(
+    policy: str,
+    jobs: Sequence[TraceJob],
+    schedule: Sequence[ScheduledJob],
+    records: Sequence[InstanceRecord],
+    catalog: Catalog,
+    min_bill_s: float,
+) -> SimResult:
+    del min_bill_s
+    total = sum(r.usd for r in records)
+    per_gpu: dict[str, float] = {}
+    for m in {j.gpu_model for j in jobs}:
+        per_gpu[m] = min(t.ondemand_per_gpu_hr for t in catalog.for_model(m))
+    ideal = sum(j.gpus * j.duration_s * per_gpu[j.gpu_model] / 3600.0 for j in jobs)
+    # A preempted job has a row per segment: its queueing is all the time it was not
+    # running, before its first start and between its segments.
+    ran: dict[str, float] = {}
+    last: dict[str, ScheduledJob] = {}
+    for s in schedule:
+        ran[s.job_id] = ran.get(s.job_id, 0.0) + (s.end_s - s.start_s)
+        if s.job_id not in last or s.end_s > last[s.job_id].end_s:
+            last[s.job_id] = s
+    queue = [s.end_s - s.submit_s - ran[jid] for jid, s in last.items()]
+    jct = [s.end_s - s.submit_s for s in last.values()]
+    busy = sum(j.gpus * j.duration_s for j in jobs)
+    paid = 0.0
+    for r in records:
+        end = r.end_s if r.end_s is not None else r.launch_s
+        paid += r.gpus * ((end - r.launch_s) - sum(b - a for a, b in r.stopped))
+    n = len(last)
+    makespan = (max(s.end_s for s in schedule) - min(s.submit_s for s in schedule)) if n else 0.0
+    return SimResult(
+        policy=policy,
+        jobs=n,
+        total_cost_usd=round(total, 4),
+        ideal_cost_usd=round(ideal, 4),
+        cost_efficiency=round(ideal / total, 6) if total > 0 else (1.0 if n else 0.0),
+        avg_jct_s=round(sum(jct) / n, 3) if n else 0.0,
+        avg_queue_s=round(sum(queue) / n, 3) if n else 0.0,
+        p95_queue_s=round(nearest_rank(queue, 0.95), 3),
+        gpu_utilization=round(busy / paid, 6) if paid > 0 else 0.0,
+        makespan_s=round(makespan, 3),
+    )
+
+
+# ---------------------------------------------------------------- output
+
+
+def write_schedule(path: Path, schedule: Sequence[ScheduledJob]) -> None:
+    with Path(path).open("w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(SCHEDULE_HEADER)
+        for s in schedule:
+            w.writerow(
+                [
+                    s.job_id,
+                    s.user,
+                    ";".join(s.instance_ids),
+                    repr(s.submit_s),
+                    repr(s.start_s),
+                    repr(s.end_s),
+                    s.gpus,
+                ]
+            )
+
+
+def write_instances(path: Path, records: Sequence[InstanceRecord]) -> None:
+    with Path(path).open("w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh, lineterminator="\n")
+        w.writerow(INSTANCES_HEADER)
+        for r in records:
+            stopped = ";".join(f"{a!r}-{b!r}" for a, b in r.stopped)
+            end = "" if r.end_s is None else repr(r.end_s)
+            w.writerow(
+                [
+                    r.instance_id,
+                    r.instance_type,
+                    r.market,
+                    repr(r.launch_s),
+                    repr(r.ready_s),
+                    end,
+                    stopped,
+                    f"{r.usd:.6f}",
+                ]
+            )
+
+
+def summary_table(res: SimResult) -> str:
+    h = 3600.0
+    lines = [
+        f"policy           {res.policy}",
+        f"jobs             {res.jobs}"
+        + (f"  ({len(res.rejected)} rejected)" if res.rejected else ""),
+        f"total cost       ${res.total_cost_usd:,.2f}",
+        f"ideal cost       ${res.ideal_cost_usd:,.2f}",
+        f"cost efficiency  {res.cost_efficiency:.3f}",
+        f"avg queue        {res.avg_queue_s / h:.2f} h   (p95 {res.p95_queue_s / h:.2f} h)",
+        f"avg completion   {res.avg_jct_s / h:.2f} h",
+        f"GPU utilization  {res.gpu_utilization:.3f}",
+        f"makespan         {res.makespan_s / h:.2f} h",
+        f"instances        {len(res.instances)}",
+        f"preemptions      {res.preemptions}",
+    ]
+    return "\n".join(lines)
+
+
+def _fail(msg: str) -> typer.Exit:
+    typer.echo(f"gpubot simulate: error: {msg}", err=True)
+    return typer.Exit(code=2)
+
+
+def simulate(
+    trace: Path = typer.Option(
+        ..., "--trace", help="job trace CSV: job_id,user,submit_time,duration_s,gpus,gpu_type"
+    ),
+    policy: str = typer.Option("fair", "--policy", help="fair | per-job | fifo"),
+    prices: Path | None = typer.Option(None, "--prices", help="prices CSV (default: shipped)"),
+    gpu_type: str = typer.Option("A100", "--gpu-type", help="model for rows without gpu_type"),
+    max_gpus: int = typer.Option(256, "--max-gpus", help="quota of GPUs running at once"),
+    schedule_out: Path | None = typer.Option(None, "--schedule-out", help="write the schedule"),
+    instances_out: Path | None = typer.Option(
+        None, "--instances-out", help="write the instances and their bills"
+    ),
+    json_out: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
+    boot_s: float = typer.Option(DEFAULT_COSTS.boot_s, "--boot-s", help="launch to SSH-ready, s"),
+    setup_s: float = typer.Option(
+        DEFAULT_COSTS.setup_s, "--setup-s", help="bootstrap of a fresh instance, s"
+    ),
+    start_s: float = typer.Option(
+        DEFAULT_COSTS.start_s, "--start-s", help="restart of a stopped instance, s"
+    ),
+    ebs_gb: float = typer.Option(
+        DEFAULT_COSTS.ebs_gb, "--ebs-gb", help="volume size billed while stopped"
+    ),
+    ebs_usd_gb_month: float = typer.Option(
+        DEFAULT_COSTS.ebs_usd_gb_month, "--ebs-usd-gb-month", help="volume price, USD per GB-month"
+    ),
+    preempt: bool = typer.Option(
+        True,
+        "--preempt/--no-preempt",
+        help="fair: checkpoint-and-move runs (fair-share preemption, defragmentation, "
+        "consolidation); a moved job has a schedule row per segment",
+    ),
+    resume_s: float = typer.Option(
+        300.0, "--resume-s", help="what each preemption costs the job: checkpoint + reload, s"
+    ),
+) -> None:
+    """Replay a job trace through the scheduler on a simulated cloud and report its cost."""
+    import json
+
+    try:
+        res = run_simulation(
+            trace,
+            policy=policy,
+            prices=prices,
+            gpu_type=gpu_type,
+            max_gpus=max_gpus,
+            boot_s=boot_s,
+            setup_s=setup_s,
+            start_s=start_s,
+            ebs_gb=ebs_gb,
+            ebs_usd_gb_month=ebs_usd_gb_month,
+            preempt=preempt,
+            resume_s=resume_s,
+        )
+    except SimInputError as exc:
+        raise _fail(str(exc)) from None
+    try:
+        if schedule_out is not None:
+            write_schedule(schedule_out, res.schedule)
+        if instances_out is not None:
+            write_instances(instances_out, res.instances)
+    except OSError as exc:
+        raise _fail(f"cannot write output: {exc.strerror or exc}") from None
+    if res.rejected:
+        first = res.rejected[0]
+        more = f" and {len(res.rejected) - 1} more" if len(res.rejected) > 1 else ""
+        print(f"gpubot simulate: rejected {first[0]} ({first[1]}){more}", file=sys.stderr)
+    if json_out:
+        typer.echo(json.dumps(res.figures()))
+    else:
+        typer.echo(summary_table(res))
