@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from provisioning.costs import gpu_share
+
 SHIPPED_PRICES: Path = Path(__file__).resolve().parent / "data" / "aws_gpu_prices.csv"
 
 HEADER: tuple[str, ...] = (
@@ -48,7 +50,18 @@ class InstanceType:
     @property
     def ondemand_per_gpu_hr(self) -> float:
         """The number that matters when one GPU of a multi-GPU instance is wanted."""
-        return self.ondemand_usd_hr / self.gpus
+        return self.gpu_hourly("ondemand")
+
+    def hourly(self, market: str) -> float:
+        """The whole instance's price in a market: spot where one is asked for and quoted,
+        else on-demand (a type without a spot market is bought on-demand)."""
+        if market == "spot" and self.spot_usd_hr:
+            return self.spot_usd_hr
+        return self.ondemand_usd_hr
+
+    def gpu_hourly(self, market: str) -> float:
+        """One GPU's share of `hourly(market)` (provisioning.costs.gpu_share)."""
+        return gpu_share(self.hourly(market), self.gpus)
 
 
 def _key(text: str) -> str:

@@ -124,7 +124,7 @@ class SimulatedCloud:
             raise ValueError(f"{instance_type} has no spot price")
         self._take_quota(itype.gpus)
         iid = f"sim-{len(self._insts) + 1:06d}"
-        usd = itype.spot_usd_hr if market == "spot" and itype.spot_usd_hr else itype.ondemand_usd_hr
+        usd = itype.hourly(market)
         ready = self.now + self.boot_s + self.setup_s
         self._insts[iid] = _Inst(
             iid, itype, market, usd, self.now, ready, ready, run_since=self.now

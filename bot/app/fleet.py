@@ -779,12 +779,7 @@ class Fleet:
         else:
             run = s.get(TrainingRun, want.id)
             seconds = float(run.max_seconds or 3600) if run is not None else 3600.0
-        price = (
-            itype.spot_usd_hr
-            if want.market == "spot" and itype.spot_usd_hr
-            else itype.ondemand_usd_hr
-        )
-        add = price / itype.gpus * want.gpus * seconds / 3600.0
+        add = itype.gpu_hourly(want.market) * want.gpus * seconds / 3600.0
         try:
             check_budget(
                 s,

@@ -98,8 +98,7 @@ def _pick_type(types: list[InstanceType], gpus: int, spot: bool) -> tuple[Instan
     GPUs wants NVLink, not the network); among those, the cheapest per GPU."""
 
     def per_gpu(t: InstanceType) -> float:
-        price = t.spot_usd_hr if spot and t.spot_usd_hr is not None else t.ondemand_usd_hr
-        return price / t.gpus
+        return t.gpu_hourly("spot" if spot else "ondemand")
 
     big = [t for t in types if t.gpus >= gpus]
     if big:
@@ -118,8 +117,7 @@ def rank(catalog: Catalog, cmd: Recommend) -> list[Choice]:
             continue
         itype, count = _pick_type(catalog.for_model(model), gpus, cmd.spot)
         use_spot = cmd.spot and itype.spot_usd_hr is not None
-        price = itype.spot_usd_hr if use_spot and itype.spot_usd_hr else itype.ondemand_usd_hr
-        per_gpu = price / itype.gpus
+        per_gpu = itype.gpu_hourly("spot" if use_spot else "ondemand")
         hours = cmd.hours * ref / THROUGHPUT_TFLOPS[model]
         mem_total = itype.gpu_mem_gb * gpus
         choices.append(

@@ -536,7 +536,7 @@ class _Loop:
                 assert t is not None
                 refs[a.ref] = iid
                 ready = cloud.usable_at(iid)
-                usd = t.spot_usd_hr if a.market == "spot" and t.spot_usd_hr else t.ondemand_usd_hr
+                usd = t.hourly(a.market)
                 self.insts[iid] = _Inst(
                     iid, t.instance_type, t.gpu_model, t.gpus, usd, a.market, "pending", ready
                 )

@@ -89,7 +89,7 @@ def provision(
                     k = shape[1]
                 else:
                     continue
-                usd = t.spot_usd_hr if market == "spot" and t.spot_usd_hr else t.ondemand_usd_hr
+                usd = t.hourly(market)
                 if k * t.gpus > headroom:
                     continue
                 reuse = (
@@ -113,7 +113,7 @@ def provision(
                 i += 1
                 continue
             _, _, t, k, reuse = options[0]
-            usd = t.spot_usd_hr if market == "spot" and t.spot_usd_hr else t.ondemand_usd_hr
+            usd = t.hourly(market)
             delay = config.start_s if reuse is not None else config.boot_s + config.setup_s
             bill = max(delay, config.min_bill_s) if reuse is not None else delay
             _, members = _bundle_value(runs, i, waits, placed, t, k, usd, delay, bill, now, config)
