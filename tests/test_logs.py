@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,9 +142,17 @@ def test_a_worker_process_writes_one_json_object_a_line(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    time.sleep(3)
+    # SIGTERM only once the worker says it started (its handler is in place by then);
+    # a loaded machine may take a while to import everything.
+    assert proc.stderr is not None
+    head = []
+    for raw in proc.stderr:
+        head.append(raw)
+        if b"worker started" in raw:
+            break
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=20)
+    _, rest = proc.communicate(timeout=60)
+    err = b"".join(head) + rest
     assert proc.returncode == 0, err
     lines = err.decode().splitlines()
     docs = [json.loads(line) for line in lines]

@@ -665,7 +665,7 @@ def test_preemption_only_when_due() -> None:
 def test_scheduling_modules_import_only_the_layers_before_them() -> None:
     """The package's one-way arrows (`bot.domain.scheduling.LAYERS`): a module that reached up
     (placement importing preemption, say) would fail here, before it became a cycle."""
-    pkg = Path(__file__).resolve().parents[1] / "bot" / "scheduling"
+    pkg = Path(__file__).resolve().parents[1] / "bot" / "domain" / "scheduling"
     assert sorted(p.stem for p in pkg.glob("*.py") if p.stem != "__init__") == sorted(LAYERS)
     for rank, name in enumerate(LAYERS):
         tree = ast.parse((pkg / f"{name}.py").read_text())

@@ -43,7 +43,7 @@ def test_manifest_validates_against_slacks_schema(url: str) -> None:
 
 def test_scopes_are_exactly_those_of_the_methods_called() -> None:
     called: set[str] = set()
-    for path in (ROOT / "bot" / "slack").glob("*.py"):
+    for path in (ROOT / "bot" / "faces" / "slack").glob("*.py"):
         for name in re.findall(
             r"client\.((?:chat|conversations|users|usergroups|views|files|apps)_[A-Za-z_0-9]+)",
             path.read_text(),
