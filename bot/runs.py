@@ -51,6 +51,7 @@ from bot.scheduling import (
     preempt_slot,
 )
 from db.models import (
+    HOST_PENDING,
     HOST_READY,
     RES_WAITING,
     Gpu,
@@ -269,12 +270,15 @@ class RunService:
             prices = self._per_gpu_prices(s)
             ahead = self._estimates(s, now, [run for run, _ in rows])  # bot.estimates
             table = []
-            waiting = 0
+            waiting = 0  # the line position: counts everyone's queued runs
+            shown_waiting = 0  # the summary counts only the rows shown (`queue me`)
             for run, user in rows:
                 if run.state == RUN_QUEUED:
                     waiting += 1
                 if cmd.mine_only and user.key != actor.key:
                     continue
+                if run.state == RUN_QUEUED:
+                    shown_waiting += 1
                 start = "started"
                 if run.state == RUN_QUEUED:
                     where = f"#{waiting} in line"
@@ -308,7 +312,7 @@ class RunService:
                 else "You have no runs queued or running."
             )
             return views.message(text)
-        summary = f"{waiting} waiting, {len(table) - waiting} running"
+        summary = f"{shown_waiting} waiting, {len(table) - shown_waiting} running"
         blocks: tuple[views.Block, ...] = (
             views.Header("Training queue"),
             views.Context(summary),
@@ -342,19 +346,32 @@ class RunService:
             n, _ = holds.get(key, (0, until))
             holds[key] = (n + 1, until)
         pictures = []
-        for host in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id))):
+        # A booting instance is part of the picture: its GPUs are taken until it should be
+        # ready (launch + boot + setup), so a run of its model gets a start and a price.
+        boot = timedelta(seconds=self.config.boot_s + self.config.setup_s)
+        for host in s.exec(
+            select(Host)
+            .where(col(Host.state).in_((HOST_READY, HOST_PENDING)))
+            .order_by(col(Host.id))
+        ):
             gpus = list(
                 s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
             )
             per_gpu = gpu_share(host.hourly_usd, len(gpus))
             for model in sorted({g.model for g in gpus}):
+                count = sum(1 for g in gpus if g.model == model)
+                booting: tuple[estimates.Hold, ...] = ()
+                if host.state == HOST_PENDING:
+                    since = host.created_at or now
+                    booting = (estimates.Hold(count, (since + boot).timestamp()),)
                 pictures.append(
                     estimates.HostPicture(
                         name=host.name,
                         gpu_model=model,
-                        gpus=sum(1 for g in gpus if g.model == model),
+                        gpus=count,
                         usd_per_gpu_hour=per_gpu,
-                        holds=tuple(
+                        holds=booting
+                        + tuple(
                             estimates.Hold(n, until)
                             for (hid, _), (n, until) in holds.items()
                             if hid == host.id

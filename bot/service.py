@@ -601,6 +601,7 @@ class GpuService:
             waiting=tuple(waiting),
             mine=tuple(mine),
             mine_only=cmd.mine_only,
+            provider=self.settings.provider,
         )
         return views.Reply(views.status_view(snap))
 

@@ -313,11 +313,13 @@ def expired_view(res: ReservationInfo) -> View:
 def status_view(snap: StatusSnapshot) -> View:
     now = snap.now
     blocks: list[Block] = [Header("GPU status")]
-    total = sum(len(h.gpus) for h in snap.hosts)
-    free = sum(h.free for h in snap.hosts)
-    summary = f"{free} of {total} free on {len(snap.hosts)} host" + (
-        "s" if len(snap.hosts) != 1 else ""
-    )
+    ready = [h for h in snap.hosts if h.state == "ready"]
+    total = sum(len(h.gpus) for h in ready)
+    free = sum(h.free for h in ready)
+    summary = f"{free} of {total} free on {len(ready)} host" + ("s" if len(ready) != 1 else "")
+    booting = sum(len(h.gpus) for h in snap.hosts if h.state == "pending")
+    if booting:
+        summary += f"; {booting} starting up"
     if snap.waiting:
         summary += f"; {len(snap.waiting)} waiting"
     blocks.append(Context(summary))
@@ -330,7 +332,7 @@ def status_view(snap: StatusSnapshot) -> View:
         rows = []
         for g in host.gpus:
             if g.holder is None:
-                rows.append((str(g.index), g.model, "free", ""))
+                rows.append((str(g.index), g.model, _idle_word(host.state), ""))
             else:
                 until = when(g.until, now) if g.until else ""
                 ref = (
@@ -341,7 +343,7 @@ def status_view(snap: StatusSnapshot) -> View:
                 rows.append((str(g.index), g.model, f"{g.holder}{ref}", until))
         blocks.append(Table(("gpu", "model", "held by", "until"), tuple(rows)))
     if not hosts:
-        blocks.append(Text("You hold no GPUs." if snap.mine_only else "No hosts are configured."))
+        blocks.append(Text(_no_hosts(snap)))
     if snap.waiting and not snap.mine_only:
         waiting_rows = tuple(
             (
@@ -369,6 +371,22 @@ def status_view(snap: StatusSnapshot) -> View:
                 )
         blocks.append(Text("*Yours*\n" + "\n".join(mine)))
     return View(text=summary, blocks=tuple(blocks))
+
+
+def _idle_word(host_state: str) -> str:
+    """What an unheld GPU is: free only on a ready host."""
+    return {"ready": "free", "pending": "starting up"}.get(host_state, host_state)
+
+
+def _no_hosts(snap: StatusSnapshot) -> str:
+    if snap.mine_only:
+        return "You hold no GPUs."
+    if snap.provider == "aws":
+        return (
+            "No instances are running: the first `/gpu reserve` or `/gpu run` launches one "
+            "(`/gpu prices` lists what it costs)."
+        )
+    return "No hosts are configured."
 
 
 def _host_line(host: HostState) -> str:
