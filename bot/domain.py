@@ -73,3 +73,5 @@ class StatusSnapshot:
     # What an empty pool means on this provider: the cloud launches on demand, so
     # "no hosts" there is the normal state before the first request, not a set-up fault.
     provider: str = "local"
+    # The team's time zone, for every time shown (bot.timefmt).
+    tz: str = "UTC"

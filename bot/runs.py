@@ -121,7 +121,7 @@ class RunService:
         # Every way a run starts comes here (/gpu run, the run form, gpubot submit).
         refusal = self.gate.run_refusal(actor)
         if refusal is not None:
-            raise UserError(refusal, USAGE_RUN)
+            raise UserError(refusal)  # who may, not how: no usage line
         if cmd.interactive:
             raise UserError(
                 "Say what to run: `--recipe digits` or `-- python train.py`.", USAGE_RUN
@@ -226,7 +226,7 @@ class RunService:
     def _queued_reply(self, s: Session, run: TrainingRun) -> views.Reply:
         queue = self._queued(s)
         position = next((i + 1 for i, r in enumerate(queue) if r.id == run.id), None)
-        what = (run.recipe and f"recipe {run.recipe}") or f"`{_clip(run.command)}`"
+        what = views.run_what(run.recipe, run.command)
         if run.state == RUN_QUEUED:
             place = "next in line" if position == 1 else f"position {position}"
             text = (
@@ -297,7 +297,7 @@ class RunService:
                     (
                         f"#{run.id}",
                         user.display_name,
-                        _clip(run.recipe or run.command, 40),
+                        run.recipe or views.command_phrase(run.command, 40),
                         views.gpu_phrase(run.gpu_count, run.gpu_model),
                         where,
                         start,
@@ -420,8 +420,7 @@ class RunService:
             owner = s.get(User, run.user_id)
             if owner is None or (owner.key != actor.key and not actor.admin):
                 raise UserError(
-                    f"Run #{run.id} is not yours; only its owner or an admin can cancel it.",
-                    "/gpu cancel ID",
+                    f"Run #{run.id} is not yours; only its owner or an admin can cancel it."
                 )
             if run.state not in RUN_OPEN_STATES:
                 raise UserError(f"Run #{run.id} already {run.state}.", "/gpu cancel ID")
@@ -434,8 +433,10 @@ class RunService:
                 return views.message(f"Run #{run.id} cancelled before it started.")
             run.state = RUN_CANCELLING
             s.add(run)
+            # A recipe checkpoints on SIGTERM; a command does whatever its script does.
+            saves = ", saves a checkpoint," if run.recipe else ""
             return views.message(
-                f"Stopping run #{run.id}: it gets SIGTERM, saves a checkpoint, and its GPUs go back."
+                f"Stopping run #{run.id}: it gets SIGTERM{saves} and its GPUs go back when it exits."
             )
 
     def logs(self, actor: Actor, cmd: Logs) -> views.Reply:
@@ -448,14 +449,18 @@ class RunService:
             # the team shares logs (GPUBOT_SHARED_LOGS).
             if owner is None or not self.gate.may_read_log(actor, owner.key):
                 raise UserError(
-                    f"Run #{cmd.run_id} is not yours; only its owner or an admin can read its log.",
-                    "/gpu logs ID [LINES]",
+                    f"Run #{cmd.run_id} is not yours; only its owner or an admin can read its log."
                 )
             placement = dict(run.placement)
+            run_state = run.state
         if owner.key != actor.key and actor.admin and not self.gate.settings.shared_logs:
             audit(actor, "read-log", f"run #{cmd.run_id} of {owner.key}")
         if "log" not in placement:
-            return views.message(f"Run #{cmd.run_id} has not started yet, so it has no log.")
+            why = {
+                RUN_QUEUED: "has not started yet",
+                RUN_CANCELLED: "was cancelled before it started",
+            }.get(run_state, f"is {run_state} and never started")
+            return views.message(f"Run #{cmd.run_id} {why}, so it has no log.")
         access = self.access.runner_for(placement["host"])
         if access is None:
             raise UserError(
@@ -1199,7 +1204,3 @@ def _command_text(argv: tuple[str, ...] | list[str]) -> str:
         return shell.join(argv)
     except ValueError:
         raise UserError("A command cannot hold a NUL character.", USAGE_RUN) from None
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -227,7 +227,11 @@ class GpuService:
                 # and a second delivery of this request waits here and then finds the first.
                 lock_pool(s)
                 if request_key and (prior := self._by_request_key(s, request_key)) is not None:
-                    return views.Reply(views.already_view(self._info(s, prior), self.clock.now()))
+                    return views.Reply(
+                        views.already_view(
+                            self._info(s, prior), self.clock.now(), self.settings.timezone
+                        )
+                    )
                 self._check_feasible(s, model, cmd.count)
                 user = self.user_row(s, actor.key, actor.name)
                 now = self.clock.now()
@@ -258,7 +262,7 @@ class GpuService:
                 self.grant_pass(s, now, quiet_id=res.id)
                 info = self._info(s, res)
                 if res.state == RES_ACTIVE:
-                    return views.Reply(views.granted_view(info, now))
+                    return views.Reply(views.granted_view(info, now, self.settings.timezone))
                 return views.Reply(views.waiting_view(info))
         except IntegrityError:
             if not request_key:
@@ -268,7 +272,11 @@ class GpuService:
                 prior = self._by_request_key(s, request_key)
                 if prior is None:
                     raise
-                return views.Reply(views.already_view(self._info(s, prior), self.clock.now()))
+                return views.Reply(
+                    views.already_view(
+                        self._info(s, prior), self.clock.now(), self.settings.timezone
+                    )
+                )
 
     def _by_request_key(self, s: Session, key: str) -> Reservation | None:
         return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
@@ -381,7 +389,7 @@ class GpuService:
                 self.notify_dm(
                     s,
                     info.user_key,
-                    views.granted_view(info, now, was_waiting=True),
+                    views.granted_view(info, now, self.settings.timezone, was_waiting=True),
                     now,
                     dedupe=f"granted:{res.id}",
                 )
@@ -474,8 +482,7 @@ class GpuService:
                     )
                 if res.user_id != user.id and not actor.admin:
                     raise UserError(
-                        f"Reservation #{res.id} is not yours; only its holder or an admin can release it.",
-                        "/gpu release [ID|all]",
+                        f"Reservation #{res.id} is not yours; only its holder or an admin can release it."
                     )
                 if res.state not in RES_OPEN_STATES:
                     raise UserError(
@@ -545,7 +552,9 @@ class GpuService:
                     raise UserError(f"There is no reservation #{cmd.reservation_id}.", usage)
                 res = found
                 if res.user_id != user.id and not actor.admin:
-                    raise UserError(f"Reservation #{res.id} is not yours.", usage)
+                    raise UserError(
+                        f"Reservation #{res.id} is not yours; only its holder or an admin can extend it."
+                    )
             else:
                 mine = list(
                     s.exec(
@@ -589,7 +598,7 @@ class GpuService:
             if res.state == RES_WAITING:
                 text = f"Reservation #{res.id} is still waiting; it will last {format_duration(total)} once granted."
                 return views.message(text)
-            return views.Reply(views.extended_view(info, now, cmd.duration))
+            return views.Reply(views.extended_view(info, now, self.settings.timezone, cmd.duration))
 
     # --- status -----------------------------------------------------------------------
 
@@ -602,6 +611,7 @@ class GpuService:
             mine=tuple(mine),
             mine_only=cmd.mine_only,
             provider=self.settings.provider,
+            tz=self.settings.timezone,
         )
         return views.Reply(views.status_view(snap))
 
@@ -833,7 +843,7 @@ class GpuService:
                 self.notify_dm(
                     s,
                     info.user_key,
-                    views.expiry_warning_view(info, now),
+                    views.expiry_warning_view(info, now, self.settings.timezone),
                     now,
                     dedupe=f"warn:{res.id}:{res.ends_at.isoformat()}",
                 )

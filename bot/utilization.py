@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING
 from sqlalchemy import delete, func, insert
 from sqlmodel import Session, col, select
 
-from bot import views
+from bot import timefmt, views
 from bot.commands import VERBS
-from bot.durations import format_duration
 from bot.errors import UserError
 from bot.held import held_host_ids, who_holds
 from bot.service import Actor, GpuService
@@ -527,7 +526,7 @@ def _num(value: float | None, unit: str, fmt: str = ".0f") -> str:
 
 
 def _ago(at: datetime, now: datetime) -> str:
-    return "now" if now - at < timedelta(seconds=1) else f"{format_duration(now - at)} ago"
+    return timefmt.relative(at, now)
 
 
 def util_table(latest: Sequence[Latest], now: datetime) -> views.Table:
@@ -554,13 +553,15 @@ def util_table(latest: Sequence[Latest], now: datetime) -> views.Table:
     )
 
 
-def util_view(latest: Sequence[Latest], now: datetime, chart_note: str | None) -> views.View:
+def util_view(
+    latest: Sequence[Latest], now: datetime, chart_note: str | None, tz: str
+) -> views.View:
     newest = max(x.sample.at for x in latest)
     oldest = min(x.sample.at for x in latest)
     busy = [x for x in latest if x.sample.util_pct >= 1]
     summary = (
         f"GPU utilization: {len(busy)} of {len(latest)} GPUs busy, "
-        f"as of {newest:%H:%M} UTC ({_ago(newest, now)})"
+        f"as of {timefmt.when(newest, now, tz)}"
     )
     blocks: list[views.Block] = [views.Header("GPU utilization"), util_table(latest, now)]
     age = (
@@ -617,7 +618,7 @@ def util_reply(
     if not latest:
         return views.message(_why_nothing(service, hosts, busy, python_for))
     note = "The chart of the last 6 h follows in a DM." if chart else None
-    view = util_view(latest, now, note)
+    view = util_view(latest, now, note, service.settings.timezone)
     if chart is not None:
         with transaction(service.engine) as s:
             service.notify_dm(
@@ -625,7 +626,11 @@ def util_reply(
                 actor.key,
                 views.View(
                     text=f"GPU utilization over the last 6 h ({len(latest)} GPUs)",
-                    blocks=(views.Text(f"GPU utilization over the last 6 h, {now:%H:%M} UTC."),),
+                    blocks=(
+                        views.Text(
+                            f"GPU utilization over the last 6 h, up to {timefmt.clock(now, service.settings.timezone)}."
+                        ),
+                    ),
                 ),
                 now,
                 dedupe=f"util-chart:{actor.key}:{request_key or now.isoformat()}",
@@ -695,7 +700,7 @@ def snapshot_job(service: GpuService) -> bool:
         if not fresh:
             return False  # nothing busy, or nothing sampled (no driver): nothing to say
         chart = _chart(s, ids, now, "GPU utilization")
-    view = util_view(fresh, now, None)
+    view = util_view(fresh, now, None, service.settings.timezone)
     service.notify_channel(
         view,
         dedupe=f"util-post:{int(interval.total_seconds())}:{slot}",
