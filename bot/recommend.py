@@ -19,7 +19,7 @@ from pathlib import Path
 from bot.commands import Recommend
 from bot.config import Settings
 from bot.errors import UserError
-from bot.views import Context, Header, Table, Text, View
+from bot.views import Context, Header, Table, Text, View, as_of_phrase
 from provisioning.catalog import Catalog, InstanceType
 
 REFERENCE_MODEL = "A100"
@@ -187,7 +187,7 @@ def recommend_view(catalog: Catalog, cmd: Recommend) -> View:
         Context(
             f"Hours scale with {THROUGHPUT_SOURCE}, against {REFERENCE_MODEL} = "
             f"{THROUGHPUT_TFLOPS[REFERENCE_MODEL]:g}; peak figures, not a benchmark. "
-            f"Cost = $/GPU-h × GPUs × est. hours. Prices: {catalog.source}, as of {catalog.as_of}."
+            f"Cost = $/GPU-h × GPUs × est. hours. Prices: {catalog.source}, as of {as_of_phrase(catalog.as_of)}."
             + (" Spot capacity can be reclaimed mid-run: checkpoint." if cmd.spot else "")
             + (f" Not ranked (no throughput figure): {', '.join(unknown)}." if unknown else "")
         ),

@@ -456,7 +456,7 @@ def prices_view(catalog: Catalog, model: str | None) -> View:
         Header(title),
         Table(("instance", "GPUs", "on-demand/h", "per GPU/h", "spot/h"), rows),
         Context(
-            f"Source: {catalog.source}. As of: {_as_of(catalog.as_of)}. "
+            f"Source: {catalog.source}. As of: {as_of_phrase(catalog.as_of)}. "
             "Prices change; spot varies by zone."
             + (
                 ""
@@ -468,7 +468,7 @@ def prices_view(catalog: Catalog, model: str | None) -> View:
     return View(text=text, blocks=blocks)
 
 
-def _as_of(text: str) -> str:
+def as_of_phrase(text: str) -> str:
     """The catalog's date without its pointer to a README this repository does not ship
     (`2025H2-or-later(snapshot;see README)` → `2025H2-or-later (snapshot)`)."""
     text = re.sub(r"\s*;?\s*see README\s*", "", text)
