@@ -26,6 +26,7 @@ from bot.config import ConfigError, Settings, load_settings
 from bot.digest import digest_for, digest_view, post_digest, write_csv
 from bot.doctor import doctor
 from bot.errors import UserError
+from bot.leader import worker_running
 from bot.logs import log_format as resolve_log_format
 from bot.logs import setup_logging
 from bot.metrics import OpsApp
@@ -217,7 +218,16 @@ def submit(
         raise typer.Exit(2) from None
     sh.print(render(reply.view))
     run_id = reply.extra.get("run_id")
-    if not wait or not isinstance(run_id, int):
+    if not isinstance(run_id, int):
+        return
+    if not wait:
+        if not worker_running(runtime.engine, runtime.service.clock):
+            # The reply promises DMs; without a worker nothing places the run.
+            sh.print(
+                f"No gpubot worker is running, so run #{run_id} waits in the queue until one "
+                "starts: run `gpubot worker` (or `gpubot serve`, or `gpubot shell`, which run "
+                "one), or submit with --wait to run it from this terminal."
+            )
         return
     sh.run_ids.add(run_id)
     w = Worker(runtime.service, sh.notifier, settings.tick_seconds, runtime.leadership())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -119,6 +119,22 @@ class GpuService:
         self._status_lock = threading.Lock()
         self._status_shared: tuple[int, float, list[HostState], list[ReservationInfo]] | None = None
         self._status_mine: dict[str, tuple[int, float, list[ReservationInfo]]] = {}
+        # Who wants to hear that work appeared or GPUs came free (the worker in this
+        # process: it places runs at once instead of on its next tick).
+        self._on_work: list[Callable[[], None]] = []
+
+    def on_work(self, listener: Callable[[], None]) -> None:
+        self._on_work.append(listener)
+
+    def nudge(self) -> None:
+        """A run was queued or GPUs were given back: ask for a placement now. Called after
+        the change committed; the worker's tick stays the safety net (another process's
+        worker hears nothing, and finds the change on its own next tick)."""
+        for listener in list(self._on_work):
+            try:
+                listener()
+            except Exception as exc:  # a listener must never fail the user's command
+                log.warning("a work listener failed: %s", exc)
 
     # --- users and hosts ---------------------------------------------------------
 

@@ -114,3 +114,21 @@ def test_serve_starts_without_bolts_token_warning(
         face = build_face(service, service.settings)
     face.shutdown()
     assert not [r for r in caplog.records if "will be unused" in r.getMessage()]
+
+
+def test_submit_without_a_worker_says_none_runs_and_how_to_start_one(tmp_path: Path) -> None:
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "train.py").write_text("print('hi')\n")
+    proc = subprocess.run(
+        gpubot_cmd("submit", str(project), "--", "python", "train.py"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=shell_env(tmp_path / "home"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Run #1 queued" in proc.stdout
+    assert "No gpubot worker is running, so run #1 waits in the queue" in proc.stdout
+    assert "`gpubot worker`" in proc.stdout and "--wait" in proc.stdout
