@@ -39,6 +39,11 @@ def day(at: datetime, tz: str, year: bool = False) -> str:
     return local(at, tz).strftime("%a %d %b %Y" if year else "%a %d %b")
 
 
+def date_time(at: datetime, tz: str) -> str:
+    """`2026-12-03 14:30`: sortable, for a chart's title."""
+    return f"{local(at, tz):%Y-%m-%d %H:%M}"
+
+
 def stamp(at: datetime, tz: str) -> str:
     """`Thu 03 Dec 14:30 CET`: a day and a time, for a moment not close to today."""
     return f"{day(at, tz)} {clock(at, tz)}"

@@ -577,14 +577,14 @@ def util_view(
     return views.View(text=summary, blocks=tuple(blocks))
 
 
-def _chart(s: Session, host_ids: Sequence[int], now: datetime, title: str) -> bytes | None:
+def _chart(s: Session, host_ids: Sequence[int], now: datetime, title: str, tz: str) -> bytes | None:
     from bot.charts import utilization_chart
 
     start = now - CHART_WINDOW
     series = history(s, host_ids, start)
     if not any(len(x.times) >= 2 for x in series):
         return None
-    return utilization_chart(series, start=start, end=now, title=title)
+    return utilization_chart(series, start=start, end=now, title=title, tz=tz)
 
 
 def _hosts_named(s: Session, name: str | None) -> list[Host]:
@@ -614,7 +614,13 @@ def util_reply(
         ids = [h.id for h in hosts if h.id is not None]
         latest = latest_samples(s, ids)
         busy = {h.name for h in busy_hosts(s) if h.id in ids}
-        chart = _chart(s, ids, now, f"GPU utilization ({host})" if host else "GPU utilization")
+        chart = _chart(
+            s,
+            ids,
+            now,
+            f"GPU utilization ({host})" if host else "GPU utilization",
+            service.settings.timezone,
+        )
     if not latest:
         return views.message(_why_nothing(service, hosts, busy, python_for))
     note = "The chart of the last 6 h follows in a DM." if chart else None
@@ -699,7 +705,7 @@ def snapshot_job(service: GpuService) -> bool:
         fresh = [x for x in latest_samples(s, ids) if now - x.sample.at <= interval]
         if not fresh:
             return False  # nothing busy, or nothing sampled (no driver): nothing to say
-        chart = _chart(s, ids, now, "GPU utilization")
+        chart = _chart(s, ids, now, "GPU utilization", service.settings.timezone)
     view = util_view(fresh, now, None, service.settings.timezone)
     service.notify_channel(
         view,

@@ -12,6 +12,7 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 
 from bot import timefmt, views
+from bot.charts import GpuSeries, utilization_chart
 from bot.commands import VERBS, Cancel, Logs, Queue, Run, Status
 from bot.dispatch import handle_text
 from bot.runs import LocalAccess, RunService
@@ -198,3 +199,14 @@ def test_timefmt_relative_and_days() -> None:
     day = datetime(2026, 12, 3, tzinfo=UTC)
     assert timefmt.days(day, day + timedelta(days=1), "UTC") == "Thu 03 Dec"
     assert timefmt.days(day, day + timedelta(days=7), "UTC") == "Thu 03 Dec – Wed 09 Dec"
+
+
+def test_the_utilization_chart_reads_in_the_team_zone() -> None:
+    end = datetime(2026, 12, 3, 13, 0, tzinfo=UTC)
+    times = [end - timedelta(minutes=m) for m in range(30, 0, -1)]
+    series = [GpuSeries("box:0 A100", times, [50.0] * 30, [20.0] * 30)]
+    start = end - timedelta(hours=1)
+    utc = utilization_chart(series, start=start, end=end)
+    assert utilization_chart(series, start=start, end=end, tz="UTC") == utc
+    # Paris is an hour ahead in December: the title and the axis ticks move.
+    assert utilization_chart(series, start=start, end=end, tz="Europe/Paris") != utc
