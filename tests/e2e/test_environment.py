@@ -64,6 +64,18 @@ def test_a_database_that_is_down_is_one_line_with_the_fix(
     assert "hunter2pw" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.parametrize("args", ENTRY_POINTS, ids=lambda a: " ".join(a[:2]))
+def test_a_bad_setting_is_one_line_naming_it(tmp_path: Path, args: tuple[str, ...]) -> None:
+    env = shell_env(tmp_path / "home", GPUBOT_PROVIDER="azure")
+    argv = [str(tmp_path) if a == "PROJECT" else a for a in args]
+    proc = subprocess.run(
+        gpubot_cmd(*argv), input="", capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "GPUBOT_PROVIDER" in lines[0], proc.stderr
+
+
 @pytest.fixture
 def bare_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for var in ("GPUBOT_CONFIG", "DATABASE_URL", "GPUBOT_PROVIDER", "GPUBOT_SSH_HOSTS"):
