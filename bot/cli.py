@@ -221,7 +221,12 @@ def submit(
     if not isinstance(run_id, int):
         return
     if not wait:
-        if not worker_running(runtime.engine, runtime.service.clock):
+        if worker_running(runtime.engine, runtime.service.clock):
+            sh.print(
+                f"A gpubot worker is running: it places run #{run_id} on its next tick "
+                f"(every {settings.tick_seconds:g} s)."
+            )
+        else:
             # The reply promises DMs; without a worker nothing places the run.
             sh.print(
                 f"No gpubot worker is running, so run #{run_id} waits in the queue until one "

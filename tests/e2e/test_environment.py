@@ -8,15 +8,20 @@ from __future__ import annotations
 import logging
 import socket
 import subprocess
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from bot.cli import app
+from bot.clock import SystemClock
 from bot.config import Settings
 from bot.doctor import render, run_checks
+from bot.leader import LeaseLeadership
 from bot.slack.app import build_face
+from db.migrate import upgrade
+from db.session import make_engine
 from tests.core.helpers import make_service
 from tests.e2e.shell_driver import ROOT, gpubot_cmd, shell_env
 from tests.fakes.slack_api import FakeSlack
@@ -144,3 +149,29 @@ def test_submit_without_a_worker_says_none_runs_and_how_to_start_one(tmp_path: P
     assert "Run #1 queued" in proc.stdout
     assert "No gpubot worker is running, so run #1 waits in the queue" in proc.stdout
     assert "`gpubot worker`" in proc.stdout and "--wait" in proc.stdout
+
+
+def test_submit_with_a_worker_running_says_it_places_the_run(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    engine = make_engine(f"sqlite:///{home / 'gpubot.db'}")
+    upgrade(engine)
+    lease = LeaseLeadership(engine, SystemClock(), timedelta(hours=1))
+    assert lease.hold()  # a worker leads, as `gpubot worker` would
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "train.py").write_text("print('hi')\n")
+    try:
+        proc = subprocess.run(
+            gpubot_cmd("submit", str(project), "--", "python", "train.py"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env=shell_env(home),
+        )
+    finally:
+        lease.release()
+        engine.dispose()
+    assert proc.returncode == 0, proc.stderr
+    assert "A gpubot worker is running: it places run #1 on its next tick" in proc.stdout
