@@ -349,6 +349,10 @@ def status_view(snap: StatusSnapshot) -> View:
     booting = sum(len(h.gpus) for h in snap.hosts if h.state == "pending")
     if booting:
         summary += f"; {booting} starting up"
+    # Stopped or unreachable: listed below with their state, never counted as free.
+    away = sum(len(h.gpus) for h in snap.hosts if h.state not in ("ready", "pending"))
+    if away:
+        summary += f"; {away} unavailable"
     if snap.waiting:
         summary += f"; {len(snap.waiting)} waiting"
     blocks.append(Context(summary))

@@ -54,11 +54,12 @@ def test_queue_me_counts_only_my_runs(sqlite_engine: Engine, tmp_path: Path) -> 
 
 
 def test_booting_instances_are_not_free(sqlite_engine: Engine) -> None:
+    stopped = replace(booting("i-2", 4, 16.0), state="stopped")
     svc, _ = make_service(
-        sqlite_engine, [booting("i-1", 8, 32.77), host("box", "A100", 1)], provider="aws"
+        sqlite_engine, [booting("i-1", 8, 32.77), host("box", "A100", 1), stopped], provider="aws"
     )
     view = svc.status(actor(svc, "alice"), Status()).view
-    assert view.text == "1 of 1 free on 1 host; 8 starting up"
+    assert view.text == "1 of 1 free on 1 host; 8 starting up; 4 unavailable"
     tables = [b for b in view.blocks if isinstance(b, views.Table)]
     assert any(r[2] == "starting up" for t in tables for r in t.rows)
 
