@@ -144,3 +144,21 @@ def leadership_for(engine: Engine, clock: Clock, tick_s: float) -> Leadership:
         return AdvisoryLeadership(engine)
     # Three missed ticks: a slow tick does not lose the lead, a dead worker is replaced soon.
     return LeaseLeadership(engine, clock, timedelta(seconds=max(3 * tick_s, 1.0)))
+
+
+def worker_running(
+    engine: Engine, clock: Clock, name: str = "worker", key: int = _ADVISORY_KEY
+) -> bool:
+    """Whether some worker leads now, so that what is queued will be placed: the advisory
+    lock is held by another session (PostgreSQL), or the lease row has not lapsed (SQLite).
+    Asked by `gpubot submit`, which queues and leaves."""
+    if is_postgres(engine):
+        with engine.connect() as conn:
+            free = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+            if free:  # nobody held it: give it straight back
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            conn.commit()
+        return not free
+    with transaction(engine, write=False) as s:
+        row = s.get(WorkerLock, name)
+        return row is not None and row.expires_at > clock.now()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from decimal import ROUND_FLOOR, Decimal
-from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, func, select
 
 from bot.app.config import Settings
+from bot.domain import timefmt
 from bot.domain.metering import HostPeriod as MeteredPeriod
 from bot.domain.metering import (
     Usage,
@@ -276,10 +276,8 @@ def team_cost_view(bill: TeamBill, period: str, tz: str) -> View:
     The rows are shown so that they add up to the instances' bill to the cent; where the
     records disagree (a usage outside any billed period) the gap is said, not hidden.
     """
-    zone = ZoneInfo(tz)
     label = {"today": "today", "week": "this week", "month": "this month"}.get(period, period)
-    last = bill.window.end.astimezone(zone) - timedelta(seconds=1)
-    span = f"{bill.window.start.astimezone(zone):%a %d %b} – {last:%a %d %b}, {tz}"
+    span = f"{timefmt.days(bill.window.start, bill.window.end, tz)}, {tz}"
     parts = {f"user:{k}": v for k, v in bill.users.items()}
     parts[IDLE_ROW] = bill.idle
     shown, total = shown_cents(parts, bill.instances, absorb=IDLE_ROW)

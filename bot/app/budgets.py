@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING
-from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, func, select
 
@@ -32,7 +31,7 @@ from bot.app.billing import load_usages
 from bot.app.config import Settings
 from bot.app.held import held_intervals
 from bot.app.outbox import enqueue
-from bot.domain import views
+from bot.domain import timefmt, views
 from bot.domain.commands import Budget
 from bot.domain.errors import UserError
 from bot.domain.metering import Window, cost_by_user, period_window, to_cents
@@ -53,7 +52,7 @@ from provisioning.costs import gpu_share
 if TYPE_CHECKING:
     from bot.app.ports import Actor, Core
 
-USAGE = "/gpu budget [@user AMOUNT[/week|/month]|none]"
+USAGE = "/gpu budget [@user AMOUNT[/week|/month]|off]"
 WARN_AT = Decimal("0.8")
 # A run without --max is assumed to need this much more, whatever it has run so far.
 RUN_WITHOUT_MAX = timedelta(hours=1)
@@ -209,7 +208,7 @@ def lock_user(s: Session, user: User) -> None:
 
 
 def _resets(window: Window, tz: str) -> str:
-    return f"{window.end.astimezone(ZoneInfo(tz)):%a %d %b %H:%M} {tz}"
+    return timefmt.stamp(window.end, tz)
 
 
 def _money(x: Decimal) -> str:
@@ -355,15 +354,13 @@ def budget_view(name: str, st: BudgetStatus, tz: str, mine: bool) -> views.View:
 @retrying
 def budget_command(service: Core, actor: Actor, cmd: Budget) -> views.Reply:
     """`/gpu budget`: show your own; `@user` shows theirs (an admin, or yourself);
-    `@user 200/week` or `@user none` sets or clears it (admins only)."""
+    `@user 200/week` or `@user off` sets or clears it (admins only)."""
     target = cmd.user.key.strip().lstrip("@") if cmd.user is not None else actor.key
     changing = cmd.clear or cmd.amount_usd is not None
     if changing and not actor.admin:
-        raise UserError("Only an admin can set or clear a budget.", USAGE)
+        raise UserError("Only an admin can set or clear a budget.")
     if not changing and target != actor.key and not actor.admin:
-        raise UserError(
-            "Only an admin can see someone else's budget; `/gpu budget` shows yours.", USAGE
-        )
+        raise UserError("Only an admin can see someone else's budget; `/gpu budget` shows yours.")
     now = service.clock.now()
     tz = service.settings.timezone
     with transaction(service.engine, write=changing) as s:

@@ -36,7 +36,7 @@ from sqlmodel import Session, col, select
 from bot.app.billing import host_periods as load_periods
 from bot.app.billing import load_usages, shown_cents, spot_savings
 from bot.app.config import Settings, parse_weekly_time
-from bot.domain import views
+from bot.domain import timefmt, views
 from bot.domain.durations import ascii_digits
 from bot.domain.errors import UserError
 from bot.domain.metering import (
@@ -262,7 +262,11 @@ def _top_runs(
     out = []
     for (_, run_id), usd in top:
         run = s.get(TrainingRun, run_id)
-        what = "?" if run is None else (run.recipe and f"recipe {run.recipe}") or run.command
+        what = (
+            "?"
+            if run is None
+            else (run.recipe and f"recipe {run.recipe}") or views.command_phrase(run.command)
+        )
         key = owner.get(run_id, "")
         name = users[key].display_name if key in users else key
         out.append(TopRun(run_id=run_id, user=name, what=_clip(what, 40), usd=usd))
@@ -285,14 +289,20 @@ def _change(d: Decimal) -> str:
     return f"+${c:,.2f}" if c > 0 else (f"−${-c:,.2f}" if c < 0 else "±$0.00")
 
 
+def _against_last_week(d: Decimal) -> str:
+    """`$12.40 more held than last week`; `the same as last week`, never `±$0.00`."""
+    c = to_cents(d)
+    if c == 0:
+        return "the same held as last week"
+    return f"${abs(c):,.2f} {'more' if c > 0 else 'less'} held than last week"
+
+
 def _eff(p: float | None) -> str:
     return "n/a" if p is None else f"{p:.0f}%"
 
 
 def _span(d: Digest) -> str:
-    zone = ZoneInfo(d.tz)
-    last = d.window.end.astimezone(zone) - timedelta(seconds=1)
-    return f"{d.window.start.astimezone(zone):%a %d %b} – {last:%a %d %b %Y}, {d.tz}"
+    return f"{timefmt.days(d.window.start, d.window.end, d.tz, year=True)}, {d.tz}"
 
 
 def digest_view(d: Digest) -> views.View:
@@ -306,7 +316,7 @@ def digest_view(d: Digest) -> views.View:
         f"GPU digest {d.week} ({_span(d)}): the instances cost ${total:,.2f}; "
         f"${held:,.2f} held by {people} {'person' if people == 1 else 'people'} over "
         f"{gpu_h:,.1f} GPU-hours, ${shown['idle']:,.2f} idle overhead "
-        f"({_change(d.held_usd - d.last_week_held_usd)} held against last week)."
+        f"({_against_last_week(d.held_usd - d.last_week_held_usd)})."
     )
     rows = tuple(
         (

@@ -1153,7 +1153,7 @@ def pool(service: GpuService, actor: Actor, cmd: Pool) -> views.Reply:
     if cmd.instance_type is None:
         return views.Reply(pool_view(service))
     if not actor.admin:
-        raise UserError("Only an admin can change the pool limits.", POOL_USAGE)
+        raise UserError("Only an admin can change the pool limits.")
     if cmd.max_instances is None and cmd.max_usd_per_hour is None:
         raise UserError(
             "Say what to set: `max=N` instances and/or `spend=USD` per hour.", POOL_USAGE

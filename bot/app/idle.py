@@ -26,7 +26,7 @@ from bot.app.access import audit
 from bot.app.held import who_holds
 from bot.app.service import Actor, GpuService
 from bot.app.utilization import USAGE
-from bot.domain import views
+from bot.domain import timefmt, views
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from db.models import (
@@ -245,6 +245,8 @@ def _judge(service: GpuService, res_id: int, *, act: bool) -> str | None:
             mem_used_mb=sum(v.mem_used_mb for v in verdicts),
             threshold_pct=cfg.idle_util_pct,
             release_at=now + cfg.idle_grace,
+            now=now,
+            tz=service.settings.timezone,
         )
         service.notify_dm(s, user.key, view, now, dedupe=f"idle-prompt:{res.id}:{now.isoformat()}")
         return "prompted"
@@ -294,6 +296,8 @@ def prompt_view(
     mem_used_mb: float,
     threshold_pct: float,
     release_at: datetime,
+    now: datetime,
+    tz: str,
 ) -> views.View:
     cost = usd_per_hour * idle_for.total_seconds() / 3600
     squat = (
@@ -316,7 +320,7 @@ def prompt_view(
             views.Text(text),
             views.Text(
                 f"Keep it, or release it for the team? With no answer by "
-                f"{release_at:%H:%M} UTC it is released."
+                f"{timefmt.when(release_at, now, tz)} it is released."
             ),
             views.Actions(
                 (
@@ -347,8 +351,7 @@ def keep(service: GpuService, actor: Actor, res_id: int) -> views.Reply:
             raise UserError(f"There is no reservation #{res_id}.", USAGE)
         if res.user_id != user.id and not actor.admin:
             raise UserError(
-                f"Reservation #{res_id} is not yours; only its holder or an admin can keep it.",
-                USAGE,
+                f"Reservation #{res_id} is not yours; only its holder or an admin can keep it."
             )
         if res.state != RES_ACTIVE:
             raise UserError(
@@ -369,5 +372,5 @@ def keep(service: GpuService, actor: Actor, res_id: int) -> views.Reply:
         until = res.idle_keep_until
     return views.message(
         f"Keeping reservation #{res_id}. I won't ask about idle GPUs again before "
-        f"{until:%H:%M} UTC (in {format_duration(service.settings.idle_window)})."
+        f"{timefmt.when(until, service.clock.now(), service.settings.timezone)}."
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 from bot.app.config import Settings
 from bot.domain.commands import Recommend
 from bot.domain.errors import UserError
-from bot.domain.views import Context, Header, Table, Text, View
+from bot.domain.views import Context, Header, Table, Text, View, as_of_phrase
 from provisioning.catalog import Catalog, InstanceType
 
 REFERENCE_MODEL = "A100"
@@ -141,7 +141,7 @@ def rank(catalog: Catalog, cmd: Recommend) -> list[Choice]:
 def _need(cmd: Recommend) -> str:
     gpus = cmd.gpus or 1
     spread = f" across {gpus} GPUs" if gpus > 1 else " on one GPU"
-    return f"{cmd.mem_gb:g} GB{spread}"
+    return f"{cmd.mem_gb:g} GiB{spread}"
 
 
 def recommend_view(catalog: Catalog, cmd: Recommend) -> View:
@@ -158,8 +158,8 @@ def recommend_view(catalog: Catalog, cmd: Recommend) -> View:
             else ""
         )
         raise UserError(
-            f"No GPU in the catalog fits {_need(cmd)}: the largest has {biggest:g} GB per GPU "
-            f"({', '.join(owners)}), {biggest * gpus:g} GB on {gpus} GPU(s).{hint}"
+            f"No GPU in the catalog fits {_need(cmd)}: the largest has {biggest:g} GiB per GPU "
+            f"({', '.join(owners)}), {biggest * gpus:g} GiB on {gpus} GPU(s).{hint}"
         )
     win = fitting[0]
     unknown = [m for m in catalog.models() if m not in THROUGHPUT_TFLOPS]
@@ -185,7 +185,7 @@ def recommend_view(catalog: Catalog, cmd: Recommend) -> View:
         Context(
             f"Hours scale with {THROUGHPUT_SOURCE}, against {REFERENCE_MODEL} = "
             f"{THROUGHPUT_TFLOPS[REFERENCE_MODEL]:g}; peak figures, not a benchmark. "
-            f"Cost = $/GPU-h × GPUs × est. hours. Prices: {catalog.source}, as of {catalog.as_of}."
+            f"Cost = $/GPU-h × GPUs × est. hours. Prices: {catalog.source}, as of {as_of_phrase(catalog.as_of)}."
             + (" Spot capacity can be reclaimed mid-run: checkpoint." if cmd.spot else "")
             + (f" Not ranked (no throughput figure): {', '.join(unknown)}." if unknown else "")
         ),
@@ -203,7 +203,7 @@ def _where(c: Choice) -> str:
 
 def _row(c: Choice) -> tuple[str, ...]:
     price = f"${c.usd_per_gpu_hr:.3f}"
-    fits = "yes" if c.fits else f"no ({c.mem_total_gb:g} GB)"
+    fits = "yes" if c.fits else f"no ({c.mem_total_gb:g} GiB)"
     model = c.model + (" (fp16)" if c.model in FP16_ONLY else "")
     return (model, _where(c), price, f"{c.est_hours:.1f}", f"${c.est_cost:,.2f}", fits)
 
@@ -211,11 +211,11 @@ def _row(c: Choice) -> tuple[str, ...]:
 def _why(win: Choice, fitting: list[Choice], choices: list[Choice], cmd: Recommend) -> str:
     gpus = cmd.gpus or 1
     mem = (
-        f"{win.instance.gpu_mem_gb:g} GB per GPU"
+        f"{win.instance.gpu_mem_gb:g} GiB per GPU"
         if gpus == 1
-        else f"{gpus}×{win.instance.gpu_mem_gb:g} = {win.mem_total_gb:g} GB"
+        else f"{gpus}×{win.instance.gpu_mem_gb:g} = {win.mem_total_gb:g} GiB"
     )
-    parts = [f"{win.model} fits ({mem} ≥ {cmd.mem_gb:g} GB)"]
+    parts = [f"{win.model} fits ({mem} ≥ {cmd.mem_gb:g} GiB)"]
     if len(fitting) > 1:
         nxt = fitting[1]
         parts.append(
@@ -234,7 +234,7 @@ def _why(win: Choice, fitting: list[Choice], choices: list[Choice], cmd: Recomme
         )
     ruled_out = [c for c in choices if not c.fits and c.est_cost < win.est_cost]
     if ruled_out:
-        names = ", ".join(f"{c.model} ({c.instance.gpu_mem_gb:g} GB)" for c in ruled_out[:3])
+        names = ", ".join(f"{c.model} ({c.instance.gpu_mem_gb:g} GiB)" for c in ruled_out[:3])
         parts.append(f"cheaper but too small: {names}")
     if cmd.spot and not win.spot:
         parts.append(f"{win.instance.instance_type} has no spot price, so on-demand is shown")

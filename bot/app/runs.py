@@ -52,6 +52,7 @@ from bot.domain.scheduling import (
     preempt_slot,
 )
 from db.models import (
+    HOST_PENDING,
     HOST_READY,
     RES_WAITING,
     RUN_CANCELLED,
@@ -129,7 +130,7 @@ class RunService:
             raise UserError(self.refusal, USAGE_RUN)
         refusal = self.gate.run_refusal(actor)
         if refusal is not None:
-            raise UserError(refusal, USAGE_RUN)
+            raise UserError(refusal)  # who may, not how: no usage line
         if cmd.interactive:
             raise UserError(
                 "Say what to run: `--recipe digits` or `-- python train.py`.", USAGE_RUN
@@ -239,7 +240,7 @@ class RunService:
     def _queued_reply(self, s: Session, run: TrainingRun) -> views.Reply:
         queue = self._queued(s)
         position = next((i + 1 for i, r in enumerate(queue) if r.id == run.id), None)
-        what = (run.recipe and f"recipe {run.recipe}") or f"`{_clip(run.command)}`"
+        what = views.run_what(run.recipe, run.command)
         if run.state == RUN_QUEUED:
             place = "next in line" if position == 1 else f"position {position}"
             text = (
@@ -283,12 +284,15 @@ class RunService:
             prices = self._per_gpu_prices(s)
             ahead = self._estimates(s, now, [run for run, _ in rows])  # bot.domain.estimates
             table = []
-            waiting = 0
+            waiting = 0  # the line position: counts everyone's queued runs
+            shown_waiting = 0  # the summary counts only the rows shown (`queue me`)
             for run, user in rows:
                 if run.state == RUN_QUEUED:
                     waiting += 1
                 if cmd.mine_only and user.key != actor.key:
                     continue
+                if run.state == RUN_QUEUED:
+                    shown_waiting += 1
                 start = "started"
                 if run.state == RUN_QUEUED:
                     where = f"#{waiting} in line"
@@ -307,7 +311,7 @@ class RunService:
                     (
                         f"#{run.id}",
                         user.display_name,
-                        _clip(run.recipe or run.command, 40),
+                        run.recipe or views.command_phrase(run.command, 40),
                         views.gpu_phrase(run.gpu_count, run.gpu_model),
                         where,
                         start,
@@ -322,7 +326,7 @@ class RunService:
                 else "You have no runs queued or running."
             )
             return views.message(text)
-        summary = f"{waiting} waiting, {len(table) - waiting} running"
+        summary = f"{shown_waiting} waiting, {len(table) - shown_waiting} running"
         blocks: tuple[views.Block, ...] = (
             views.Header("Training queue"),
             views.Context(summary),
@@ -356,19 +360,32 @@ class RunService:
             n, _ = holds.get(key, (0, until))
             holds[key] = (n + 1, until)
         pictures = []
-        for host in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id))):
+        # A booting instance is part of the picture: its GPUs are taken until it should be
+        # ready (launch + boot + setup), so a run of its model gets a start and a price.
+        boot = timedelta(seconds=self.config.boot_s + self.config.setup_s)
+        for host in s.exec(
+            select(Host)
+            .where(col(Host.state).in_((HOST_READY, HOST_PENDING)))
+            .order_by(col(Host.id))
+        ):
             gpus = list(
                 s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
             )
             per_gpu = gpu_share(host.hourly_usd, len(gpus))
             for model in sorted({g.model for g in gpus}):
+                count = sum(1 for g in gpus if g.model == model)
+                booting: tuple[estimates.Hold, ...] = ()
+                if host.state == HOST_PENDING:
+                    since = host.created_at or now
+                    booting = (estimates.Hold(count, (since + boot).timestamp()),)
                 pictures.append(
                     estimates.HostPicture(
                         name=host.name,
                         gpu_model=model,
-                        gpus=sum(1 for g in gpus if g.model == model),
+                        gpus=count,
                         usd_per_gpu_hour=per_gpu,
-                        holds=tuple(
+                        holds=booting
+                        + tuple(
                             estimates.Hold(n, until)
                             for (hid, _), (n, until) in holds.items()
                             if hid == host.id
@@ -417,8 +434,7 @@ class RunService:
             owner = s.get(User, run.user_id)
             if owner is None or (owner.key != actor.key and not actor.admin):
                 raise UserError(
-                    f"Run #{run.id} is not yours; only its owner or an admin can cancel it.",
-                    "/gpu cancel ID",
+                    f"Run #{run.id} is not yours; only its owner or an admin can cancel it."
                 )
             if run.state not in RUN_OPEN_STATES:
                 raise UserError(f"Run #{run.id} already {run.state}.", "/gpu cancel ID")
@@ -431,8 +447,10 @@ class RunService:
                 return views.message(f"Run #{run.id} cancelled before it started.")
             run.state = RUN_CANCELLING
             s.add(run)
+            # A recipe checkpoints on SIGTERM; a command does whatever its script does.
+            saves = ", saves a checkpoint," if run.recipe else ""
             return views.message(
-                f"Stopping run #{run.id}: it gets SIGTERM, saves a checkpoint, and its GPUs go back."
+                f"Stopping run #{run.id}: it gets SIGTERM{saves} and its GPUs go back when it exits."
             )
 
     def logs(self, actor: Actor, cmd: Logs) -> views.Reply:
@@ -445,14 +463,18 @@ class RunService:
             # the team shares logs (GPUBOT_SHARED_LOGS).
             if owner is None or not self.gate.may_read_log(actor, owner.key):
                 raise UserError(
-                    f"Run #{cmd.run_id} is not yours; only its owner or an admin can read its log.",
-                    "/gpu logs ID [LINES]",
+                    f"Run #{cmd.run_id} is not yours; only its owner or an admin can read its log."
                 )
             placement = dict(run.placement)
+            run_state = run.state
         if owner.key != actor.key and actor.admin and not self.gate.settings.shared_logs:
             audit(actor, "read-log", f"run #{cmd.run_id} of {owner.key}")
         if "log" not in placement:
-            return views.message(f"Run #{cmd.run_id} has not started yet, so it has no log.")
+            why = {
+                RUN_QUEUED: "has not started yet",
+                RUN_CANCELLED: "was cancelled before it started",
+            }.get(run_state, f"is {run_state} and never started")
+            return views.message(f"Run #{cmd.run_id} {why}, so it has no log.")
         access = self.access.runner_for(placement["host"])
         if access is None:
             raise UserError(
@@ -1198,7 +1220,3 @@ def _command_text(argv: tuple[str, ...] | list[str]) -> str:
         return shell.join(argv)
     except ValueError:
         raise UserError("A command cannot hold a NUL character.", USAGE_RUN) from None
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"

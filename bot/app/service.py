@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -125,6 +125,22 @@ class GpuService:
         self._status_lock = threading.Lock()
         self._status_shared: tuple[int, float, list[HostState], list[ReservationInfo]] | None = None
         self._status_mine: dict[str, tuple[int, float, list[ReservationInfo]]] = {}
+        # Who wants to hear that work appeared or GPUs came free (the worker in this
+        # process: it places runs at once instead of on its next tick).
+        self._on_work: list[Callable[[], None]] = []
+
+    def on_work(self, listener: Callable[[], None]) -> None:
+        self._on_work.append(listener)
+
+    def nudge(self) -> None:
+        """A run was queued or GPUs were given back: ask for a placement now. Called after
+        the change committed; the worker's tick stays the safety net (another process's
+        worker hears nothing, and finds the change on its own next tick)."""
+        for listener in list(self._on_work):
+            try:
+                listener()
+            except Exception as exc:  # a listener must never fail the user's command
+                log.warning("a work listener failed: %s", exc)
 
     # --- users and hosts ---------------------------------------------------------
 
@@ -233,7 +249,11 @@ class GpuService:
                 # and a second delivery of this request waits here and then finds the first.
                 lock_pool(s)
                 if request_key and (prior := self._by_request_key(s, request_key)) is not None:
-                    return views.Reply(views.already_view(self._info(s, prior), self.clock.now()))
+                    return views.Reply(
+                        views.already_view(
+                            self._info(s, prior), self.clock.now(), self.settings.timezone
+                        )
+                    )
                 self._check_feasible(s, model, cmd.count)
                 user = self.user_row(s, actor.key, actor.name)
                 now = self.clock.now()
@@ -264,7 +284,7 @@ class GpuService:
                 self.grant_pass(s, now, quiet_id=res.id)
                 info = self._info(s, res)
                 if res.state == RES_ACTIVE:
-                    return views.Reply(views.granted_view(info, now))
+                    return views.Reply(views.granted_view(info, now, self.settings.timezone))
                 return views.Reply(views.waiting_view(info))
         except IntegrityError:
             if not request_key:
@@ -274,7 +294,11 @@ class GpuService:
                 prior = self._by_request_key(s, request_key)
                 if prior is None:
                     raise
-                return views.Reply(views.already_view(self._info(s, prior), self.clock.now()))
+                return views.Reply(
+                    views.already_view(
+                        self._info(s, prior), self.clock.now(), self.settings.timezone
+                    )
+                )
 
     def _by_request_key(self, s: Session, key: str) -> Reservation | None:
         return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
@@ -389,7 +413,7 @@ class GpuService:
                 self.notify_dm(
                     s,
                     info.user_key,
-                    views.granted_view(info, now, was_waiting=True),
+                    views.granted_view(info, now, self.settings.timezone, was_waiting=True),
                     now,
                     dedupe=f"granted:{res.id}",
                 )
@@ -482,8 +506,7 @@ class GpuService:
                     )
                 if res.user_id != user.id and not actor.admin:
                     raise UserError(
-                        f"Reservation #{res.id} is not yours; only its holder or an admin can release it.",
-                        "/gpu release [ID|all]",
+                        f"Reservation #{res.id} is not yours; only its holder or an admin can release it."
                     )
                 if res.state not in RES_OPEN_STATES:
                     raise UserError(
@@ -553,7 +576,9 @@ class GpuService:
                     raise UserError(f"There is no reservation #{cmd.reservation_id}.", usage)
                 res = found
                 if res.user_id != user.id and not actor.admin:
-                    raise UserError(f"Reservation #{res.id} is not yours.", usage)
+                    raise UserError(
+                        f"Reservation #{res.id} is not yours; only its holder or an admin can extend it."
+                    )
             else:
                 mine = list(
                     s.exec(
@@ -597,7 +622,7 @@ class GpuService:
             if res.state == RES_WAITING:
                 text = f"Reservation #{res.id} is still waiting; it will last {format_duration(total)} once granted."
                 return views.message(text)
-            return views.Reply(views.extended_view(info, now, cmd.duration))
+            return views.Reply(views.extended_view(info, now, self.settings.timezone, cmd.duration))
 
     # --- status -----------------------------------------------------------------------
 
@@ -609,6 +634,8 @@ class GpuService:
             waiting=tuple(waiting),
             mine=tuple(mine),
             mine_only=cmd.mine_only,
+            provider=self.settings.provider,
+            tz=self.settings.timezone,
         )
         return views.Reply(views.status_view(snap))
 
@@ -840,7 +867,7 @@ class GpuService:
                 self.notify_dm(
                     s,
                     info.user_key,
-                    views.expiry_warning_view(info, now),
+                    views.expiry_warning_view(info, now, self.settings.timezone),
                     now,
                     dedupe=f"warn:{res.id}:{res.ends_at.isoformat()}",
                 )

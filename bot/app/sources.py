@@ -402,4 +402,4 @@ def _join(base: str, name: str) -> str:
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1024 / 1024:.0f} MB" if n >= 1024 * 1024 else f"{n / 1024:.0f} kB"
+    return f"{n / 1024 / 1024:.0f} MiB" if n >= 1024 * 1024 else f"{n / 1024:.0f} KiB"

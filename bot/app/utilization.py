@@ -28,9 +28,8 @@ from sqlmodel import Session, col, select
 
 from bot.app.held import held_host_ids, who_holds
 from bot.app.service import Actor, GpuService
-from bot.domain import views
+from bot.domain import timefmt, views
 from bot.domain.commands import VERBS
-from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from db.models import (
     HOST_READY,
@@ -527,7 +526,7 @@ def _num(value: float | None, unit: str, fmt: str = ".0f") -> str:
 
 
 def _ago(at: datetime, now: datetime) -> str:
-    return "now" if now - at < timedelta(seconds=1) else f"{format_duration(now - at)} ago"
+    return timefmt.relative(at, now)
 
 
 def util_table(latest: Sequence[Latest], now: datetime) -> views.Table:
@@ -554,13 +553,15 @@ def util_table(latest: Sequence[Latest], now: datetime) -> views.Table:
     )
 
 
-def util_view(latest: Sequence[Latest], now: datetime, chart_note: str | None) -> views.View:
+def util_view(
+    latest: Sequence[Latest], now: datetime, chart_note: str | None, tz: str
+) -> views.View:
     newest = max(x.sample.at for x in latest)
     oldest = min(x.sample.at for x in latest)
     busy = [x for x in latest if x.sample.util_pct >= 1]
     summary = (
         f"GPU utilization: {len(busy)} of {len(latest)} GPUs busy, "
-        f"as of {newest:%H:%M} UTC ({_ago(newest, now)})"
+        f"as of {timefmt.when(newest, now, tz)}"
     )
     blocks: list[views.Block] = [views.Header("GPU utilization"), util_table(latest, now)]
     age = (
@@ -576,14 +577,14 @@ def util_view(latest: Sequence[Latest], now: datetime, chart_note: str | None) -
     return views.View(text=summary, blocks=tuple(blocks))
 
 
-def _chart(s: Session, host_ids: Sequence[int], now: datetime, title: str) -> bytes | None:
+def _chart(s: Session, host_ids: Sequence[int], now: datetime, title: str, tz: str) -> bytes | None:
     from bot.domain.charts import utilization_chart
 
     start = now - CHART_WINDOW
     series = history(s, host_ids, start)
     if not any(len(x.times) >= 2 for x in series):
         return None
-    return utilization_chart(series, start=start, end=now, title=title)
+    return utilization_chart(series, start=start, end=now, title=title, tz=tz)
 
 
 def _hosts_named(s: Session, name: str | None) -> list[Host]:
@@ -613,11 +614,17 @@ def util_reply(
         ids = [h.id for h in hosts if h.id is not None]
         latest = latest_samples(s, ids)
         busy = {h.name for h in busy_hosts(s) if h.id in ids}
-        chart = _chart(s, ids, now, f"GPU utilization ({host})" if host else "GPU utilization")
+        chart = _chart(
+            s,
+            ids,
+            now,
+            f"GPU utilization ({host})" if host else "GPU utilization",
+            service.settings.timezone,
+        )
     if not latest:
         return views.message(_why_nothing(service, hosts, busy, python_for))
     note = "The chart of the last 6 h follows in a DM." if chart else None
-    view = util_view(latest, now, note)
+    view = util_view(latest, now, note, service.settings.timezone)
     if chart is not None:
         with transaction(service.engine) as s:
             service.notify_dm(
@@ -625,7 +632,11 @@ def util_reply(
                 actor.key,
                 views.View(
                     text=f"GPU utilization over the last 6 h ({len(latest)} GPUs)",
-                    blocks=(views.Text(f"GPU utilization over the last 6 h, {now:%H:%M} UTC."),),
+                    blocks=(
+                        views.Text(
+                            f"GPU utilization over the last 6 h, up to {timefmt.clock(now, service.settings.timezone)}."
+                        ),
+                    ),
                 ),
                 now,
                 dedupe=f"util-chart:{actor.key}:{request_key or now.isoformat()}",
@@ -694,8 +705,8 @@ def snapshot_job(service: GpuService) -> bool:
         fresh = [x for x in latest_samples(s, ids) if now - x.sample.at <= interval]
         if not fresh:
             return False  # nothing busy, or nothing sampled (no driver): nothing to say
-        chart = _chart(s, ids, now, "GPU utilization")
-    view = util_view(fresh, now, None)
+        chart = _chart(s, ids, now, "GPU utilization", service.settings.timezone)
+    view = util_view(fresh, now, None, service.settings.timezone)
     service.notify_channel(
         view,
         dedupe=f"util-post:{int(interval.total_seconds())}:{slot}",

@@ -23,6 +23,8 @@ import matplotlib.dates as mdates
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from bot.domain import timefmt
+
 WIDTH_PX = 1000
 HEIGHT_PX = 600
 _DPI = 100
@@ -64,6 +66,7 @@ def utilization_chart(
     start: datetime,
     end: datetime,
     title: str = "GPU utilization",
+    tz: str = "UTC",
 ) -> bytes:
     """Two panels over one time axis, [start, end]: utilization % above, memory used %
     below, one line per GPU with its legend. Returns the PNG bytes (WIDTH_PX × HEIGHT_PX)."""
@@ -73,7 +76,9 @@ def utilization_chart(
     FigureCanvasAgg(fig)
     ax_util, ax_mem = fig.subplots(2, 1, sharex=True)
     hours = (end - start).total_seconds() / 3600
-    window = f"{start:%Y-%m-%d %H:%M} – {end:%H:%M} UTC" + (
+    # The team's zone (bot.domain.timefmt), in the title and on the time axis alike.
+    zone = timefmt.zone(tz)
+    window = f"{timefmt.date_time(start, tz)} – {timefmt.clock(end, tz)}" + (
         f" ({hours:g} h)" if hours < 48 else f" ({hours / 24:.1f} days)"
     )
     fig.suptitle(f"{title}, {window}", fontsize=12)
@@ -88,10 +93,10 @@ def utilization_chart(
         ax.set_ylabel(what)
         ax.grid(True, alpha=0.3)
         ax.set_xlim(start, end)  # matplotlib takes datetimes
-    ax_mem.set_xlabel("time (UTC)")
-    locator = mdates.AutoDateLocator(minticks=4, maxticks=10)  # type: ignore[no-untyped-call]
+    ax_mem.set_xlabel(f"time ({tz})")
+    locator = mdates.AutoDateLocator(minticks=4, maxticks=10, tz=zone)  # type: ignore[no-untyped-call]
     ax_mem.xaxis.set_major_locator(locator)
-    ax_mem.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
+    ax_mem.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=zone))  # type: ignore[no-untyped-call]
     if series:
         ncol = 1 if len(series) <= 8 else 2
         for ax in (ax_util, ax_mem):

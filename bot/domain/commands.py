@@ -106,9 +106,9 @@ VERBS: dict[str, VerbSpec] = {
         ("/gpu cost", "/gpu cost team week", "/gpu cost @alice month"),
     ),
     "budget": VerbSpec(
-        "/gpu budget [@user AMOUNT[/week|/month]|none]",
+        "/gpu budget [@user AMOUNT[/week|/month]|off]",
         "see your budget; admins set anyone's",
-        ("/gpu budget", "/gpu budget @alice 200/week", "/gpu budget @alice none"),
+        ("/gpu budget", "/gpu budget @alice 200/week", "/gpu budget @alice off"),
     ),
     "prices": VerbSpec(
         "/gpu prices [MODEL]",
@@ -116,13 +116,13 @@ VERBS: dict[str, VerbSpec] = {
         ("/gpu prices", "/gpu prices h100"),
     ),
     "recommend": VerbSpec(
-        "/gpu recommend --mem GB --hours H [--gpus N] [--spot]",
+        "/gpu recommend --mem GiB --hours H [--gpus N] [--spot]",
         "the GPU model that makes a run cheapest overall, with the estimated time and cost",
         (
             "/gpu recommend --mem 40 --hours 10",
             "/gpu recommend --mem 120 --hours 6 --gpus 2 --spot",
         ),
-        "--mem is the GPU memory the run needs, in GB; with --gpus N it may be split across "
+        "--mem is the GPU memory the run needs, in GiB (as `nvidia-smi` counts it); with --gpus N it may be split across "
         "N GPUs. --hours is how long the run takes on as many A100s (write 10, 10h or 90m); "
         "other GPUs are scaled by their peak bf16 throughput. --spot prices at spot.",
     ),
@@ -312,9 +312,11 @@ def parse(
 
 
 def _closest(word: str) -> str | None:
+    """A verb one slip away (`stauts`, `relase`, `log`); at difflib's default 0.6 a
+    word that shares two letters (`bogus` → `logs`) was offered, which misleads."""
     import difflib
 
-    found = difflib.get_close_matches(word, list(VERBS), n=1, cutoff=0.6)
+    found = difflib.get_close_matches(word, list(VERBS), n=1, cutoff=0.75)
     return found[0] if found else None
 
 
@@ -687,7 +689,7 @@ def _parse_budget(rest: str, ctx: _Ctx) -> Budget:
     period = "month" if (m.group(2) or "week").lower() in {"month", "mo", "m"} else "week"
     amount = float(m.group(1))
     if amount <= 0:
-        raise ctx.fail("A budget must be more than 0; use `none` to remove it.")
+        raise ctx.fail("A budget must be more than 0; use `off` to remove it.")
     return Budget(user=ref, amount_usd=amount, period=period)
 
 
@@ -716,13 +718,13 @@ def _parse_recommend(rest: str, ctx: _Ctx) -> Recommend:
         command_follows=False,
     )
     if "--mem" not in opts:
-        raise ctx.fail("Say how much GPU memory the run needs, like `--mem 40` (GB).")
+        raise ctx.fail("Say how much GPU memory the run needs, like `--mem 40` (GiB).")
     if "--hours" not in opts:
         raise ctx.fail("Say how long the run takes on A100s, like `--hours 10`.")
     m = _GB.match(opts["--mem"])
     mem = float(m.group(1)) if m else 0.0
     if not 0 < mem <= 100_000:
-        raise ctx.fail(f"--mem must be a number of GB above 0, not `{_clip(opts['--mem'])}`.")
+        raise ctx.fail(f"--mem must be a number of GiB above 0, not `{_clip(opts['--mem'])}`.")
     raw = opts["--hours"]
     if m := _HOURS.match(raw):
         hours = float(m.group(1))

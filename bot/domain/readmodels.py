@@ -35,6 +35,10 @@ class HostState:
 
     @property
     def free(self) -> int:
+        """GPUs someone could be given now: only a ready host's count; a booting,
+        stopped or unreachable host's GPUs are not free, whoever holds them."""
+        if self.state != "ready":
+            return 0
         return sum(1 for g in self.gpus if g.holder is None)
 
 
@@ -66,3 +70,8 @@ class StatusSnapshot:
     waiting: tuple[ReservationInfo, ...]
     mine: tuple[ReservationInfo, ...]
     mine_only: bool = False
+    # What an empty pool means on this provider: the cloud launches on demand, so
+    # "no hosts" there is the normal state before the first request, not a set-up fault.
+    provider: str = "local"
+    # The team's time zone, for every time shown (bot.domain.timefmt).
+    tz: str = "UTC"

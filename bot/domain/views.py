@@ -8,6 +8,8 @@ rendered the same after it. Nothing here knows Slack's limits: renderers cut.
 
 from __future__ import annotations
 
+import re
+import shlex
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -15,7 +17,9 @@ from typing import Any, Literal
 from bot.domain.commands import VERBS
 from bot.domain.durations import format_duration
 from bot.domain.readmodels import HostState, ReservationInfo, StatusSnapshot
+from bot.domain.timefmt import days, when
 from provisioning.catalog import Catalog
+from training.exitcodes import EXIT_TIME_LIMIT
 
 # --- the blocks -------------------------------------------------------------------
 
@@ -147,16 +151,41 @@ def cancel_run_button(run_id: int) -> Actions:
 # --- formatting helpers ------------------------------------------------------------
 
 
-def when(at: datetime, now: datetime) -> str:
-    """ "14:30 UTC (in 2h)": absolute for the record, relative for the reader."""
-    delta = at - now
-    rel = (
-        f"in {format_duration(delta)}"
-        if delta >= timedelta(0)
-        else f"{format_duration(-delta)} ago"
-    )
-    day = "" if at.date() == now.date() else at.strftime("%a %d %b ")
-    return f"{day}{at.strftime('%H:%M')} UTC ({rel})"
+def clip(text: str, limit: int) -> str:
+    """Cut to `limit` characters, saying so with "…"."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+_PLAIN_WORD = re.compile(r"[\w@%+=:,./-]+")
+
+
+def command_phrase(command: str, limit: int = 60) -> str:
+    """A run's command as a person would type it, for reading, never for running.
+
+    The stored command is one shell line quoted for dash (`shlex.quote`: `'print('"'"'hi'"'"')'`);
+    shown, each word is bare when it can be, in double quotes when that needs no escape,
+    and only otherwise in the shell's own quoting. Cut with "…".
+    """
+    try:
+        words = shlex.split(command)
+    except ValueError:  # not one of ours (hand-written row): show it as stored
+        return clip(command, limit)
+    shown = []
+    for word in words:
+        if word and _PLAIN_WORD.fullmatch(word):
+            shown.append(word)
+        elif not any(c in word for c in '"$`\\!'):
+            shown.append(f'"{word}"')
+        else:
+            shown.append(shlex.quote(word))
+    return clip(" ".join(shown), limit)
+
+
+def run_what(recipe: str | None, command: str, limit: int = 60) -> str:
+    """`recipe digits` or the command in backticks: how every reply names a run."""
+    if recipe:
+        return f"recipe {recipe}"
+    return f"`{command_phrase(command, limit)}`"
 
 
 def gpu_phrase(count: int, model: str | None) -> str:
@@ -243,12 +272,12 @@ def _devices(res: ReservationInfo) -> str:
     return f"{label}{plural}{model} {', '.join(str(i) for i in res.gpu_indexes)}"
 
 
-def granted_view(res: ReservationInfo, now: datetime, was_waiting: bool = False) -> View:
+def granted_view(res: ReservationInfo, now: datetime, tz: str, was_waiting: bool = False) -> View:
     assert res.host is not None and res.ends_at is not None
     lead = "Your turn: granted" if was_waiting else "Reserved"
     summary = (
         f"{lead}: reservation #{res.id}, {_devices(res)} on {res.host.name}, "
-        f"until {when(res.ends_at, now)}."
+        f"until {when(res.ends_at, now, tz)}."
     )
     blocks: list[Block] = [Text(summary), *_how_to_use(res), _res_buttons(res)]
     return View(text=summary, blocks=tuple(blocks))
@@ -265,10 +294,10 @@ def waiting_view(res: ReservationInfo) -> View:
     return View(text=text, blocks=(Text(text),))
 
 
-def already_view(res: ReservationInfo, now: datetime) -> View:
+def already_view(res: ReservationInfo, now: datetime, tz: str) -> View:
     """The answer to a retried request: what the first delivery created, unchanged."""
     if res.state == "active":
-        return granted_view(res, now)
+        return granted_view(res, now, tz)
     if res.state == "waiting":
         return waiting_view(res)
     text = f"Reservation #{res.id} is {res.state}."
@@ -290,17 +319,17 @@ def released_by_admin_dm(res: ReservationInfo, admin_name: str) -> View:
     return View(text=text, blocks=(Text(text),))
 
 
-def extended_view(res: ReservationInfo, now: datetime, added: timedelta) -> View:
+def extended_view(res: ReservationInfo, now: datetime, tz: str, added: timedelta) -> View:
     assert res.ends_at is not None
-    text = f"Reservation #{res.id} extended by {format_duration(added)}: now until {when(res.ends_at, now)}."
+    text = f"Reservation #{res.id} extended by {format_duration(added)}: now until {when(res.ends_at, now, tz)}."
     return View(text=text, blocks=(Text(text),))
 
 
-def expiry_warning_view(res: ReservationInfo, now: datetime) -> View:
+def expiry_warning_view(res: ReservationInfo, now: datetime, tz: str) -> View:
     assert res.ends_at is not None
     text = (
         f"Reservation #{res.id} ({_devices(res)} on {res.host.name if res.host else '?'}) "
-        f"ends {when(res.ends_at, now)}. `/gpu extend {res.id} 1h` keeps it longer."
+        f"ends {when(res.ends_at, now, tz)}. `/gpu extend {res.id} 1h` keeps it longer."
     )
     return View(text=text, blocks=(Text(text), _res_buttons(res)))
 
@@ -313,11 +342,17 @@ def expired_view(res: ReservationInfo) -> View:
 def status_view(snap: StatusSnapshot) -> View:
     now = snap.now
     blocks: list[Block] = [Header("GPU status")]
-    total = sum(len(h.gpus) for h in snap.hosts)
-    free = sum(h.free for h in snap.hosts)
-    summary = f"{free} of {total} free on {len(snap.hosts)} host" + (
-        "s" if len(snap.hosts) != 1 else ""
-    )
+    ready = [h for h in snap.hosts if h.state == "ready"]
+    total = sum(len(h.gpus) for h in ready)
+    free = sum(h.free for h in ready)
+    summary = f"{free} of {total} free on {len(ready)} host" + ("s" if len(ready) != 1 else "")
+    booting = sum(len(h.gpus) for h in snap.hosts if h.state == "pending")
+    if booting:
+        summary += f"; {booting} starting up"
+    # Stopped or unreachable: listed below with their state, never counted as free.
+    away = sum(len(h.gpus) for h in snap.hosts if h.state not in ("ready", "pending"))
+    if away:
+        summary += f"; {away} unavailable"
     if snap.waiting:
         summary += f"; {len(snap.waiting)} waiting"
     blocks.append(Context(summary))
@@ -330,9 +365,9 @@ def status_view(snap: StatusSnapshot) -> View:
         rows = []
         for g in host.gpus:
             if g.holder is None:
-                rows.append((str(g.index), g.model, "free", ""))
+                rows.append((str(g.index), g.model, _idle_word(host.state), ""))
             else:
-                until = when(g.until, now) if g.until else ""
+                until = when(g.until, now, snap.tz) if g.until else ""
                 ref = (
                     f" (#{g.reservation_id})"
                     if g.reservation_id
@@ -341,7 +376,7 @@ def status_view(snap: StatusSnapshot) -> View:
                 rows.append((str(g.index), g.model, f"{g.holder}{ref}", until))
         blocks.append(Table(("gpu", "model", "held by", "until"), tuple(rows)))
     if not hosts:
-        blocks.append(Text("You hold no GPUs." if snap.mine_only else "No hosts are configured."))
+        blocks.append(Text(_no_hosts(snap)))
     if snap.waiting and not snap.mine_only:
         waiting_rows = tuple(
             (
@@ -361,7 +396,7 @@ def status_view(snap: StatusSnapshot) -> View:
         for r in snap.mine:
             if r.state == "active" and r.ends_at is not None:
                 mine.append(
-                    f"#{r.id}: {_devices(r)} on {r.host.name if r.host else '?'} until {when(r.ends_at, now)}"
+                    f"#{r.id}: {_devices(r)} on {r.host.name if r.host else '?'} until {when(r.ends_at, now, snap.tz)}"
                 )
             else:
                 mine.append(
@@ -369,6 +404,22 @@ def status_view(snap: StatusSnapshot) -> View:
                 )
         blocks.append(Text("*Yours*\n" + "\n".join(mine)))
     return View(text=summary, blocks=tuple(blocks))
+
+
+def _idle_word(host_state: str) -> str:
+    """What an unheld GPU is: free only on a ready host."""
+    return {"ready": "free", "pending": "starting up"}.get(host_state, host_state)
+
+
+def _no_hosts(snap: StatusSnapshot) -> str:
+    if snap.mine_only:
+        return "You hold no GPUs."
+    if snap.provider == "aws":
+        return (
+            "No instances are running: the first `/gpu reserve` or `/gpu run` launches one "
+            "(`/gpu prices` lists what it costs)."
+        )
+    return "No hosts are configured."
 
 
 def _host_line(host: HostState) -> str:
@@ -386,20 +437,31 @@ def prices_view(catalog: Catalog, model: str | None) -> View:
     rows = tuple(
         (
             t.instance_type,
-            f"{t.gpus}× {t.gpu_model} {t.gpu_mem_gb:g} GB",
+            f"{t.gpus}× {t.gpu_model} {t.gpu_mem_gb:g} GiB",
             f"${t.ondemand_usd_hr:.2f}",
             f"${t.ondemand_per_gpu_hr:.2f}",
             f"${t.spot_usd_hr:.2f}" if t.spot_usd_hr is not None else "—",
         )
         for t in types
     )
+    if not rows:
+        known = ", ".join(sorted({t.gpu_model for t in catalog.types}))
+        what = (
+            "CPU slots are this machine's own and cost nothing per hour" if model == "cpu" else ""
+        )
+        text = (
+            f"{what or f'The catalog has no {model} instances'}; "
+            f"the catalog prices these GPU models: {known}."
+        )
+        return View(text=text, blocks=(Text(text),))
     title = f"{model} prices" if model else "GPU instance prices"
     text = f"{title}: {len(rows)} instance types, on-demand and typical spot, USD per hour."
     blocks: tuple[Block, ...] = (
         Header(title),
         Table(("instance", "GPUs", "on-demand/h", "per GPU/h", "spot/h"), rows),
         Context(
-            f"Source: {catalog.source}. As of: {catalog.as_of}. Prices change; spot varies by zone."
+            f"Source: {catalog.source}. As of: {as_of_phrase(catalog.as_of)}. "
+            "Prices change; spot varies by zone."
             + (
                 ""
                 if catalog.shipped
@@ -408,6 +470,13 @@ def prices_view(catalog: Catalog, model: str | None) -> View:
         ),
     )
     return View(text=text, blocks=blocks)
+
+
+def as_of_phrase(text: str) -> str:
+    """The catalog's date without its pointer to a README this repository does not ship
+    (`2025H2-or-later(snapshot;see README)` → `2025H2-or-later (snapshot)`)."""
+    text = re.sub(r"\s*;?\s*see README\s*", "", text)
+    return re.sub(r"(\S)\(", r"\1 (", text).replace("()", "").strip()
 
 
 def run_finished_view(run: Any, summary: dict[str, Any], cost_usd: float, log_tail: str) -> View:
@@ -421,12 +490,21 @@ def run_finished_view(run: Any, summary: dict[str, Any], cost_usd: float, log_ta
         if isinstance(v, int | float)
     )
     cost = f"cost ${cost_usd:.2f}" if cost_usd >= 0.005 else "cost $0.00 (owned host)"
-    what = (run.recipe and f"recipe {run.recipe}") or f"`{run.command[:80]}`"
+    what = run_what(run.recipe, run.command, 80)
     if run.state == "succeeded":
         text = f"Run #{run.id} ({what}) finished{took}: {shown or 'no metrics reported'}; {cost}."
         return View(text=text, blocks=(Text(text),))
     if run.state == "cancelled":
         text = f"Run #{run.id} ({what}) was cancelled{took}; {cost}."
+        return View(text=text, blocks=(Text(text),))
+    if summary.get("state") == "time_limit" or run.exit_code == EXIT_TIME_LIMIT:
+        limit = (
+            f" (--max {format_duration(timedelta(seconds=run.max_seconds))})"
+            if run.max_seconds
+            else ""
+        )
+        got = f": {shown}" if shown else ""
+        text = f"Run #{run.id} ({what}) stopped at its time limit{limit}{took}{got}; {cost}."
         return View(text=text, blocks=(Text(text),))
     code = f"exit status {run.exit_code}" if run.exit_code is not None else "no exit status"
     reason = summary.get("error") or summary.get("state") or "it stopped"
@@ -447,7 +525,7 @@ def cost_view(
     who: str | None = None,
 ) -> View:
     """`/gpu cost`: what the GPUs held cost over a calendar period in the team's zone."""
-    span = f"{window.start.astimezone(_zone(tz)):%a %d %b} – {(window.end.astimezone(_zone(tz)) - timedelta(seconds=1)):%a %d %b}, {tz}"
+    span = f"{days(window.start, window.end, tz)}, {tz}"
     label = {"today": "today", "week": "this week", "month": "this month"}[period]
     if scope != "team":
         key = who or ""
@@ -471,9 +549,3 @@ def cost_view(
 
 
 _COST_NOTE = "Every GPU-second held by a reservation or run, at its share of the host's hourly price; owned hosts cost nothing per hour."
-
-
-def _zone(tz: str) -> Any:
-    from zoneinfo import ZoneInfo
-
-    return ZoneInfo(tz)

@@ -18,7 +18,10 @@ from pathlib import Path
 from types import FrameType
 
 import typer
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from bot.adapters.leader import worker_running
 from bot.adapters.logs import log_format as resolve_log_format
 from bot.adapters.logs import setup_logging
 from bot.adapters.metrics import OpsApp
@@ -216,7 +219,21 @@ def submit(
         raise typer.Exit(2) from None
     sh.print(render(reply.view))
     run_id = reply.extra.get("run_id")
-    if not wait or not isinstance(run_id, int):
+    if not isinstance(run_id, int):
+        return
+    if not wait:
+        if worker_running(runtime.engine, runtime.service.clock):
+            sh.print(
+                f"A gpubot worker is running: it places run #{run_id} on its next tick "
+                f"(every {settings.tick_seconds:g} s)."
+            )
+        else:
+            # The reply promises DMs; without a worker nothing places the run.
+            sh.print(
+                f"No gpubot worker is running, so run #{run_id} waits in the queue until one "
+                "starts: run `gpubot worker` (or `gpubot serve`, or `gpubot shell`, which run "
+                "one), or submit with --wait to run it from this terminal."
+            )
         return
     sh.run_ids.add(run_id)
     w = Worker(runtime.service, sh.notifier, settings.tick_seconds, runtime.leadership())
@@ -398,7 +415,40 @@ app.command("digest")(digest_command)
 
 
 def main() -> None:
-    app()
+    """Every command; what the environment gets wrong (a database that is down or
+    refuses us, a home directory we cannot write) ends as one line with its fix and
+    exit 2, never a traceback, at every entry point alike."""
+    try:
+        app()
+    except SQLAlchemyError as exc:
+        typer.echo(f"gpubot: {_database_line(exc)}", err=True)
+        sys.exit(2)
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        typer.echo(
+            f"gpubot: cannot use{where}: {exc.strerror or exc}. Check that GPUBOT_HOME "
+            "(default ~/.gpubot) is a directory this user may write.",
+            err=True,
+        )
+        sys.exit(2)
+
+
+def _database_line(exc: SQLAlchemyError) -> str:
+    reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    first = reason[0].strip() if reason else type(exc).__name__
+    shown, password = "the database", None
+    try:
+        url = make_url(load_settings().sqlalchemy_url)
+        shown, password = url.render_as_string(hide_password=True), url.password
+    except (ConfigError, ArgumentError):
+        pass
+    if password:
+        first = first.replace(str(password), "***")
+    return (
+        f"cannot use the database at {shown}: {first}. Start the database server, or fix "
+        "DATABASE_URL (host, port, user, password, database name; unset it for SQLite under "
+        "GPUBOT_HOME); `gpubot doctor` checks every setting."
+    )
 
 
 if __name__ == "__main__":

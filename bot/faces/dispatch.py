@@ -81,7 +81,15 @@ def execute(
     service: GpuService, actor: Actor, command: Command, request_key: str | None = None
 ) -> views.Reply:
     # Every verb has a handler (tests/core/test_dispatch.py checks the table is whole).
-    return _HANDLERS[type(command)](service, actor, command, request_key)
+    reply = _HANDLERS[type(command)](service, actor, command, request_key)
+    if isinstance(command, _FREES_OR_ADDS_WORK) and not reply.error:
+        service.nudge()  # runs start at once, not on the next tick
+    return reply
+
+
+# Verbs after which a placement may start something: a new run, GPUs given back, a run
+# stopping (its GPUs come back when the runner exits, seen by the next poll).
+_FREES_OR_ADDS_WORK = (Run, Release, Cancel)
 
 
 def _help(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:

@@ -106,14 +106,42 @@ def run_checks(
     checks: list[Check] = []
     checks += _guarded("Config", lambda: [_config(settings, environ)])
     checks += _guarded("Database", lambda: check_database(settings))
-    checks += _guarded("Slack", lambda: check_slack(settings, slack_client_factory))
+    # Only what the chosen face and provider need: no Slack secret at all is a shell-only
+    # set-up, and only the local provider runs on this machine's GPUs.
+    if slack_wanted(settings):
+        checks += _guarded("Slack", lambda: check_slack(settings, slack_client_factory))
+    else:
+        checks.append(_NO_SLACK)
     checks += _guarded("AWS", lambda: check_aws_section(settings, environ, aws))
     checks += _guarded(
         "SSH", lambda: check_ssh(ssh_targets, provider=settings.provider, timeout_s=ssh_timeout_s)
     )
-    checks += _guarded("This machine's GPUs", lambda: check_gpus(settings, nvml_probe))
+    if settings.provider == "local":
+        checks += _guarded("This machine's GPUs", lambda: check_gpus(settings, nvml_probe))
     checks += _guarded("Run account", lambda: check_run_account(settings))
     return [_scrub(c, _secrets(settings)) for c in checks]
+
+
+_NO_SLACK = Note(
+    "Slack",
+    True,
+    "no Slack secret is set: a shell-only set-up (`gpubot shell`, `gpubot submit`), "
+    "which needs none",
+    "For Slack, set SLACK_BOT_TOKEN and SLACK_APP_TOKEN (Socket Mode) or "
+    "SLACK_SIGNING_SECRET (HTTP); docs/SLACK_SETUP.md says where to find them.",
+)
+
+
+def slack_wanted(settings: Settings) -> bool:
+    """Whether this set-up means to use Slack: any of its secrets is set."""
+    return any(
+        secret.get_secret_value()
+        for secret in (
+            settings.slack_bot_token,
+            settings.slack_app_token,
+            settings.slack_signing_secret,
+        )
+    )
 
 
 def _guarded(name: str, section: Callable[[], list[Check]]) -> list[Check]:
@@ -187,7 +215,15 @@ def check_database(settings: Settings) -> list[Check]:
         path = Path(str(url.database)).expanduser()
         # Connecting would create the file (and its directory); the doctor only looks.
         if not path.exists():
-            return [Check(name, False, f"no database yet at {path}", upgrade_fix)]
+            # A fresh home: the first command creates it; nothing is wrong yet.
+            return [
+                Note(
+                    name,
+                    True,
+                    f"no database yet at {path}; the first gpubot command creates it",
+                    upgrade_fix,
+                )
+            ]
     engine = make_engine(settings.sqlalchemy_url)
     try:
         current = current_revision(engine)

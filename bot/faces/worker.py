@@ -6,6 +6,7 @@ thread; job functions are module-level so APScheduler could persist and restore 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,17 @@ def tick_job(
         note_tick(leading=True)
     except Exception as exc:
         log.error("ref=%s worker tick failed", new_ref(), exc_info=exc)
+
+
+def locked_tick_job(
+    lock: threading.Lock,
+    service: GpuService,
+    notifier: Notifier | None,
+    leader: Leadership | None = None,
+) -> None:
+    """The tick under the worker's lock: an interval tick and a nudged one never overlap."""
+    with lock:
+        tick_job(service, notifier, leader)
 
 
 @dataclass(frozen=True)
@@ -106,15 +118,23 @@ class Worker:
     extra_jobs: list[PeriodicJob] | None = field(default=None)
 
     def __post_init__(self) -> None:
+        # One tick at a time, whether the interval or a nudge started it.
+        self._tick_lock = threading.Lock()
+        self._nudged = threading.Event()
+        self._stopping = threading.Event()
+        self._nudges_done = 0
+        self._done = threading.Condition()
+        self._waker: threading.Thread | None = None
+        self.service.on_work(self._nudged.set)
         self._scheduler = BackgroundScheduler(
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
             timezone="UTC",
         )
         self._scheduler.add_job(
-            tick_job,
+            locked_tick_job,
             "interval",
             seconds=self.interval_s,
-            args=[self.service, self.notifier, self.leader],
+            args=[self._tick_lock, self.service, self.notifier, self.leader],
             id="tick",
             replace_existing=True,
         )
@@ -130,8 +150,38 @@ class Worker:
 
     def start(self) -> None:
         self._scheduler.start()
+        self._waker = threading.Thread(target=self._wake_loop, name="gpubot-nudge", daemon=True)
+        self._waker.start()
+
+    def _wake_loop(self) -> None:
+        """A nudge (a run queued, GPUs given back) runs a tick now rather than at the next
+        interval. A nudge during a tick runs one more tick after it, so none is lost."""
+        while True:
+            self._nudged.wait()
+            if self._stopping.is_set():
+                return
+            self._nudged.clear()
+            locked_tick_job(self._tick_lock, self.service, self.notifier, self.leader)
+            with self._done:
+                self._nudges_done += 1
+                self._done.notify_all()
+
+    def wait_for_nudged_tick(self, after: int, timeout_s: float) -> bool:
+        """True once more than `after` nudged ticks have completed (tests and the shell
+        wait on this instead of sleeping a tick)."""
+        with self._done:
+            return self._done.wait_for(lambda: self._nudges_done > after, timeout_s)
+
+    @property
+    def nudged_ticks(self) -> int:
+        with self._done:
+            return self._nudges_done
 
     def stop(self) -> None:
+        self._stopping.set()
+        self._nudged.set()
+        if self._waker is not None:
+            self._waker.join()
         if self._scheduler.running:
             self._scheduler.shutdown(wait=True)
         if self.leader is not None:

@@ -185,7 +185,7 @@ def test_a_refused_user_queues_nothing_through_the_service(
     runs = runs_for(svc, tmp_path)
     reply = handle_text(svc, actor(svc, "mallory"), "/gpu run -- echo hi")
     assert reply.error and "Starting runs is limited" in reply.view.text
-    assert "Usage: /gpu run" in reply.view.text
+    assert "Usage:" not in reply.view.text  # a refusal is about who, not about syntax
     with pytest.raises(UserError):
         runs.submit(actor(svc, "mallory"), Run(command=("echo", "hi")))
     ok = runs.submit(actor(svc, "alice"), Run(command=("echo", "hi")))

@@ -198,7 +198,7 @@ def test_the_digest_text(sqlite_engine: Engine) -> None:
     assert (
         "GPU digest 2026-W02 (Mon 05 Jan – Sun 11 Jan 2026, UTC): the instances cost "
         "$5,033.28; $32.71 held by 2 people over 17.0 GPU-hours, $5,000.57 idle overhead "
-        "(+$27.22 held against last week)."
+        "($27.22 more held than last week)."
     ) in text
     lines = text.splitlines()
     assert any(

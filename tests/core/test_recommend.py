@@ -68,8 +68,8 @@ def test_forms_people_type(text: str, expected: Recommend) -> None:
         ("recommend", "Say how much GPU memory the run needs"),
         ("recommend --hours 3", "Say how much GPU memory the run needs"),
         ("recommend --mem 40", "Say how long the run takes on A100s"),
-        ("recommend --mem lots --hours 3", "--mem must be a number of GB above 0"),
-        ("recommend --mem 0 --hours 3", "--mem must be a number of GB above 0"),
+        ("recommend --mem lots --hours 3", "--mem must be a number of GiB above 0"),
+        ("recommend --mem 0 --hours 3", "--mem must be a number of GiB above 0"),
         ("recommend --mem 40 --hours 0", "--hours must be a time above 0"),
         ("recommend --mem 40 --hours soon", "--hours must be a time above 0"),
         ("recommend --mem 40 --hours 3 --gpus 0", "--gpus must be between 1 and 64"),
@@ -79,7 +79,7 @@ def test_forms_people_type(text: str, expected: Recommend) -> None:
         ("recommend --mem 40 --hours 3 --spot=yes", "`--spot` takes no value"),
         ("recommend --mem 40 --hours", "`--hours` needs a value"),
         ("recommend --mem 40 --hours 3 a100", "`a100` is not an option here"),
-        ("recommend --mem nan --hours inf", "--mem must be a number of GB above 0"),
+        ("recommend --mem nan --hours inf", "--mem must be a number of GiB above 0"),
     ],
 )
 def test_bad_input_says_what_is_wrong_with_the_usage(text: str, reason: str) -> None:
@@ -113,12 +113,12 @@ def test_memory_that_only_an_80gb_gpu_fits() -> None:
     assert a80.est_hours == pytest.approx(10.0) and a80.est_cost == pytest.approx(40.0)
     text = render(recommend_view(catalog, rec("recommend --mem 60 --hours 10")))
     assert text.startswith("Recommendation: H100")
-    assert "H100 fits (80 GB per GPU ≥ 60 GB)" in text
+    assert "H100 fits (80 GiB per GPU ≥ 60 GiB)" in text
     assert "$25.24 against $40.00 on A100-80GB" in text
-    # The A100 run ($20.00) is cheaper but 40 GB cannot hold 60 GB; the T4's ($28.80)
+    # The A100 run ($20.00) is cheaper but 40 GiB cannot hold 60 GiB; the T4's ($28.80)
     # is dearer anyway and is left out of the table.
-    assert "cheaper but too small: A100 (40 GB)." in text
-    assert "$20.00" in text and "no (40 GB)" in text and "T4 (fp16)" not in text
+    assert "cheaper but too small: A100 (40 GiB)." in text
+    assert "$20.00" in text and "no (40 GiB)" in text and "T4 (fp16)" not in text
 
 
 def test_a_fast_dear_gpu_beats_a_cheap_slow_one_overall() -> None:
@@ -137,21 +137,21 @@ def test_a_fast_dear_gpu_beats_a_cheap_slow_one_overall() -> None:
 
 def test_gpus_split_the_memory() -> None:
     catalog = cat(A100, A100_80)
-    with pytest.raises(UserError) as err:  # 120 GB on one GPU: nothing holds it
+    with pytest.raises(UserError) as err:  # 120 GiB on one GPU: nothing holds it
         recommend_view(catalog, rec("recommend --mem 120 --hours 5"))
     assert err.value.text == (
-        "No GPU in the catalog fits 120 GB on one GPU: the largest has 80 GB per GPU "
-        "(A100-80GB), 80 GB on 1 GPU(s). Try `--gpus 2` to split it."
+        "No GPU in the catalog fits 120 GiB on one GPU: the largest has 80 GiB per GPU "
+        "(A100-80GB), 80 GiB on 1 GPU(s). Try `--gpus 2` to split it."
     )
-    # Two GPUs: A100 has 2×40 = 80 GB (no); A100-80GB 160 GB: 2 × $4 × 5 h = $40.
+    # Two GPUs: A100 has 2×40 = 80 GiB (no); A100-80GB 160 GiB: 2 × $4 × 5 h = $40.
     two = rank(catalog, rec("recommend --mem 120 --hours 5 --gpus 2"))
     assert [(c.model, c.fits, round(c.est_cost, 2)) for c in two] == [
         ("A100-80GB", True, 40.0),
         ("A100", False, 30.0),
     ]
     text = render(recommend_view(catalog, rec("recommend --mem 120 --hours 5 --gpus 2")))
-    assert "A100-80GB fits (2×80 = 160 GB ≥ 120 GB)" in text and "no (80 GB)" in text
-    # Three GPUs: A100 now holds 120 GB and its run is cheaper: 3 × $3 × 5 h = $45 vs $60.
+    assert "A100-80GB fits (2×80 = 160 GiB ≥ 120 GiB)" in text and "no (80 GiB)" in text
+    # Three GPUs: A100 now holds 120 GiB and its run is cheaper: 3 × $3 × 5 h = $45 vs $60.
     three = rank(catalog, rec("recommend --mem 120 --hours 5 --gpus 3"))
     assert [(c.model, c.fits, round(c.est_cost, 2)) for c in three] == [
         ("A100", True, 45.0),
@@ -183,7 +183,7 @@ def test_spot_prices_where_there_is_a_spot_market() -> None:
 def test_no_model_fits_even_split() -> None:
     with pytest.raises(UserError) as err:
         recommend_view(cat(T4, L4), rec("recommend --mem 5000 --hours 1"))
-    assert err.value.text.startswith("No GPU in the catalog fits 5000 GB on one GPU")
+    assert err.value.text.startswith("No GPU in the catalog fits 5000 GiB on one GPU")
     assert "`--gpus" not in err.value.text  # 209 GPUs: beyond what one request may ask
 
 
@@ -217,14 +217,14 @@ def test_through_handle_text(sqlite_engine: Engine, tmp_path: Path) -> None:
     assert not reply.error and reply.ephemeral
     text = render(reply.view)
     assert text.startswith("Recommendation: H100")
-    assert "Cheapest for 12 GB on one GPU and 10 h on 1× A100: H100 on h100.8x" in text
+    assert "Cheapest for 12 GiB on one GPU and 10 h on 1× A100: H100 on h100.8x" in text
     assert "about 3.2 h and $25.24 (on-demand)" in text
     assert "Prices: test, as of now." in text
 
     bad = handle_text(svc, actor(svc, "alice"), "/gpu recommend --mem 40")
     assert bad.error and bad.view.text.endswith(USAGE)
     none = handle_text(svc, actor(svc, "alice"), "/gpu recommend --mem 100 --hours 1")
-    assert none.error and none.view.text.startswith("No GPU in the catalog fits 100 GB")
+    assert none.error and none.view.text.startswith("No GPU in the catalog fits 100 GiB")
 
     # The shipped catalog (no refreshed file) answers too.
     plain, _ = make_service(sqlite_engine, [host("one", "A100", 1)], home=tmp_path / "empty")

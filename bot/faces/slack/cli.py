@@ -147,4 +147,10 @@ def manifest(
     """Prints the Slack app manifest (YAML) for "Create an app → From a manifest"."""
     from bot.faces.slack.manifest import manifest_yaml
 
+    if url and not url.lower().startswith("https://"):
+        # Slack refuses a request URL that is not https; say so before it does.
+        raise _fail(
+            f"--url must be an https:// address (Slack only calls https), not {url!r}; "
+            "or leave --url out for Socket Mode."
+        )
     typer.echo(manifest_yaml(name=name, request_url=url), nl=False)
