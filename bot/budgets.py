@@ -29,12 +29,12 @@ from sqlmodel import Session, col, func, select
 
 from bot import views
 from bot.access import audit
-from bot.billing import load_usages
+from bot.billing import window_costs
 from bot.commands import Budget
 from bot.config import Settings
 from bot.errors import UserError
 from bot.held import held_intervals
-from bot.metering import Window, cost_by_user, period_window, to_cents
+from bot.metering import Window, period_window, to_cents
 from bot.outbox import enqueue
 from db.models import (
     RES_ACTIVE,
@@ -169,8 +169,7 @@ def committed_usd(
 
 def spent_usd(s: Session, user: User, window: Window, now: datetime) -> Decimal:
     assert user.id is not None
-    usages = [m.usage for m in load_usages(s, window, user.id)]
-    return cost_by_user(usages, window, now).get(user.key, Decimal(0))
+    return window_costs(s, window, now, user.id).users().get(user.key, Decimal(0))
 
 
 def budget_status(

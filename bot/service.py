@@ -33,7 +33,7 @@ from sqlmodel import Session, col, select
 from bot import budgets, views
 from bot.access import audit
 from bot.best_fit import best_fit
-from bot.billing import TeamBill, load_usages, note_host_state, team_bill
+from bot.billing import TeamBill, note_host_state, team_bill, window_costs
 from bot.clock import Clock
 from bot.commands import Extend, Release, Reserve, Status
 from bot.config import Settings
@@ -41,7 +41,7 @@ from bot.domain import GpuState, HostState, ReservationInfo, StatusSnapshot
 from bot.durations import format_duration
 from bot.errors import UserError
 from bot.held import end_held, held_gpu_ids, who_holds
-from bot.metering import Window, cost_by_user, period_window
+from bot.metering import Window, period_window
 from bot.outbox import enqueue
 from bot.ports import Actor as Actor  # re-exported: the faces take it with the service
 from bot.ports import Provisioner
@@ -674,14 +674,14 @@ class GpuService:
                 if user is None:
                     return window, {}, {}
                 user_id = user.id
-            usages = [m.usage for m in load_usages(s, window, user_id)]
-            keys = {u.user for u in usages}
+            costs = window_costs(s, window, now, user_id).users()
+            keys = set(costs)
             names = (
                 {u.key: u.display_name for u in s.exec(select(User).where(col(User.key).in_(keys)))}
                 if keys
                 else {}
             )
-        return window, cost_by_user(usages, window, now), names
+        return window, costs, names
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
         """`/gpu cost team`: users, idle overhead and the instances' bill (bot.billing)."""

@@ -37,6 +37,7 @@ from bot.digest import (
     post_digest,
 )
 from bot.errors import UserError
+from bot.held import end_held
 from bot.metering import to_cents
 from bot.service import GpuService
 from bot.slack.notifier import SlackNotifier
@@ -106,11 +107,8 @@ def _run(svc: GpuService, host: str, user: str, gpus: int, hours: int, **kw: obj
     svc.clock.advance(timedelta(hours=hours))
     assert svc.runs is None and run_id is not None
     with transaction(svc.engine) as s:
-        from db.models import UsageInterval
-
-        for iv in s.exec(select(UsageInterval).where(UsageInterval.run_id == run_id)):
-            iv.ended_at = svc.clock.now()
-            s.add(iv)
+        # Closed the way the bot closes them (rolled up in the same transaction).
+        end_held(s, svc.clock.now(), run_id=run_id)
         r = s.get(TrainingRun, run_id)
         assert r is not None
         r.state, r.finished_at = "succeeded", svc.clock.now()
