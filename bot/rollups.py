@@ -447,7 +447,9 @@ def _raw(
 def fair_share_usage(s: Session, now: datetime, half_life_s: float) -> dict[str, float] | None:
     """Each user's decayed GPU-seconds at `now`: the kept counters decayed to now, plus
     what is held now at full weight. None when the counters were kept at another
-    half-life (the caller then computes from the intervals)."""
+    half-life (the caller then computes from the intervals). Unlike the old read of 56
+    days of rows, nothing is cut off: usage older than eight half-lives still counts,
+    at under 1/256 of its weight."""
     usage: dict[str, float] = {}
     for row, key in s.exec(
         select(FairShareUsage, User.key).join(User, col(User.id) == col(FairShareUsage.user_id))

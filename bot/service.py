@@ -320,15 +320,17 @@ class GpuService:
             h for h in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id)))
         ]
         held = held_gpu_ids(s)
-        free: dict[int, list[Gpu]] = {}
-        for h in hosts:
-            assert h.id is not None
-            gpus = s.exec(
+        # Every ready host's GPUs in one query: the tick and each reserve stay flat as
+        # the fleet grows.
+        free: dict[int, list[Gpu]] = {h.id: [] for h in hosts if h.id is not None}
+        if free:
+            for g in s.exec(
                 select(Gpu)
-                .where(Gpu.host_id == h.id, col(Gpu.present).is_(True))
-                .order_by(col(Gpu.index))
-            ).all()
-            free[h.id] = [g for g in gpus if g.id not in held]
+                .where(col(Gpu.host_id).in_(list(free)), col(Gpu.present).is_(True))
+                .order_by(col(Gpu.host_id), col(Gpu.index))
+            ):
+                if g.id not in held:
+                    free[g.host_id].append(g)
         # Each waiting row is read under its lock (ids in order) before it is granted:
         # an extend or a cancel that committed meanwhile is seen, not written over.
         waiting = sorted(
