@@ -25,15 +25,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import Any
 from fractions import Fraction
+from typing import Any
 
 from sqlalchemy import delete, func
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.metering import Usage, Window, metered_micro
 from bot.scheduling.model import SchedulerConfig
 from db.models import FairShareUsage, Host, HostPeriod, UsageInterval, UsageRollup, User
+from db.session import lock_pool, transaction
 from provisioning.costs import gpu_share
 
 HOUR = timedelta(hours=1)
@@ -305,6 +307,20 @@ def rebuild_rollups(s: Session) -> int:
             )
         )
     return len(sums)
+
+
+def backfill_rollups(engine: Engine) -> int | None:
+    """On start: a database upgraded from before rollups has closed intervals and no
+    rollups, and its costs would miss that history; rebuild once, under the pool.
+    Returns the rows written, or None when nothing needed doing (one cheap query)."""
+    with transaction(engine) as s:
+        if s.exec(select(UsageRollup.id).limit(1)).first() is not None:
+            return None
+        closed = select(UsageInterval.id).where(col(UsageInterval.ended_at).is_not(None))
+        if s.exec(closed.limit(1)).first() is None:
+            return None
+        lock_pool(s)
+        return rebuild_rollups(s)
 
 
 # --- reading a window ---------------------------------------------------------------------

@@ -55,6 +55,7 @@ from bot.fleet import (
     bootstrap_prepare,
 )
 from bot.leader import Leadership, leadership_for
+from bot.rollups import backfill_rollups
 from bot.runs import USAGE_RUN, LocalAccess, RunService
 from bot.service import Actor, GpuService
 from db.migrate import upgrade
@@ -345,6 +346,7 @@ def build_runtime(
     private_home(settings.home)
     engine = make_engine(settings.sqlalchemy_url)
     upgrade(engine)
+    backfill_rollups(engine)  # once, after the upgrade that brought rollups in
     private_database(settings)
     runner = ssh or SshClient()
     compute = compute or make_compute(settings, runner)

@@ -23,11 +23,16 @@ from bot.clock import VirtualClock
 from bot.commands import Queue, Release, Reserve, Run, Status
 from bot.digest import digest_for
 from bot.errors import UserError
-from bot.rollups import FAIR_SHARE_HALF_LIFE_S, fair_share_usage
+from bot.rollups import (
+    FAIR_SHARE_HALF_LIFE_S,
+    backfill_rollups,
+    fair_share_usage,
+    stored_rollups,
+)
 from bot.runs import LocalAccess, RunService
 from bot.service import GpuService
 from bot.slack.home import home_view
-from db.models import GpuSample, UsageInterval, User
+from db.models import FairShareUsage, GpuSample, UsageInterval, UsageRollup, User
 from db.session import transaction
 from provisioning.catalog import Catalog
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
@@ -220,3 +225,17 @@ def test_views_and_the_tick_do_not_grow_with_hosts(engine: Engine, tmp_path: Pat
     _empty(engine)
     many = _counts(engine, tmp_path / "many", 20)
     assert many == one
+
+
+def test_start_up_backfills_rollups_once_after_the_upgrade(engine: Engine) -> None:
+    svc, clock = make_service(engine, [host("a", "A100", 4, hourly=8.0)])
+    _history(svc, clock)
+    with Session(engine) as s:
+        kept = stored_rollups(s)
+    with engine.begin() as conn:  # as a database upgraded from before rollups has it
+        conn.execute(UsageRollup.__table__.delete())  # type: ignore[attr-defined]
+        conn.execute(FairShareUsage.__table__.delete())  # type: ignore[attr-defined]
+    assert backfill_rollups(engine) == len(kept[0]) > 0
+    with Session(engine) as s:
+        assert stored_rollups(s)[0] == kept[0]
+    assert backfill_rollups(engine) is None  # rollups there: nothing to do

@@ -4,9 +4,9 @@ Revision ID: 0004
 Revises: 0003
 Create Date: 2026-12-03
 
-The rollups start empty; `gpubot db rebuild-rollups` (bot.rollups.rebuild_rollups) fills
-them from the intervals closed before this upgrade (db never imports bot, so the upgrade
-cannot do it itself).
+The rollups start empty; the bot's start-up fills them once from the intervals closed
+before this upgrade (bot.rollups.backfill_rollups; db never imports bot, so the upgrade
+cannot), and `gpubot db rebuild-rollups` recomputes them at any time.
 """
 
 from collections.abc import Sequence
