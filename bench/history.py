@@ -39,13 +39,13 @@ from bot.commands import Release, Reserve
 from bot.config import Settings
 from bot.digest import digest_for
 from bot.dispatch import handle_text
-from bot.rollups import FAIR_SHARE_HALF_LIFE_S, computed_rollups
+from bot.rollups import FAIR_SHARE_HALF_LIFE_S, computed_rollups, day_sums
 from bot.runs import LocalAccess, RunService
 from bot.service import GpuService
 from bot.slack.home import home_view
 from bot.worker import tick_job
 from db.migrate import upgrade
-from db.models import FairShareUsage, Gpu, UsageInterval, UsageRollup, User
+from db.models import FairShareUsage, Gpu, UsageInterval, UsageRollup, UsageRollupDay, User
 from db.session import make_engine
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
@@ -149,6 +149,24 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
         ]
         for i in range(0, len(batch), 20_000):
             conn.execute(UsageRollup.__table__.insert(), batch[i : i + 20_000])  # type: ignore[attr-defined]
+        with Session(engine) as s:
+            days = day_sums(s, sums)
+        conn.execute(
+            UsageRollupDay.__table__.insert(),  # type: ignore[attr-defined]
+            [
+                {
+                    "day": k[0],
+                    "user_id": k[1],
+                    "market": k[2],
+                    "instance_type": k[3],
+                    "run_id": k[4],
+                    "micro_usd": v.micro_usd,
+                    "held_us": v.held_us,
+                    "covered_micro": v.covered_micro,
+                }
+                for k, v in days.items()
+            ],
+        )
         if fair:
             conn.execute(
                 FairShareUsage.__table__.insert(),  # type: ignore[attr-defined]
@@ -163,7 +181,13 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
                 ],
             )
         if engine.dialect.name == "postgresql":
-            for table in ("usageinterval", "usagerollup", "hostperiod", "fairshareusage"):
+            for table in (
+                "usageinterval",
+                "usagerollup",
+                "usagerollupday",
+                "hostperiod",
+                "fairshareusage",
+            ):
                 conn.execute(text(f"ANALYZE {table}"))
     clock.set(NOW)
     svc.reserve(svc.actor("user00"), Reserve(count=1, duration=timedelta(hours=8)))

@@ -34,16 +34,26 @@ from sqlmodel import Session, col, select
 
 from bot.metering import Usage, Window, metered_micro
 from bot.scheduling.model import SchedulerConfig
-from db.models import FairShareUsage, Host, HostPeriod, UsageInterval, UsageRollup, User
+from db.models import (
+    FairShareUsage,
+    Host,
+    HostPeriod,
+    UsageInterval,
+    UsageRollup,
+    UsageRollupDay,
+    User,
+)
 from db.session import lock_pool, transaction
 from provisioning.costs import gpu_share
 
 HOUR = timedelta(hours=1)
+DAY = timedelta(days=1)
 # The fair-share counters decay at the scheduler's half-life (RunService uses the
 # default config); a reader with another half-life recomputes from the intervals.
 FAIR_SHARE_HALF_LIFE_S = SchedulerConfig().half_life_s
 
 RollupKey = tuple[datetime, int, int, str, int]  # hour, user, host, market, run (0: none)
+DayKey = tuple[datetime, int, str, str, int]  # UTC day, user, market, instance type, run
 
 
 @dataclass
@@ -66,6 +76,15 @@ def floor_hour(t: datetime) -> datetime:
 def ceil_hour(t: datetime) -> datetime:
     f = floor_hour(t)
     return f if f == t else f + HOUR
+
+
+def floor_day(t: datetime) -> datetime:
+    return floor_hour(t).replace(hour=0)
+
+
+def ceil_day(t: datetime) -> datetime:
+    f = floor_day(t)
+    return f if f == t else f + DAY
 
 
 def _rate(iv: UsageInterval) -> Decimal:
@@ -163,6 +182,48 @@ def _add_rows(s: Session, sums: dict[RollupKey, Sums]) -> None:
         s.add(row)
 
 
+def day_sums(s: Session, hourly: dict[RollupKey, Sums]) -> dict[DayKey, Sums]:
+    """The hourly sums gathered by UTC day, user, market, instance type and run."""
+    hosts = {k[2] for k in hourly}
+    itype = (
+        {h.id: h.instance_type or "" for h in s.exec(select(Host).where(col(Host.id).in_(hosts)))}
+        if hosts
+        else {}
+    )
+    out: dict[DayKey, Sums] = defaultdict(Sums)
+    for (hour, user_id, host_id, market, run_id), v in hourly.items():
+        out[(floor_day(hour), user_id, market, itype.get(host_id, ""), run_id)].add(v)
+    return dict(out)
+
+
+def _add_day_rows(s: Session, sums: dict[DayKey, Sums]) -> None:
+    """As `_add_rows`, for the daily rows."""
+    if not sums:
+        return
+    days = [k[0] for k in sums]
+    existing = {
+        (r.day, r.user_id, r.market, r.instance_type, r.run_id): r
+        for r in s.exec(
+            select(UsageRollupDay).where(
+                col(UsageRollupDay.day) >= min(days),
+                col(UsageRollupDay.day) <= max(days),
+                col(UsageRollupDay.user_id).in_({k[1] for k in sums}),
+            )
+        ).all()
+    }
+    for key, add in sums.items():
+        row = existing.get(key)
+        if row is None:
+            day, user_id, market, instance_type, run_id = key
+            row = UsageRollupDay(
+                day=day, user_id=user_id, market=market, instance_type=instance_type, run_id=run_id
+            )
+        row.micro_usd += add.micro_usd
+        row.held_us += add.held_us
+        row.covered_micro += add.covered_micro
+        s.add(row)
+
+
 def _sums(
     ivs: Sequence[UsageInterval], periods: dict[int, list[HostPeriod]]
 ) -> dict[RollupKey, Sums]:
@@ -219,7 +280,9 @@ def on_closed(s: Session, ivs: Sequence[UsageInterval]) -> None:
     closed = [iv for iv in ivs if iv.ended_at is not None]
     if not closed:
         return
-    _add_rows(s, _sums(closed, _periods_for(s, closed)))
+    hourly = _sums(closed, _periods_for(s, closed))
+    _add_rows(s, hourly)
+    _add_day_rows(s, day_sums(s, hourly))
     _add_fair_share(s, closed)
 
 
@@ -280,12 +343,22 @@ def stored_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[f
     return sums, fair
 
 
+def stored_day_rollups(s: Session) -> dict[DayKey, Sums]:
+    return {
+        (r.day, r.user_id, r.market, r.instance_type, r.run_id): Sums(
+            r.micro_usd, r.held_us, r.covered_micro
+        )
+        for r in s.exec(select(UsageRollupDay)).all()
+    }
+
+
 def rebuild_rollups(s: Session) -> int:
     """Throws the rollups and counters away and recomputes them from the intervals (after
     an upgrade from before rollups, or a repair). Returns how many rollup rows it wrote.
     Run it with the pool held or the bot stopped, so nothing closes meanwhile."""
     sums, fair = computed_rollups(s)
     s.execute(delete(UsageRollup))
+    s.execute(delete(UsageRollupDay))
     s.execute(delete(FairShareUsage))
     for (hour, user_id, host_id, market, run_id), v in sums.items():
         s.add(
@@ -294,6 +367,19 @@ def rebuild_rollups(s: Session) -> int:
                 user_id=user_id,
                 host_id=host_id,
                 market=market,
+                run_id=run_id,
+                micro_usd=v.micro_usd,
+                held_us=v.held_us,
+                covered_micro=v.covered_micro,
+            )
+        )
+    for (day, user_id, market, instance_type, run_id), v in day_sums(s, sums).items():
+        s.add(
+            UsageRollupDay(
+                day=day,
+                user_id=user_id,
+                market=market,
+                instance_type=instance_type,
                 run_id=run_id,
                 micro_usd=v.micro_usd,
                 held_us=v.held_us,
@@ -337,10 +423,9 @@ class RawUsage:
 
 @dataclass(frozen=True)
 class RolledRow:
-    """The rolled-up part of a window, summed per user, host, market and run."""
+    """The rolled-up part of a window, summed per user, market, instance type and run."""
 
     user: str
-    host_id: int
     market: str
     instance_type: str | None
     run_id: int  # 0: a reservation's time
@@ -351,8 +436,9 @@ class RolledRow:
 
 @dataclass(frozen=True)
 class WindowUsage:
-    """A window's usage: whole UTC hours of closed history from the rollups, the rest
-    (open intervals, edges off the hour) as raw usages clipped to their part."""
+    """A window's usage: closed history from the rollups (whole UTC days from the daily
+    rows, other whole UTC hours from the hourly ones), the rest (open intervals, edges
+    off the hour) as raw usages clipped to their part."""
 
     rolled: tuple[RolledRow, ...] = ()
     raw: tuple[RawUsage, ...] = field(default_factory=tuple)
@@ -362,50 +448,84 @@ class WindowUsage:
         return sum(r.covered_micro for r in self.rolled)
 
 
+def _spans(window: Window) -> tuple[list[Window], list[Window], list[Window]]:
+    """The window cut into whole UTC days, other whole UTC hours, and the rest."""
+    hours_start, hours_end = ceil_hour(window.start), floor_hour(window.end)
+    if hours_end <= hours_start:  # within an hour: all raw
+        return [], [], [window]
+    raw = [
+        w
+        for w in (Window(window.start, hours_start), Window(hours_end, window.end))
+        if w.end > w.start
+    ]
+    days_start, days_end = ceil_day(hours_start), floor_day(hours_end)
+    if days_end <= days_start:
+        return [], [Window(hours_start, hours_end)], raw
+    hours = [
+        w for w in (Window(hours_start, days_start), Window(days_end, hours_end)) if w.end > w.start
+    ]
+    return [Window(days_start, days_end)], hours, raw
+
+
+def _rolled_days(s: Session, w: Window, user_id: int | None) -> list[RolledRow]:
+    # Seven columns: past sqlmodel's typed `select` overloads, so typed by RolledRow.
+    columns: tuple[Any, ...] = (
+        User.key,
+        UsageRollupDay.market,
+        UsageRollupDay.instance_type,
+        UsageRollupDay.run_id,
+        func.sum(UsageRollupDay.micro_usd),
+        func.sum(UsageRollupDay.held_us),
+        func.sum(UsageRollupDay.covered_micro),
+    )
+    q: Any = (
+        select(*columns)
+        .join(User, col(User.id) == col(UsageRollupDay.user_id))
+        .where(col(UsageRollupDay.day) >= w.start, col(UsageRollupDay.day) < w.end)
+        .group_by(
+            User.key, UsageRollupDay.market, UsageRollupDay.instance_type, UsageRollupDay.run_id
+        )
+    )
+    if user_id is not None:
+        q = q.where(UsageRollupDay.user_id == user_id)
+    return [
+        RolledRow(key, market, itype or None, run, int(m), int(us), int(c))
+        for key, market, itype, run, m, us, c in s.exec(q).all()
+    ]
+
+
+def _rolled_hours(s: Session, w: Window, user_id: int | None) -> list[RolledRow]:
+    columns: tuple[Any, ...] = (
+        User.key,
+        UsageRollup.market,
+        Host.instance_type,
+        UsageRollup.run_id,
+        func.sum(UsageRollup.micro_usd),
+        func.sum(UsageRollup.held_us),
+        func.sum(UsageRollup.covered_micro),
+    )
+    q: Any = (
+        select(*columns)
+        .join(User, col(User.id) == col(UsageRollup.user_id))
+        .join(Host, col(Host.id) == col(UsageRollup.host_id))
+        .where(col(UsageRollup.hour) >= w.start, col(UsageRollup.hour) < w.end)
+        .group_by(User.key, UsageRollup.market, Host.instance_type, UsageRollup.run_id)
+    )
+    if user_id is not None:
+        q = q.where(UsageRollup.user_id == user_id)
+    return [
+        RolledRow(key, market, itype or None, run, int(m), int(us), int(c))
+        for key, market, itype, run, m, us, c in s.exec(q).all()
+    ]
+
+
 def window_usage(s: Session, window: Window, user_id: int | None = None) -> WindowUsage:
-    inner_start, inner_end = ceil_hour(window.start), floor_hour(window.end)
-    if inner_end <= inner_start:  # under an hour: all raw
-        edges = [window]
-        inner: Window | None = None
-    else:
-        inner = Window(inner_start, inner_end)
-        edges = [
-            w
-            for w in (Window(window.start, inner_start), Window(inner_end, window.end))
-            if w.end > w.start
-        ]
+    days, hours, edges = _spans(window)
     rolled: list[RolledRow] = []
-    if inner is not None:
-        # Eight columns: past sqlmodel's typed `select` overloads, so typed by RolledRow.
-        columns: tuple[Any, ...] = (
-            User.key,
-            UsageRollup.host_id,
-            UsageRollup.market,
-            Host.instance_type,
-            UsageRollup.run_id,
-            func.sum(UsageRollup.micro_usd),
-            func.sum(UsageRollup.held_us),
-            func.sum(UsageRollup.covered_micro),
-        )
-        q: Any = (
-            select(*columns)
-            .join(User, col(User.id) == col(UsageRollup.user_id))
-            .join(Host, col(Host.id) == col(UsageRollup.host_id))
-            .where(col(UsageRollup.hour) >= inner.start, col(UsageRollup.hour) < inner.end)
-            .group_by(
-                User.key,
-                UsageRollup.host_id,
-                UsageRollup.market,
-                Host.instance_type,
-                UsageRollup.run_id,
-            )
-        )
-        if user_id is not None:
-            q = q.where(UsageRollup.user_id == user_id)
-        rolled = [
-            RolledRow(key, host, market, itype, run, int(m), int(us), int(c))
-            for key, host, market, itype, run, m, us, c in s.exec(q).all()
-        ]
+    for w in days:
+        rolled += _rolled_days(s, w, user_id)
+    for w in hours:
+        rolled += _rolled_hours(s, w, user_id)
     raw: list[RawUsage] = []
     open_q = (
         select(UsageInterval, User.key, Host.instance_type)

@@ -399,3 +399,27 @@ class FairShareUsage(SQLModel, table=True):
     decayed_s: float = 0.0
     as_of: datetime = _ts()
     half_life_s: float
+
+
+class UsageRollupDay(SQLModel, table=True):
+    """The hourly rollups summed per UTC day, user, market, instance type and run (no
+    host: no reader needs it), so a month reads about a row per person and day however
+    big the fleet. Kept beside `UsageRollup` in the same transaction; a window's whole
+    UTC days come from here, its other whole hours from the hourly rows."""
+
+    __table_args__ = (
+        UniqueConstraint(
+            "day", "user_id", "market", "instance_type", "run_id", name="uq_usagerollupday_key"
+        ),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    day: datetime = _ts()
+    user_id: int = Field(foreign_key="user.id")
+    market: str = Field(default="owned", max_length=16)
+    # The host's instance type ("" for machines without one), for spot savings.
+    instance_type: str = Field(default="", max_length=64)
+    run_id: int = 0
+    micro_usd: int = Field(default=0, sa_type=BigInteger)
+    held_us: int = Field(default=0, sa_type=BigInteger)
+    covered_micro: int = Field(default=0, sa_type=BigInteger)

@@ -24,7 +24,13 @@ from bot.config import Settings
 from bot.dispatch import handle_text
 from bot.errors import UserError
 from bot.metering import Window, cost_by_user, idle_overhead, period_window, to_cents
-from bot.rollups import computed_rollups, rebuild_rollups, stored_rollups
+from bot.rollups import (
+    computed_rollups,
+    day_sums,
+    rebuild_rollups,
+    stored_day_rollups,
+    stored_rollups,
+)
 from bot.service import GpuService
 from bot.terminal import render
 from db.migrate import upgrade
@@ -237,6 +243,7 @@ def _rollups_agree_with_the_raw_intervals(engine: Engine, now: datetime) -> None
         kept_rows, kept_fair = stored_rollups(s)
         rows, fair = computed_rollups(s)
         assert kept_rows == rows
+        assert stored_day_rollups(s) == day_sums(s, rows)
         assert kept_fair.keys() == fair.keys()
         for user_id, (value, as_of) in fair.items():
             assert kept_fair[user_id][1] == as_of
@@ -246,6 +253,7 @@ def _rollups_agree_with_the_raw_intervals(engine: Engine, now: datetime) -> None
             Window(min(T0 + timedelta(minutes=30), now), now),
             Window(T0 + timedelta(minutes=7), T0 + timedelta(minutes=50)),
             Window(T0 - timedelta(days=1), T0 + timedelta(days=1, minutes=45)),
+            Window(T0 - timedelta(days=1, hours=5), now + timedelta(days=2, hours=1)),
         ]
         for w in windows:
             raw = [m.usage for m in load_usages(s, w)]
@@ -256,3 +264,4 @@ def _rollups_agree_with_the_raw_intervals(engine: Engine, now: datetime) -> None
         assert rebuild_rollups(s) == len(rows)
         s.commit()
         assert stored_rollups(s)[0] == rows
+        assert stored_day_rollups(s) == day_sums(s, rows)

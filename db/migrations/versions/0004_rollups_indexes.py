@@ -43,6 +43,23 @@ def upgrade() -> None:
         ),
     )
     op.create_table(
+        "usagerollupday",
+        sa.Column("id", sa.Integer(), nullable=False),
+        sa.Column("day", db.types.UTCDateTime(), nullable=False),
+        sa.Column("user_id", sa.Integer(), nullable=False),
+        sa.Column("market", sqlmodel.sql.sqltypes.AutoString(length=16), nullable=False),
+        sa.Column("instance_type", sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
+        sa.Column("run_id", sa.Integer(), nullable=False),
+        sa.Column("micro_usd", sa.BigInteger(), nullable=False),
+        sa.Column("held_us", sa.BigInteger(), nullable=False),
+        sa.Column("covered_micro", sa.BigInteger(), nullable=False),
+        sa.ForeignKeyConstraint(["user_id"], ["user.id"]),
+        sa.PrimaryKeyConstraint("id"),
+        sa.UniqueConstraint(
+            "day", "user_id", "market", "instance_type", "run_id", name="uq_usagerollupday_key"
+        ),
+    )
+    op.create_table(
         "fairshareusage",
         sa.Column("user_id", sa.Integer(), nullable=False),
         sa.Column("decayed_s", sa.Float(), nullable=False),
@@ -69,4 +86,5 @@ def downgrade() -> None:
     op.drop_index("ix_hostperiod_ended_started", table_name="hostperiod")
     op.drop_index("ix_usageinterval_ended_started", table_name="usageinterval")
     op.drop_table("fairshareusage")
+    op.drop_table("usagerollupday")
     op.drop_table("usagerollup")
