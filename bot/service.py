@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, text, update
 from sqlalchemy.engine import Engine
@@ -698,29 +698,34 @@ class GpuService:
 
     def _hosts(self, s: Session) -> list[HostState]:
         hosts = s.exec(select(Host).where(Host.state != "terminated").order_by(col(Host.id))).all()
-        gpus = s.exec(
-            select(Gpu).where(col(Gpu.present).is_(True)).order_by(col(Gpu.host_id), col(Gpu.index))
+        # Plain columns, not Gpu objects: a fleet of hundreds of GPUs is read on every
+        # status, and building ORM objects was most of its time.
+        columns: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.index, Gpu.model, Gpu.memory_gb)
+        gpus: list[tuple[int, int, int, str, float]] = s.exec(
+            select(*columns)
+            .where(col(Gpu.present).is_(True))
+            .order_by(col(Gpu.host_id), col(Gpu.index))
         ).all()
         holder = {h.interval.gpu_id: h for h in who_holds(s)}
         by_host: dict[int, list[GpuState]] = {}
-        for g in gpus:
-            assert g.id is not None
-            h = holder.get(g.id)
-            state = GpuState(gpu_id=g.id, index=g.index, model=g.model, memory_gb=g.memory_gb)
+        for gpu_id, host_id, index, model, memory_gb in gpus:
+            assert gpu_id is not None
+            h = holder.get(gpu_id)
+            state = GpuState(gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb)
             if h is not None:
                 iv, u, r = h.interval, h.user, h.reservation
                 state = GpuState(
-                    gpu_id=g.id,
-                    index=g.index,
-                    model=g.model,
-                    memory_gb=g.memory_gb,
+                    gpu_id=gpu_id,
+                    index=index,
+                    model=model,
+                    memory_gb=memory_gb,
                     holder=u.display_name,
                     holder_key=u.key,
                     reservation_id=iv.reservation_id,
                     run_id=iv.run_id,
                     until=r.ends_at if r is not None else None,
                 )
-            by_host.setdefault(g.host_id, []).append(state)
+            by_host.setdefault(host_id, []).append(state)
         return [_host_state(h, by_host.get(h.id or -1, [])) for h in hosts]
 
     def _waiting(self, s: Session, hosts: list[HostState] | None = None) -> list[ReservationInfo]:
