@@ -2,9 +2,11 @@
 
 A usage interval is rolled up in the transaction that closes it (`bot.held.end_held`):
 it is cut at UTC hours and each piece is added to its (hour, user, host, market, run)
-row in whole micro-dollars, by the same meter as `bot.metering`. Meter readings
-telescope, so the pieces of an interval add up exactly to what the whole interval costs,
-and a window made of whole hours costs exactly the sum of its rows. What a window
+row in whole micro-dollars, by the same meter as `bot.metering`, and the same sums are
+kept per UTC day (without the host) so that a month reads a row per person and day.
+Meter readings telescope, so the pieces of an interval add up exactly to what the whole
+interval costs, and a window made of whole hours costs exactly the sum of its rows. The
+hour rows also make any whole-hour time zone's days and weeks exact. What a window
 needs beyond that (open intervals, and the part of a window edge that is not on a UTC
 hour, as in a half-hour time zone) is read raw and metered as before: `window_usage`
 hands both back, and `bot.billing` and `bot.digest` add them up.
@@ -13,8 +15,9 @@ Beside the money, each user's decayed GPU-seconds (Slurm's fair-share usage) is 
 up to date the same way, so the scheduler's order costs one small read per tick.
 
 `rebuild_rollups` recomputes everything from the raw intervals; the tests compare it
-with what was maintained incrementally, and `gpubot db rebuild-rollups` runs it after an
-upgrade or a repair.
+with what was maintained incrementally, start-up runs it once on a database upgraded
+from before rollups (`backfill_rollups`), and `gpubot db rebuild-rollups` runs it on
+demand.
 """
 
 from __future__ import annotations
