@@ -298,7 +298,9 @@ def computed_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple
     """Every rollup row and fair-share counter as the raw closed intervals say they should
     be, read in batches in id order."""
     sums: dict[RollupKey, Sums] = defaultdict(Sums)
-    closed: list[UsageInterval] = []
+    # Only what the counters need, not the rows: a rebuild of a million intervals
+    # holds a tuple each, not an ORM object.
+    ends: list[tuple[datetime, int, int, float]] = []  # end, id, user, seconds
     last = 0
     while True:
         batch = list(
@@ -314,23 +316,20 @@ def computed_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple
         last = batch[-1].id or last
         for key, piece in _sums(batch, _periods_for(s, batch)).items():
             sums[key].add(piece)
-        closed.extend(batch)
         for iv in batch:
+            assert iv.ended_at is not None
+            secs = max(0.0, (iv.ended_at - iv.started_at).total_seconds())
+            ends.append((iv.ended_at, iv.id or 0, iv.user_id, secs))
             s.expunge(iv)
     fair: dict[int, tuple[float, datetime]] = {}
     h = FAIR_SHARE_HALF_LIFE_S
-    for iv in sorted(closed, key=lambda i: (i.ended_at or i.started_at, i.id or 0)):
-        assert iv.ended_at is not None
-        secs = max(0.0, (iv.ended_at - iv.started_at).total_seconds())
-        prev = fair.get(iv.user_id)
+    for ended_at, _, user_id, secs in sorted(ends):
+        prev = fair.get(user_id)
         if prev is None:
-            fair[iv.user_id] = (secs, iv.ended_at)
+            fair[user_id] = (secs, ended_at)
         else:
             value, as_of = prev
-            fair[iv.user_id] = (
-                decay(value, (iv.ended_at - as_of).total_seconds(), h) + secs,
-                iv.ended_at,
-            )
+            fair[user_id] = (decay(value, (ended_at - as_of).total_seconds(), h) + secs, ended_at)
     return dict(sums), fair
 
 
