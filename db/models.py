@@ -12,7 +12,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, Index, LargeBinary, Text, UniqueConstraint, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Index,
+    LargeBinary,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlmodel import Field, SQLModel
 
 from db.types import UTCDateTime
@@ -170,6 +179,8 @@ class UsageInterval(SQLModel, table=True):
             sqlite_where=text("ended_at IS NULL"),
             postgresql_where=text("ended_at IS NULL"),
         ),
+        # Costs' window edges and rebuilds: the closed intervals that end after an instant.
+        Index("ix_usageinterval_ended_started", "ended_at", "started_at"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
@@ -189,6 +200,17 @@ class Notification(SQLModel, table=True):
     """The outbox: written in the same transaction as the change it reports,
     delivered later by the worker, marked sent once. A crash between the two
     loses nothing; `dedupe_key` keeps a retried change from notifying twice."""
+
+    __table_args__ = (
+        # The outbox's question is "what is unsent", a few rows among every message ever
+        # sent: a partial index holds only those.
+        Index(
+            "ix_notification_unsent",
+            "id",
+            sqlite_where=text("sent_at IS NULL"),
+            postgresql_where=text("sent_at IS NULL"),
+        ),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     # "dm" (target is a user key) or "channel" (target is a channel name or id).
@@ -266,6 +288,7 @@ class HostPeriod(SQLModel, table=True):
             sqlite_where=text("ended_at IS NULL"),
             postgresql_where=text("ended_at IS NULL"),
         ),
+        Index("ix_hostperiod_ended_started", "ended_at", "started_at"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
@@ -289,7 +312,11 @@ class GpuSample(SQLModel, table=True):
     average over thinned history still weighs time correctly.
     """
 
-    __table_args__ = (Index("ix_gpusample_host_at", "host_id", "at"),)
+    __table_args__ = (
+        Index("ix_gpusample_host_at", "host_id", "at"),
+        # The digest's week of samples, across hosts.
+        Index("ix_gpusample_at", "at"),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     host_id: int = Field(foreign_key="host.id")
@@ -340,3 +367,71 @@ class LaunchRequest(SQLModel, table=True):
     error: str | None = Field(default=None, max_length=500)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
+
+
+class UsageRollup(SQLModel, table=True):
+    """Closed usage, summed per hour (UTC), user, host, market and run, in integer
+    micro-dollars: what costs and the digest read for history, so that a month's bill reads
+    a few thousand small rows however many intervals it holds.
+
+    Written in the transaction that closes the interval (bot.app.rollups), from the same meter
+    as `bot.domain.metering` (readings telescope, so hour pieces add up to the whole exactly).
+    `covered_micro` is the same time at the host's own GPU share over its billed periods,
+    so the idle overhead is the instances' bill less it; `bot.app.rollups.rebuild_rollups`
+    recomputes every row from the raw intervals.
+    """
+
+    __table_args__ = (
+        UniqueConstraint(
+            "hour", "user_id", "host_id", "market", "run_id", name="uq_usagerollup_key"
+        ),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    # Start of the UTC hour the pieces lie in.
+    hour: datetime = _ts()
+    user_id: int = Field(foreign_key="user.id")
+    host_id: int = Field(foreign_key="host.id")
+    market: str = Field(default="owned", max_length=16)
+    # The run the time was held for; 0 for a reservation's (a key part, so never NULL).
+    run_id: int = 0
+    # What the holder pays (at the interval's rate), and GPU-microseconds held.
+    micro_usd: int = Field(default=0, sa_type=BigInteger)
+    held_us: int = Field(default=0, sa_type=BigInteger)
+    # The same time at the host period's GPU share: what it takes off the idle overhead.
+    covered_micro: int = Field(default=0, sa_type=BigInteger)
+
+
+class FairShareUsage(SQLModel, table=True):
+    """Each user's GPU-seconds, decayed by a half-life, as of `as_of` (Slurm's decayed
+    usage): kept up to date as intervals close, so the scheduler never re-reads weeks of
+    intervals to order the queue."""
+
+    user_id: int = Field(primary_key=True, foreign_key="user.id")
+    decayed_s: float = 0.0
+    as_of: datetime = _ts()
+    half_life_s: float
+
+
+class UsageRollupDay(SQLModel, table=True):
+    """The hourly rollups summed per UTC day, user, market, instance type and run (no
+    host: no reader needs it), so a month reads about a row per person and day however
+    big the fleet. Kept beside `UsageRollup` in the same transaction; a window's whole
+    UTC days come from here, its other whole hours from the hourly rows."""
+
+    __table_args__ = (
+        UniqueConstraint(
+            "day", "user_id", "market", "instance_type", "run_id", name="uq_usagerollupday_key"
+        ),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    day: datetime = _ts()
+    user_id: int = Field(foreign_key="user.id")
+    market: str = Field(default="owned", max_length=16)
+    # The host's instance type ("" for machines without one), for spot savings.
+    instance_type: str = Field(default="", max_length=64)
+    run_id: int = 0
+    micro_usd: int = Field(default=0, sa_type=BigInteger)
+    held_us: int = Field(default=0, sa_type=BigInteger)
+    covered_micro: int = Field(default=0, sa_type=BigInteger)

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import ROUND_FLOOR, Decimal
+from fractions import Fraction
 
 from sqlmodel import Session, col, func, select
 
 from bot.app.config import Settings
+from bot.app.rollups import WindowUsage, window_usage
 from bot.domain import timefmt
 from bot.domain.metering import HostPeriod as MeteredPeriod
 from bot.domain.metering import (
     Usage,
     Window,
+    cost_by_ref,
     cost_by_user,
     host_cost,
     idle_overhead,
@@ -112,15 +115,21 @@ def note_host_state(s: Session, host: Host, now: datetime, settings: Settings) -
 
 
 def host_periods(s: Session, window: Window) -> list[MeteredPeriod]:
-    """Every period that overlaps the window, as `bot.domain.metering` takes them."""
-    rows = s.exec(
-        select(HostPeriod)
-        .where(
-            col(HostPeriod.started_at) < window.end,
-            col(HostPeriod.ended_at).is_(None) | (col(HostPeriod.ended_at) > window.start),
+    """Every period that overlaps the window, as `bot.domain.metering` takes them.
+
+    Asked as two questions, each answered by an index: the open periods (a partial
+    index) and the closed ones that end inside or after the window."""
+    open_rows = s.exec(
+        select(HostPeriod).where(
+            col(HostPeriod.ended_at).is_(None), col(HostPeriod.started_at) < window.end
         )
-        .order_by(col(HostPeriod.host_id), col(HostPeriod.started_at))
     ).all()
+    closed_rows = s.exec(
+        select(HostPeriod).where(
+            col(HostPeriod.ended_at) > window.start, col(HostPeriod.started_at) < window.end
+        )
+    ).all()
+    rows = sorted([*open_rows, *closed_rows], key=lambda p: (p.host_id, p.started_at))
     return [
         MeteredPeriod(
             host_id=p.host_id,
@@ -148,7 +157,8 @@ class MeteredUsage:
 
 
 def load_usages(s: Session, window: Window, user_id: int | None = None) -> list[MeteredUsage]:
-    """Every usage interval that overlaps the window (one user's, when given)."""
+    """Every usage interval that overlaps the window (one user's, when given), raw: for
+    checks and tools. Costs read `window_costs`, which takes history from the rollups."""
     q = (
         select(UsageInterval, User, Host)
         .join(User, col(User.id) == col(UsageInterval.user_id))
@@ -178,6 +188,89 @@ def load_usages(s: Session, window: Window, user_id: int | None = None) -> list[
         )
         for iv, u, h in s.exec(q).all()
     ]
+
+
+@dataclass(frozen=True)
+class WindowCosts:
+    """A window's usage costs, from the rollups for closed whole hours and the raw
+    intervals for the rest (bot.app.rollups.window_usage), added up exactly."""
+
+    window: Window
+    now: datetime
+    part: WindowUsage
+
+    @property
+    def raw(self) -> list[MeteredUsage]:
+        return [MeteredUsage(r.usage, r.market, r.instance_type) for r in self.part.raw]
+
+    @property
+    def raw_usages(self) -> list[Usage]:
+        return [r.usage for r in self.part.raw]
+
+    def users(self) -> dict[str, Decimal]:
+        """Each user's cost (as `bot.domain.metering.cost_by_user` over every interval)."""
+        micro: dict[str, int] = {}
+        for r in self.part.rolled:
+            micro[r.user] = micro.get(r.user, 0) + r.micro_usd
+        raw = cost_by_user(self.raw_usages, self.window, self.now)
+        out = {k: Decimal(m).scaleb(-6) for k, m in micro.items()}
+        for k, v in raw.items():
+            out[k] = out.get(k, Decimal(0)) + v
+        return {k: out[k] for k in sorted(out)}
+
+    def gpu_hours(self) -> dict[str, Decimal]:
+        us: dict[str, int] = {}
+        for r in self.part.rolled:
+            us[r.user] = us.get(r.user, 0) + r.held_us
+        end_cap = min(self.window.end, self.now)
+        for u in self.raw_usages:
+            a = max(u.start, self.window.start)
+            b = min(u.end or end_cap, end_cap)
+            if b > a:
+                us[u.user] = us.get(u.user, 0) + (b - a) // timedelta(microseconds=1)
+        return {k: Decimal(v) / Decimal(3_600_000_000) for k, v in us.items()}
+
+    def runs(self) -> tuple[dict[int, Decimal], dict[int, str]]:
+        """Cost per run id, and each run's owner."""
+        micro: dict[int, int] = {}
+        owner: dict[int, str] = {}
+        for r in self.part.rolled:
+            if r.run_id:
+                micro[r.run_id] = micro.get(r.run_id, 0) + r.micro_usd
+                owner[r.run_id] = r.user
+        out = {k: Decimal(m).scaleb(-6) for k, m in micro.items()}
+        runs = [u for u in self.raw_usages if u.kind == "run"]
+        for (_, run_id), usd in cost_by_ref(runs, self.window, self.now).items():
+            out[run_id] = out.get(run_id, Decimal(0)) + usd
+        owner.update({u.ref_id: u.user for u in runs})
+        return out, owner
+
+    def idle(self, periods: list[MeteredPeriod]) -> Decimal:
+        """The idle overhead: the instances' bill less the GPU time held on it (the raw
+        part metered by `bot.domain.metering.idle_overhead`, the rolled-up part as kept)."""
+        raw = idle_overhead(periods, self.raw_usages, self.window, self.now)
+        return raw - Decimal(self.part.covered_micro).scaleb(-6)
+
+    def savings(self, catalog: Catalog) -> dict[str, Decimal]:
+        """`spot_savings` over the raw part, plus the rolled-up spot hours at the on-demand
+        share (to the micro-dollar per user, host and run: a display figure)."""
+        out = spot_savings(self.raw, self.window, self.now, catalog)
+        for r in self.part.rolled:
+            if r.market != "spot" or r.instance_type is None:
+                continue
+            t = catalog.get(r.instance_type)
+            if t is None:
+                continue
+            ondemand = gpu_share(Fraction(Decimal(str(t.ondemand_usd_hr))), t.gpus)
+            would = round(ondemand * r.held_us / 3600)
+            out[r.user] = out.get(r.user, Decimal(0)) + Decimal(would - r.micro_usd).scaleb(-6)
+        return out
+
+
+def window_costs(
+    s: Session, window: Window, now: datetime, user_id: int | None = None
+) -> WindowCosts:
+    return WindowCosts(window, now, window_usage(s, window, user_id))
 
 
 def spot_savings(
@@ -228,18 +321,17 @@ class TeamBill:
 def team_bill(
     s: Session, window: Window, now: datetime, catalog: Catalog | None = None
 ) -> TeamBill:
-    usages = load_usages(s, window)
+    costs = window_costs(s, window, now)
     periods = host_periods(s, window)
-    plain = [m.usage for m in usages]
     names = {u.key: u.display_name for u in s.exec(select(User)).all()}
-    users = cost_by_user(plain, window, now)
+    users = costs.users()
     return TeamBill(
         window=window,
         users=users,
         names={k: names.get(k, k) for k in users},
-        idle=idle_overhead(periods, plain, window, now),
+        idle=costs.idle(periods),
         instances=host_cost(periods, window, now),
-        savings=spot_savings(usages, window, now, catalog) if catalog is not None else {},
+        savings=costs.savings(catalog) if catalog is not None else {},
     )
 
 

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 from sqlmodel import Session, col, func, select
 
 from bot.app.access import audit
-from bot.app.billing import load_usages
+from bot.app.billing import window_costs
 from bot.app.config import Settings
 from bot.app.held import held_intervals
 from bot.app.outbox import enqueue
 from bot.domain import timefmt, views
 from bot.domain.commands import Budget
 from bot.domain.errors import UserError
-from bot.domain.metering import Window, cost_by_user, period_window, to_cents
+from bot.domain.metering import Window, period_window, to_cents
 from db.models import (
     RES_ACTIVE,
     RES_WAITING,
@@ -167,8 +167,7 @@ def committed_usd(
 
 def spent_usd(s: Session, user: User, window: Window, now: datetime) -> Decimal:
     assert user.id is not None
-    usages = [m.usage for m in load_usages(s, window, user.id)]
-    return cost_by_user(usages, window, now).get(user.key, Decimal(0))
+    return window_costs(s, window, now, user.id).users().get(user.key, Decimal(0))
 
 
 def budget_status(

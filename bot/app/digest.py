@@ -33,21 +33,13 @@ from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, select
 
+from bot.app.billing import WindowCosts, shown_cents, window_costs
 from bot.app.billing import host_periods as load_periods
-from bot.app.billing import load_usages, shown_cents, spot_savings
 from bot.app.config import Settings, parse_weekly_time
 from bot.domain import timefmt, views
 from bot.domain.durations import ascii_digits
 from bot.domain.errors import UserError
-from bot.domain.metering import (
-    Usage,
-    Window,
-    cost_by_ref,
-    cost_by_user,
-    host_cost,
-    idle_overhead,
-    to_cents,
-)
+from bot.domain.metering import Window, host_cost, to_cents
 from db.models import Gpu, GpuSample, Notification, TrainingRun, UsageInterval, User
 from db.session import transaction
 from provisioning.catalog import Catalog
@@ -161,15 +153,14 @@ def build_digest(
     tz = settings.timezone
     window = week_window(year, week, tz)
     prev = week_window(*_previous(year, week), tz)
-    metered = load_usages(s, window)
-    usages = [m.usage for m in metered]
-    costs = cost_by_user(usages, window, now)
-    last = cost_by_user([m.usage for m in load_usages(s, prev)], prev, now)
-    savings = spot_savings(metered, window, now, catalog) if catalog is not None else {}
+    spend = window_costs(s, window, now)
+    costs = spend.users()
+    last = window_costs(s, prev, now).users()
+    savings = spend.savings(catalog) if catalog is not None else {}
     periods = load_periods(s, window)
     users = {u.key: u for u in s.exec(select(User)).all()}
     by_id = {u.id: u for u in users.values()}
-    hours = _gpu_hours(usages, window, now)
+    hours = spend.gpu_hours()
     eff, waste = _samples(s, window, settings.idle_util_pct, by_id)
     keys = sorted(set(costs) | set(last) | set(hours), key=lambda k: (-costs.get(k, _ZERO), k))
     lines = tuple(
@@ -190,9 +181,9 @@ def build_digest(
         tz=tz,
         window=window,
         users=lines,
-        top_runs=_top_runs(s, usages, window, now, users),
+        top_runs=_top_runs(s, spend, users),
         held_usd=sum(costs.values(), _ZERO),
-        idle_overhead_usd=idle_overhead(periods, usages, window, now),
+        idle_overhead_usd=spend.idle(periods),
         instances_usd=host_cost(periods, window, now),
         last_week_held_usd=sum(last.values(), _ZERO),
     )
@@ -201,18 +192,6 @@ def build_digest(
 def _previous(year: int, week: int) -> tuple[int, int]:
     y, w, _ = (date.fromisocalendar(year, week, 1) - timedelta(days=7)).isocalendar()
     return y, w
-
-
-def _gpu_hours(usages: list[Usage], window: Window, now: datetime) -> dict[str, Decimal]:
-    out: dict[str, Decimal] = {}
-    end_cap = min(window.end, now)
-    for u in usages:
-        a = max(u.start, window.start)
-        b = min(u.end or end_cap, end_cap)
-        if b > a:
-            secs = Decimal((b - a) // timedelta(microseconds=1)) / Decimal(3_600_000_000)
-            out[u.user] = out.get(u.user, _ZERO) + secs
-    return out
 
 
 def _samples(
@@ -253,14 +232,11 @@ def _samples(
     return eff, waste
 
 
-def _top_runs(
-    s: Session, usages: list[Usage], window: Window, now: datetime, users: dict[str, User]
-) -> tuple[TopRun, ...]:
-    by_ref = cost_by_ref([u for u in usages if u.kind == "run"], window, now)
-    owner = {u.ref_id: u.user for u in usages if u.kind == "run"}
-    top = sorted(by_ref.items(), key=lambda kv: (-kv[1], kv[0][1]))[:TOP_RUNS]
+def _top_runs(s: Session, spend: WindowCosts, users: dict[str, User]) -> tuple[TopRun, ...]:
+    by_run, owner = spend.runs()
+    top = sorted(by_run.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_RUNS]
     out = []
-    for (_, run_id), usd in top:
+    for run_id, usd in top:
         run = s.get(TrainingRun, run_id)
         what = (
             "?"

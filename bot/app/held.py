@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import ColumnElement
 from sqlmodel import Session, col, select
 
+from bot.app.rollups import on_closed
 from db.models import Gpu, Reservation, TrainingRun, UsageInterval, User
 
 
@@ -79,13 +80,16 @@ def end_held(
 ) -> list[UsageInterval]:
     """Lets go of what a reservation, a run or a host holds: each open interval ends at
     `at`, or where it started if `at` is earlier (a clock step back never makes a
-    negative interval). The caller holds the pool. Returns the intervals it ended."""
+    negative interval). The caller holds the pool. The ended intervals are rolled up in
+    the same transaction (bot.app.rollups), so costs never see one both raw and rolled up, or
+    neither. Returns the intervals it ended."""
     if host_id is None and reservation_id is None and run_id is None:
         raise ValueError("end_held needs a host, a reservation or a run")
     ended = held_intervals(s, host_id=host_id, reservation_id=reservation_id, run_id=run_id)
     for iv in ended:
         iv.ended_at = max(at, iv.started_at)
         s.add(iv)
+    on_closed(s, ended)
     return ended
 
 

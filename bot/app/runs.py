@@ -27,7 +27,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import and_, or_, update
 from sqlmodel import Session, col, select
 
 from bot.app import budgets, sources
@@ -35,6 +35,7 @@ from bot.app.access import RunGate, StaticMembership, audit
 from bot.app.agentwatch import requeue_resumable, resumable_stop, upload_checkpoints, watch_hosts
 from bot.app.held import end_held, held_gpu_ids, who_holds
 from bot.app.ports import Actor, Core, HostAccess
+from bot.app.rollups import fair_share_usage
 from bot.domain import code_sources, estimates, views
 from bot.domain.commands import Cancel, Logs, Queue, Run
 from bot.domain.durations import format_duration
@@ -96,6 +97,23 @@ class LocalAccess:
 
     def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
         return (self.runner, self.target, self.runs_dir) if host_name == "local" else None
+
+
+def _hosts_with_gpus(s: Session, which: Any) -> list[tuple[Host, list[Gpu]]]:
+    """The hosts `which` selects, by id, each with its present GPUs: two queries whatever
+    the number of hosts (a GPU query per host made the queue and the tick grow with
+    the fleet)."""
+    hosts = list(s.exec(select(Host).where(which).order_by(col(Host.id))))
+    ids = [h.id for h in hosts]
+    by_host: dict[int, list[Gpu]] = {}
+    if ids:
+        for g in s.exec(
+            select(Gpu)
+            .where(col(Gpu.host_id).in_(ids), col(Gpu.present).is_(True))
+            .order_by(col(Gpu.id))
+        ):
+            by_host.setdefault(g.host_id, []).append(g)
+    return [(h, by_host.get(h.id or -1, [])) for h in hosts]
 
 
 class RunService:
@@ -209,9 +227,9 @@ class RunService:
         """A run needs one GPU model: the asked one, else the configured default, else
         the one model the pool has. Refuses what no host could ever run."""
         counts: dict[str, int] = {}
-        for host in s.exec(select(Host).where(Host.state != "terminated")):
+        for _, gpus_there in _hosts_with_gpus(s, Host.state != "terminated"):
             per_model: dict[str, int] = {}
-            for g in s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True))):
+            for g in gpus_there:
                 per_model[g.model] = per_model.get(g.model, 0) + 1
             for m, n in per_model.items():
                 counts[m] = max(counts.get(m, 0), n)
@@ -363,14 +381,7 @@ class RunService:
         # A booting instance is part of the picture: its GPUs are taken until it should be
         # ready (launch + boot + setup), so a run of its model gets a start and a price.
         boot = timedelta(seconds=self.config.boot_s + self.config.setup_s)
-        for host in s.exec(
-            select(Host)
-            .where(col(Host.state).in_((HOST_READY, HOST_PENDING)))
-            .order_by(col(Host.id))
-        ):
-            gpus = list(
-                s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
-            )
+        for host, gpus in _hosts_with_gpus(s, col(Host.state).in_((HOST_READY, HOST_PENDING))):
             per_gpu = gpu_share(host.hourly_usd, len(gpus))
             for model in sorted({g.model for g in gpus}):
                 count = sum(1 for g in gpus if g.model == model)
@@ -414,10 +425,7 @@ class RunService:
     def _per_gpu_prices(self, s: Session) -> dict[str, float]:
         """Per-GPU hourly price of each model on the hosts we have (0 for owned hosts)."""
         out: dict[str, float] = {}
-        for host in s.exec(select(Host).where(Host.state != "terminated")):
-            gpus = list(
-                s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
-            )
+        for host, gpus in _hosts_with_gpus(s, Host.state != "terminated"):
             for g in gpus:
                 out[g.model] = max(out.get(g.model, 0.0), gpu_share(host.hourly_usd, len(gpus)))
         return out
@@ -510,6 +518,8 @@ class RunService:
             return 0
         now = self.core.clock.now()
         with transaction(self.engine, write=False) as s:
+            if not self._anything_to_decide(s):
+                return 0  # the common idle tick: one indexed query, nothing loaded
             queue, fleet, hosts, usage = self._scheduler_inputs(s, now)
         if not queue and not any(a.preemptible for i in fleet for a in i.allocations):
             return 0  # nothing to place and nothing the scheduler could move
@@ -600,6 +610,19 @@ class RunService:
         if done:
             log.info("fleet: %s", done)
 
+    def _anything_to_decide(self, s: Session) -> bool:
+        """Whether a run is queued or one that could be preempted is running: without
+        either the scheduler has nothing to place or move (dispatch's own test below),
+        so an idle tick need not load the fleet and the usage."""
+        movable = or_(
+            col(TrainingRun.state) == RUN_QUEUED,
+            and_(
+                col(TrainingRun.state) == RUN_RUNNING,
+                or_(col(TrainingRun.recipe).is_not(None), col(TrainingRun.spot).is_(True)),
+            ),
+        )
+        return s.exec(select(TrainingRun.id).where(movable).limit(1)).first() is not None
+
     def _scheduler_inputs(
         self, s: Session, now: datetime
     ) -> tuple[list[QueuedRun], list[FleetInstance], dict[str, Host], dict[str, float]]:
@@ -632,10 +655,7 @@ class RunService:
         hosts: dict[str, Host] = {}
         fleet = []
         open_rows = who_holds(s)
-        for host in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id))):
-            gpus = list(
-                s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True)))
-            )
+        for host, gpus in _hosts_with_gpus(s, Host.state == HOST_READY):
             if not gpus:
                 continue
             hosts[host.name] = host
@@ -687,7 +707,12 @@ class RunService:
         return queue, fleet, hosts, self._usage(s, now)
 
     def _usage(self, s: Session, now: datetime) -> dict[str, float]:
-        """Each user's GPU-seconds, decayed with the scheduler's half-life (Slurm's fair share)."""
+        """Each user's GPU-seconds, decayed with the scheduler's half-life (Slurm's fair
+        share): the counters kept as intervals close (bot.app.rollups), plus what is held now.
+        Only a half-life other than the counters' reads the intervals themselves."""
+        kept = fair_share_usage(s, now, self.config.half_life_s)
+        if kept is not None:
+            return kept
         horizon = now - timedelta(seconds=self.config.half_life_s * 8)
         usage: dict[str, float] = {}
         for iv, user in s.exec(

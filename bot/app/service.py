@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, text, update
 from sqlalchemy.engine import Engine
@@ -32,7 +32,7 @@ from sqlmodel import Session, col, select
 
 from bot.app import budgets
 from bot.app.access import audit
-from bot.app.billing import TeamBill, load_usages, note_host_state, team_bill
+from bot.app.billing import TeamBill, note_host_state, team_bill, window_costs
 from bot.app.config import Settings
 from bot.app.held import end_held, held_gpu_ids, who_holds
 from bot.app.outbox import enqueue
@@ -44,7 +44,7 @@ from bot.domain.clock import Clock
 from bot.domain.commands import Extend, Release, Reserve, Status
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
-from bot.domain.metering import Window, cost_by_user, period_window
+from bot.domain.metering import Window, period_window
 from bot.domain.readmodels import GpuState, HostState, ReservationInfo, StatusSnapshot
 from db.models import (
     HOST_READY,
@@ -348,19 +348,25 @@ class GpuService:
         """
         # Serializes grant passes; the callers took it already, first (db.session).
         lock_pool(s)
+        # Most ticks and every release with nobody in line: one indexed query, no fleet.
+        anyone = s.exec(select(Reservation.id).where(Reservation.state == RES_WAITING).limit(1))
+        if anyone.first() is None:
+            return 0
         hosts = [
             h for h in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id)))
         ]
         held = held_gpu_ids(s)
-        free: dict[int, list[Gpu]] = {}
-        for h in hosts:
-            assert h.id is not None
-            gpus = s.exec(
+        # Every ready host's GPUs in one query: the tick and each reserve stay flat as
+        # the fleet grows.
+        free: dict[int, list[Gpu]] = {h.id: [] for h in hosts if h.id is not None}
+        if free:
+            for g in s.exec(
                 select(Gpu)
-                .where(Gpu.host_id == h.id, col(Gpu.present).is_(True))
-                .order_by(col(Gpu.index))
-            ).all()
-            free[h.id] = [g for g in gpus if g.id not in held]
+                .where(col(Gpu.host_id).in_(list(free)), col(Gpu.present).is_(True))
+                .order_by(col(Gpu.host_id), col(Gpu.index))
+            ):
+                if g.id not in held:
+                    free[g.host_id].append(g)
         # Each waiting row is read under its lock (ids in order) before it is granted:
         # an extend or a cancel that committed meanwhile is seen, not written over.
         waiting = sorted(
@@ -709,14 +715,14 @@ class GpuService:
                 if user is None:
                     return window, {}, {}
                 user_id = user.id
-            usages = [m.usage for m in load_usages(s, window, user_id)]
-            keys = {u.user for u in usages}
+            costs = window_costs(s, window, now, user_id).users()
+            keys = set(costs)
             names = (
                 {u.key: u.display_name for u in s.exec(select(User).where(col(User.key).in_(keys)))}
                 if keys
                 else {}
             )
-        return window, cost_by_user(usages, window, now), names
+        return window, costs, names
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
         """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.billing)."""
@@ -727,29 +733,34 @@ class GpuService:
 
     def _hosts(self, s: Session) -> list[HostState]:
         hosts = s.exec(select(Host).where(Host.state != "terminated").order_by(col(Host.id))).all()
-        gpus = s.exec(
-            select(Gpu).where(col(Gpu.present).is_(True)).order_by(col(Gpu.host_id), col(Gpu.index))
+        # Plain columns, not Gpu objects: a fleet of hundreds of GPUs is read on every
+        # status, and building ORM objects was most of its time.
+        columns: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.index, Gpu.model, Gpu.memory_gb)
+        gpus: list[tuple[int, int, int, str, float]] = s.exec(
+            select(*columns)
+            .where(col(Gpu.present).is_(True))
+            .order_by(col(Gpu.host_id), col(Gpu.index))
         ).all()
         holder = {h.interval.gpu_id: h for h in who_holds(s)}
         by_host: dict[int, list[GpuState]] = {}
-        for g in gpus:
-            assert g.id is not None
-            h = holder.get(g.id)
-            state = GpuState(gpu_id=g.id, index=g.index, model=g.model, memory_gb=g.memory_gb)
+        for gpu_id, host_id, index, model, memory_gb in gpus:
+            assert gpu_id is not None
+            h = holder.get(gpu_id)
+            state = GpuState(gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb)
             if h is not None:
                 iv, u, r = h.interval, h.user, h.reservation
                 state = GpuState(
-                    gpu_id=g.id,
-                    index=g.index,
-                    model=g.model,
-                    memory_gb=g.memory_gb,
+                    gpu_id=gpu_id,
+                    index=index,
+                    model=model,
+                    memory_gb=memory_gb,
                     holder=u.display_name,
                     holder_key=u.key,
                     reservation_id=iv.reservation_id,
                     run_id=iv.run_id,
                     until=r.ends_at if r is not None else None,
                 )
-            by_host.setdefault(g.host_id, []).append(state)
+            by_host.setdefault(host_id, []).append(state)
         return [_host_state(h, by_host.get(h.id or -1, [])) for h in hosts]
 
     def _waiting(self, s: Session, hosts: list[HostState] | None = None) -> list[ReservationInfo]:

@@ -161,6 +161,12 @@ def _metered(rate: Fraction, a_us: int, b_us: int) -> int:
     return _reading(rate, b_us) - _reading(rate, a_us)
 
 
+def metered_micro(rate: Decimal | Fraction, start: datetime, end: datetime) -> int:
+    """Micro-dollars for [start, end) at `rate` per hour, by the same meter as every cost
+    here: pieces cut anywhere add up to the whole exactly (what rollups rely on)."""
+    return _metered(Fraction(rate), _us(_utc(start, "start")), _us(_utc(end, "end")))
+
+
 def _clip(
     start: datetime, end: datetime | None, window: Window, now: datetime
 ) -> tuple[int, int] | None:

@@ -322,6 +322,23 @@ def db_upgrade() -> None:
     typer.echo(f"database at revision {head} ({engine.url.render_as_string(hide_password=True)})")
 
 
+@db_app.command("rebuild-rollups")
+def db_rebuild_rollups() -> None:
+    """Recomputes the cost rollups and fair-share counters from the raw usage intervals
+    (after upgrading from a version without them, or to repair them)."""
+    from bot.app.rollups import rebuild_rollups
+    from db.migrate import upgrade
+    from db.session import lock_pool, make_engine, transaction
+
+    settings = _settings()
+    engine = make_engine(settings.sqlalchemy_url)
+    upgrade(engine)
+    with transaction(engine) as s:
+        lock_pool(s)  # nothing closes an interval meanwhile
+        rows = rebuild_rollups(s)
+    typer.echo(f"rebuilt {rows} rollup rows from the usage intervals")
+
+
 @prices_app.command("refresh")
 def prices_refresh(
     region: str = typer.Option("us-east-1", "--region", help="AWS region to price."),

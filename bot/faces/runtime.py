@@ -51,6 +51,7 @@ from bot.app.fleet import (
     bootstrap_prepare,
 )
 from bot.app.ports import FIXED_POOL
+from bot.app.rollups import backfill_rollups
 from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
 from bot.domain.clock import Clock, SystemClock
@@ -330,6 +331,7 @@ def build_runtime(
     private_home(settings.home)
     engine = make_engine(settings.sqlalchemy_url)
     upgrade(engine)
+    backfill_rollups(engine)  # once, after the upgrade that brought rollups in
     private_database(settings)
     runner = ssh or SshClient()
     compute = compute or make_compute(settings, runner)

@@ -11,18 +11,26 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.billing import shown_cents, team_bill
+from bot.app.billing import host_periods, load_usages, shown_cents, team_bill, window_costs
 from bot.app.config import Settings
+from bot.app.rollups import (
+    computed_rollups,
+    day_sums,
+    rebuild_rollups,
+    stored_day_rollups,
+    stored_rollups,
+)
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Release, Reserve
 from bot.domain.errors import UserError
-from bot.domain.metering import period_window, to_cents
+from bot.domain.metering import Window, cost_by_user, idle_overhead, period_window, to_cents
 from bot.faces.dispatch import handle_text
 from bot.faces.terminal import render
 from db.migrate import upgrade
@@ -224,3 +232,36 @@ def _replay(engine: Engine, ops: list[tuple], gpus: tuple[int, int]) -> None:  #
         parts = {f"user:{k}": v for k, v in bill.users.items()} | {"idle": bill.idle}
         shown, total = shown_cents(parts, bill.instances, absorb="idle")
         assert sum(shown.values()) == total == to_cents(bill.instances)
+    _rollups_agree_with_the_raw_intervals(engine, clock.now())
+
+
+def _rollups_agree_with_the_raw_intervals(engine: Engine, now: datetime) -> None:
+    """What was rolled up as intervals closed is what a rebuild from the raw intervals
+    makes, and costs read through the rollups equal metering every raw interval, also
+    over windows whose edges are off the hour (a half-hour time zone's midnight)."""
+    with Session(engine) as s:
+        kept_rows, kept_fair = stored_rollups(s)
+        rows, fair = computed_rollups(s)
+        assert kept_rows == rows
+        assert stored_day_rollups(s) == day_sums(s, rows)
+        assert kept_fair.keys() == fair.keys()
+        for user_id, (value, as_of) in fair.items():
+            assert kept_fair[user_id][1] == as_of
+            assert kept_fair[user_id][0] == pytest.approx(value, rel=1e-12)
+        windows = [
+            Window(T0, now),
+            Window(min(T0 + timedelta(minutes=30), now), now),
+            Window(T0 + timedelta(minutes=7), T0 + timedelta(minutes=50)),
+            Window(T0 - timedelta(days=1), T0 + timedelta(days=1, minutes=45)),
+            Window(T0 - timedelta(days=1, hours=5), now + timedelta(days=2, hours=1)),
+        ]
+        for w in windows:
+            raw = [m.usage for m in load_usages(s, w)]
+            periods = host_periods(s, w)
+            costs = window_costs(s, w, now)
+            assert costs.users() == cost_by_user(raw, w, now), w
+            assert costs.idle(periods) == idle_overhead(periods, raw, w, now), w
+        assert rebuild_rollups(s) == len(rows)
+        s.commit()
+        assert stored_rollups(s)[0] == rows
+        assert stored_day_rollups(s) == day_sums(s, rows)

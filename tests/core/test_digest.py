@@ -31,6 +31,7 @@ from bot.app.digest import (
     parse_week,
     post_digest,
 )
+from bot.app.held import end_held
 from bot.app.service import GpuService
 from bot.domain.charts import COST_HEIGHT_PX as CHART_H
 from bot.domain.charts import COST_WIDTH_PX as CHART_W
@@ -106,11 +107,8 @@ def _run(svc: GpuService, host: str, user: str, gpus: int, hours: int, **kw: obj
     svc.clock.advance(timedelta(hours=hours))
     assert svc.runs is None and run_id is not None
     with transaction(svc.engine) as s:
-        from db.models import UsageInterval
-
-        for iv in s.exec(select(UsageInterval).where(UsageInterval.run_id == run_id)):
-            iv.ended_at = svc.clock.now()
-            s.add(iv)
+        # Closed the way the bot closes them (rolled up in the same transaction).
+        end_held(s, svc.clock.now(), run_id=run_id)
         r = s.get(TrainingRun, run_id)
         assert r is not None
         r.state, r.finished_at = "succeeded", svc.clock.now()

@@ -1,0 +1,322 @@
+"""`make bench` part: the tick, costs, the digest and the views as history grows.
+
+A synthetic history (50 people on H hosts of 8 GPUs, N closed usage intervals spread
+over the 90 days before "now", each GPU's intervals back to back with gaps) is bulk
+inserted with its rollups and fair-share counters (`bot.app.rollups.computed_rollups`, the
+same arithmetic the bot uses when intervals close), then the real use cases run
+through the service with a virtual clock: an idle worker tick, `/gpu cost team month`,
+the weekly digest's numbers (chart aside), `/gpu status`, `/gpu queue`, App Home, and a
+reserve + release. Each is the median of REPEATS calls; peak memory is tracemalloc's
+peak over one call of each, after the build.
+
+Sizes: 1k, 10k, 100k intervals at 100 hosts (and 1 and 10 hosts at 1k for the views),
+on SQLite and on PostgreSQL when it is reachable. 1M intervals only with
+GPUBOT_BENCH_HISTORY_1M=1 (its build alone takes minutes on a shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import secrets
+import statistics
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from bot.app.config import Settings
+from bot.app.digest import digest_for
+from bot.app.rollups import FAIR_SHARE_HALF_LIFE_S, computed_rollups, day_sums
+from bot.app.runs import LocalAccess, RunService
+from bot.app.service import GpuService
+from bot.domain.clock import VirtualClock
+from bot.domain.commands import Release, Reserve
+from bot.faces.dispatch import handle_text
+from bot.faces.slack.home import home_view
+from bot.faces.worker import tick_job
+from db.migrate import upgrade
+from db.models import FairShareUsage, Gpu, UsageInterval, UsageRollup, UsageRollupDay, User
+from db.session import make_engine
+from provisioning.base import GpuDevice, Instance
+from provisioning.catalog import Catalog
+from provisioning.local_runner import LOCAL_TARGET, LocalRunner
+
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
+NOW = datetime(2026, 3, 30, 12, 0, tzinfo=UTC)  # a Monday; March is the month costed
+USERS = 50
+GPUS_PER_HOST = 8
+HOURLY = 21.96  # $2.745 per GPU-hour: a finite decimal share
+REPEATS = int(os.environ.get("GPUBOT_BENCH_HISTORY_REPEATS", "7"))
+SIZES = [1_000, 10_000, 100_000] + (
+    [1_000_000] if os.environ.get("GPUBOT_BENCH_HISTORY_1M") == "1" else []
+)
+GOALS_MS = {
+    "idle_tick": 20,
+    "cost_team_month": 50,
+    "digest": 100,
+    "status": 30,
+    "queue": 30,
+    "app_home": 30,
+    "reserve_release": 15,
+}
+
+
+def _instances(hosts: int) -> list[Instance]:
+    return [
+        Instance(
+            name=f"h{i:03d}",
+            provider="sim",
+            state="ready",
+            gpus=tuple(
+                GpuDevice(index=g, model="A100", memory_gb=40.0) for g in range(GPUS_PER_HOST)
+            ),
+            instance_id=f"i-{i:03d}",
+            instance_type="p4d.24xlarge",
+            market="ondemand",
+            hourly_usd=HOURLY,
+        )
+        for i in range(hosts)
+    ]
+
+
+def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> GpuService:
+    """The service over a synthetic history of `intervals` closed intervals (bulk
+    inserted, rollups computed as the bot computes them) and one person holding a GPU now."""
+    clock = VirtualClock(NOW - timedelta(days=91))
+    svc = GpuService(engine, Settings(admins=("root",), status_cache_s=0.0), clock)
+    svc.sync_hosts(_instances(hosts))  # opens each host's billed period 91 days ago
+    for u in range(USERS):
+        svc.actor(f"user{u:02d}")
+    rng = random.Random(seed)
+    with Session(engine) as s:
+        gpus = [(g.id, g.host_id) for g in s.exec(select(Gpu)).all()]
+        users = [u.id for u in s.exec(select(User)).all()]
+    # Each GPU's intervals back to back from 90 days ago: a GPU-hour or so each (capped
+    # at 12 h), with gaps that spread a GPU's share of the N intervals over the 90 days.
+    start = NOW - timedelta(days=90)
+    end = NOW - timedelta(hours=1)
+    per_gpu = max(1, -(-intervals // len(gpus)))
+    gap_mean = max(60.0, (end - start).total_seconds() / per_gpu - 3600)
+    rows: list[dict[str, Any]] = []
+    for gpu_id, host_id in gpus:
+        t = start + timedelta(seconds=rng.uniform(0, gap_mean))
+        for _ in range(per_gpu):
+            if len(rows) >= intervals:
+                break
+            dur = timedelta(seconds=min(12 * 3600.0, max(60.0, rng.expovariate(1 / 3600))))
+            if t + dur > end:
+                break
+            rows.append(
+                {
+                    "gpu_id": gpu_id,
+                    "host_id": host_id,
+                    "user_id": rng.choice(users),
+                    "started_at": t,
+                    "ended_at": t + dur,
+                    "usd_per_hour": HOURLY / GPUS_PER_HOST,
+                    "market": "ondemand",
+                }
+            )
+            t += dur + timedelta(seconds=rng.expovariate(1 / gap_mean))
+    with engine.begin() as conn:
+        for i in range(0, len(rows), 20_000):
+            conn.execute(UsageInterval.__table__.insert(), rows[i : i + 20_000])  # type: ignore[attr-defined]
+    with Session(engine) as s:
+        sums, fair = computed_rollups(s)
+    with engine.begin() as conn:
+        batch = [
+            {
+                "hour": k[0],
+                "user_id": k[1],
+                "host_id": k[2],
+                "market": k[3],
+                "run_id": k[4],
+                "micro_usd": v.micro_usd,
+                "held_us": v.held_us,
+                "covered_micro": v.covered_micro,
+            }
+            for k, v in sums.items()
+        ]
+        for i in range(0, len(batch), 20_000):
+            conn.execute(UsageRollup.__table__.insert(), batch[i : i + 20_000])  # type: ignore[attr-defined]
+        with Session(engine) as s:
+            days = day_sums(s, sums)
+        conn.execute(
+            UsageRollupDay.__table__.insert(),  # type: ignore[attr-defined]
+            [
+                {
+                    "day": k[0],
+                    "user_id": k[1],
+                    "market": k[2],
+                    "instance_type": k[3],
+                    "run_id": k[4],
+                    "micro_usd": v.micro_usd,
+                    "held_us": v.held_us,
+                    "covered_micro": v.covered_micro,
+                }
+                for k, v in days.items()
+            ],
+        )
+        if fair:
+            conn.execute(
+                FairShareUsage.__table__.insert(),  # type: ignore[attr-defined]
+                [
+                    {
+                        "user_id": u,
+                        "decayed_s": v,
+                        "as_of": t,
+                        "half_life_s": FAIR_SHARE_HALF_LIFE_S,
+                    }
+                    for u, (v, t) in fair.items()
+                ],
+            )
+        if engine.dialect.name == "postgresql":
+            for table in (
+                "usageinterval",
+                "usagerollup",
+                "usagerollupday",
+                "hostperiod",
+                "fairshareusage",
+            ):
+                conn.execute(text(f"ANALYZE {table}"))
+    clock.set(NOW)
+    svc.reserve(svc.actor("user00"), Reserve(count=1, duration=timedelta(hours=8)))
+    svc.runs = RunService(
+        svc,
+        LocalAccess(LocalRunner(), LOCAL_TARGET, Path(tempfile.mkdtemp()) / "runs"),
+        Catalog.load(),
+    )
+    return svc
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def _ops(svc: GpuService) -> dict[str, Callable[[], object]]:
+    me = svc.actor("user01")
+
+    def reserve_release() -> None:
+        svc.reserve(me, Reserve(count=1, duration=timedelta(hours=1)))
+        svc.release(me, Release(all=True))
+
+    return {
+        "idle_tick": lambda: tick_job(svc, None),
+        "cost_team_month": lambda: handle_text(svc, me, "/gpu cost team month"),
+        "digest": lambda: digest_for(svc),
+        "status": lambda: handle_text(svc, me, "/gpu status"),
+        "queue": lambda: handle_text(svc, me, "/gpu queue"),
+        "app_home": lambda: home_view(svc, me),
+        "reserve_release": reserve_release,
+    }
+
+
+def _measure(svc: GpuService, only: tuple[str, ...] | None = None) -> dict[str, float]:
+    ops = _ops(svc)
+    out = {k: _median_ms(fn) for k, fn in ops.items() if only is None or k in only}
+    tracemalloc.start()
+    for k, fn in ops.items():
+        if only is None or k in only:
+            fn()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    out["peak_traced_mb"] = round(peak / 2**20, 1)
+    return out
+
+
+@contextmanager
+def _database(kind: str, tmp: Path) -> Iterator[Engine | None]:
+    if kind == "sqlite":
+        engine = make_engine(f"sqlite:///{tmp / f'h-{secrets.token_hex(4)}.db'}")
+        upgrade(engine)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
+        return
+    try:
+        admin = make_engine(PG_URL)
+        with admin.begin() as conn:
+            schema = "bench_" + secrets.token_hex(6)
+            conn.execute(text(f"CREATE SCHEMA {schema}"))
+    except Exception:
+        yield None
+        return
+    engine = make_engine(f"{PG_URL}?options=-csearch_path%3D{schema}")
+    try:
+        upgrade(engine)
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+def run() -> dict[str, object]:
+    figures: dict[str, object] = {"repeats": REPEATS, "goals_ms": GOALS_MS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("sqlite", "postgresql"):
+            by_size: dict[str, object] = {}
+            for n in SIZES:
+                with _database(kind, Path(tmp)) as engine:
+                    if engine is None:
+                        figures[kind] = "not reachable"
+                        break
+                    t0 = time.perf_counter()
+                    svc = build_history(engine, 100, n)
+                    build_s = round(time.perf_counter() - t0, 1)
+                    by_size[str(n)] = {"hosts": 100, "build_s": build_s, **_measure(svc)}
+            else:
+                for hosts in (1, 10):
+                    with _database(kind, Path(tmp)) as engine:
+                        assert engine is not None
+                        svc = build_history(engine, hosts, 1_000)
+                        by_size[f"1000@{hosts}hosts"] = {
+                            "hosts": hosts,
+                            **_measure(
+                                svc, ("status", "queue", "app_home", "reserve_release", "idle_tick")
+                            ),
+                        }
+                figures[kind] = by_size
+    figures["max_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return figures
+
+
+def headline(figures: dict[str, object]) -> list[str]:
+    lines = []
+    for kind in ("sqlite", "postgresql"):
+        by_size = figures.get(kind)
+        if not isinstance(by_size, dict):
+            continue
+        sizes = [k for k in by_size if k.isdigit()]
+        if not sizes:
+            continue
+        small, big = by_size[sizes[0]], by_size[sizes[-1]]
+        for op, goal in GOALS_MS.items():
+            a, b = small.get(op), big.get(op)
+            if a is None or b is None:
+                continue
+            growth = b / a if a else float("inf")
+            lines.append(
+                f"{kind} {op}: {a} ms @{sizes[0]} -> {b} ms @{sizes[-1]} "
+                f"({growth:.1f}x; goal <= {goal} ms, <= 2x)"
+            )
+    lines.append(f"max RSS {figures.get('max_rss_mb')} MB")
+    return lines

@@ -1,0 +1,604 @@
+"""Closed usage kept summed, so costs and the scheduler read history in a few rows.
+
+A usage interval is rolled up in the transaction that closes it (`bot.app.held.end_held`):
+it is cut at UTC hours and each piece is added to its (hour, user, host, market, run)
+row in whole micro-dollars, by the same meter as `bot.domain.metering`, and the same sums are
+kept per UTC day (without the host) so that a month reads a row per person and day.
+Meter readings telescope, so the pieces of an interval add up exactly to what the whole
+interval costs, and a window made of whole hours costs exactly the sum of its rows. The
+hour rows also make any whole-hour time zone's days and weeks exact. What a window
+needs beyond that (open intervals, and the part of a window edge that is not on a UTC
+hour, as in a half-hour time zone) is read raw and metered as before: `window_usage`
+hands both back, and `bot.app.billing` and `bot.app.digest` add them up.
+
+Beside the money, each user's decayed GPU-seconds (Slurm's fair-share usage) is kept
+up to date the same way, so the scheduler's order costs one small read per tick.
+
+`rebuild_rollups` recomputes everything from the raw intervals; the tests compare it
+with what was maintained incrementally, start-up runs it once on a database upgraded
+from before rollups (`backfill_rollups`), and `gpubot db rebuild-rollups` runs it on
+demand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+from sqlalchemy import delete, func
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from bot.domain.metering import Usage, Window, metered_micro
+from bot.domain.scheduling.model import SchedulerConfig
+from db.models import (
+    FairShareUsage,
+    Host,
+    HostPeriod,
+    UsageInterval,
+    UsageRollup,
+    UsageRollupDay,
+    User,
+)
+from db.session import lock_pool, transaction
+from provisioning.costs import gpu_share
+
+HOUR = timedelta(hours=1)
+DAY = timedelta(days=1)
+# The fair-share counters decay at the scheduler's half-life (RunService uses the
+# default config); a reader with another half-life recomputes from the intervals.
+FAIR_SHARE_HALF_LIFE_S = SchedulerConfig().half_life_s
+
+RollupKey = tuple[datetime, int, int, str, int]  # hour, user, host, market, run (0: none)
+DayKey = tuple[datetime, int, str, str, int]  # UTC day, user, market, instance type, run
+
+
+@dataclass
+class Sums:
+    micro_usd: int = 0
+    held_us: int = 0
+    covered_micro: int = 0
+
+    def add(self, other: Sums) -> None:
+        self.micro_usd += other.micro_usd
+        self.held_us += other.held_us
+        self.covered_micro += other.covered_micro
+
+
+def floor_hour(t: datetime) -> datetime:
+    t = t.astimezone(UTC)
+    return t.replace(minute=0, second=0, microsecond=0)
+
+
+def ceil_hour(t: datetime) -> datetime:
+    f = floor_hour(t)
+    return f if f == t else f + HOUR
+
+
+def floor_day(t: datetime) -> datetime:
+    return floor_hour(t).replace(hour=0)
+
+
+def ceil_day(t: datetime) -> datetime:
+    f = floor_day(t)
+    return f if f == t else f + DAY
+
+
+def _rate(iv: UsageInterval) -> Decimal:
+    return Decimal(str(iv.usd_per_hour))
+
+
+def _period_share(p: HostPeriod) -> Fraction | None:
+    """A running period's exact GPU share per hour, as `bot.domain.metering` takes it (None:
+    stopped or GPU-less, so no usage covers any of it)."""
+    if p.state != "running" or p.gpus == 0:
+        return None
+    return gpu_share(Fraction(Decimal(str(p.usd_per_hour))), p.gpus)
+
+
+def _covered(periods: Sequence[HostPeriod], a: datetime, b: datetime) -> int:
+    """[a, b) of one GPU at each overlapping running period's share: what it takes off
+    the idle overhead (bot.domain.metering.idle_overhead, cut the same way)."""
+    total = 0
+    for p in periods:
+        share = _period_share(p)
+        if share is None:
+            continue
+        lo = max(a, p.started_at)
+        hi = b if p.ended_at is None else min(b, p.ended_at)
+        if hi > lo:
+            total += metered_micro(share, lo, hi)
+    return total
+
+
+def _pieces(iv: UsageInterval, periods: Sequence[HostPeriod]) -> Iterable[tuple[RollupKey, Sums]]:
+    """One closed interval, cut at UTC hours."""
+    assert iv.ended_at is not None
+    rate = _rate(iv)
+    t = iv.started_at
+    while t < iv.ended_at:
+        hour = floor_hour(t)
+        b = min(iv.ended_at, hour + HOUR)
+        key = (hour, iv.user_id, iv.host_id, iv.market, iv.run_id or 0)
+        yield (
+            key,
+            Sums(
+                metered_micro(rate, t, b),
+                (b - t) // timedelta(microseconds=1),
+                _covered(periods, t, b),
+            ),
+        )
+        t = b
+
+
+def _periods_for(s: Session, ivs: Sequence[UsageInterval]) -> dict[int, list[HostPeriod]]:
+    """The billed periods of the intervals' hosts that overlap them."""
+    if not ivs:
+        return {}
+    start = min(iv.started_at for iv in ivs)
+    end = max(iv.ended_at or iv.started_at for iv in ivs)
+    rows = s.exec(
+        select(HostPeriod).where(
+            col(HostPeriod.host_id).in_({iv.host_id for iv in ivs}),
+            col(HostPeriod.started_at) < end,
+            col(HostPeriod.ended_at).is_(None) | (col(HostPeriod.ended_at) > start),
+        )
+    ).all()
+    out: dict[int, list[HostPeriod]] = defaultdict(list)
+    for p in rows:
+        out[p.host_id].append(p)
+    return out
+
+
+def _add_rows(s: Session, sums: dict[RollupKey, Sums]) -> None:
+    """Adds to existing rows or makes new ones. The caller holds the pool
+    (db.session.lock_pool), so nobody else adds to the same rows meanwhile."""
+    if not sums:
+        return
+    hours = [k[0] for k in sums]
+    existing = {
+        (r.hour, r.user_id, r.host_id, r.market, r.run_id): r
+        for r in s.exec(
+            select(UsageRollup).where(
+                col(UsageRollup.hour) >= min(hours),
+                col(UsageRollup.hour) <= max(hours),
+                col(UsageRollup.user_id).in_({k[1] for k in sums}),
+            )
+        ).all()
+    }
+    for key, add in sums.items():
+        row = existing.get(key)
+        if row is None:
+            hour, user_id, host_id, market, run_id = key
+            row = UsageRollup(
+                hour=hour, user_id=user_id, host_id=host_id, market=market, run_id=run_id
+            )
+        row.micro_usd += add.micro_usd
+        row.held_us += add.held_us
+        row.covered_micro += add.covered_micro
+        s.add(row)
+
+
+def day_sums(s: Session, hourly: dict[RollupKey, Sums]) -> dict[DayKey, Sums]:
+    """The hourly sums gathered by UTC day, user, market, instance type and run."""
+    hosts = {k[2] for k in hourly}
+    itype = (
+        {h.id: h.instance_type or "" for h in s.exec(select(Host).where(col(Host.id).in_(hosts)))}
+        if hosts
+        else {}
+    )
+    out: dict[DayKey, Sums] = defaultdict(Sums)
+    for (hour, user_id, host_id, market, run_id), v in hourly.items():
+        out[(floor_day(hour), user_id, market, itype.get(host_id, ""), run_id)].add(v)
+    return dict(out)
+
+
+def _add_day_rows(s: Session, sums: dict[DayKey, Sums]) -> None:
+    """As `_add_rows`, for the daily rows."""
+    if not sums:
+        return
+    days = [k[0] for k in sums]
+    existing = {
+        (r.day, r.user_id, r.market, r.instance_type, r.run_id): r
+        for r in s.exec(
+            select(UsageRollupDay).where(
+                col(UsageRollupDay.day) >= min(days),
+                col(UsageRollupDay.day) <= max(days),
+                col(UsageRollupDay.user_id).in_({k[1] for k in sums}),
+            )
+        ).all()
+    }
+    for key, add in sums.items():
+        row = existing.get(key)
+        if row is None:
+            day, user_id, market, instance_type, run_id = key
+            row = UsageRollupDay(
+                day=day, user_id=user_id, market=market, instance_type=instance_type, run_id=run_id
+            )
+        row.micro_usd += add.micro_usd
+        row.held_us += add.held_us
+        row.covered_micro += add.covered_micro
+        s.add(row)
+
+
+def _sums(
+    ivs: Sequence[UsageInterval], periods: dict[int, list[HostPeriod]]
+) -> dict[RollupKey, Sums]:
+    sums: dict[RollupKey, Sums] = defaultdict(Sums)
+    for iv in ivs:
+        for key, piece in _pieces(iv, periods.get(iv.host_id, [])):
+            sums[key].add(piece)
+    return sums
+
+
+def decay(value: float, seconds: float, half_life_s: float) -> float:
+    """`value` after `seconds` of decay (never grown by a clock step back)."""
+    return value * math.pow(0.5, max(0.0, seconds) / half_life_s)
+
+
+def _add_fair_share(s: Session, ivs: Sequence[UsageInterval]) -> None:
+    """Adds each closed interval's GPU-seconds to its user's decayed counter, weighed as
+    the scheduler weighs it: by how long ago it ended."""
+    h = FAIR_SHARE_HALF_LIFE_S
+    by_user: dict[int, list[UsageInterval]] = defaultdict(list)
+    for iv in ivs:
+        by_user[iv.user_id].append(iv)
+    if not by_user:
+        return
+    rows = {
+        r.user_id: r
+        for r in s.exec(
+            select(FairShareUsage).where(col(FairShareUsage.user_id).in_(set(by_user)))
+        ).all()
+    }
+    for user_id, closed in by_user.items():
+        row = rows.get(user_id)
+        for iv in sorted(closed, key=lambda i: (i.ended_at, i.id or 0)):
+            assert iv.ended_at is not None
+            secs = max(0.0, (iv.ended_at - iv.started_at).total_seconds())
+            if row is None:
+                row = FairShareUsage(
+                    user_id=user_id, decayed_s=secs, as_of=iv.ended_at, half_life_s=h
+                )
+            elif iv.ended_at >= row.as_of:
+                row.decayed_s = (
+                    decay(row.decayed_s, (iv.ended_at - row.as_of).total_seconds(), h) + secs
+                )
+                row.as_of = iv.ended_at
+            else:  # closed at an instant before the counter's (a clock step back)
+                row.decayed_s += decay(secs, (row.as_of - iv.ended_at).total_seconds(), h)
+        assert row is not None
+        s.add(row)
+
+
+def on_closed(s: Session, ivs: Sequence[UsageInterval]) -> None:
+    """Rolls up intervals just closed, in the caller's transaction (the one that closed
+    them, with the pool held)."""
+    closed = [iv for iv in ivs if iv.ended_at is not None]
+    if not closed:
+        return
+    hourly = _sums(closed, _periods_for(s, closed))
+    _add_rows(s, hourly)
+    _add_day_rows(s, day_sums(s, hourly))
+    _add_fair_share(s, closed)
+
+
+# --- rebuild and compare ------------------------------------------------------------------
+
+_BATCH = 5000
+
+
+def computed_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
+    """Every rollup row and fair-share counter as the raw closed intervals say they should
+    be, read in batches in id order."""
+    sums: dict[RollupKey, Sums] = defaultdict(Sums)
+    # Only what the counters need, not the rows: a rebuild of a million intervals
+    # holds a tuple each, not an ORM object.
+    ends: list[tuple[datetime, int, int, float]] = []  # end, id, user, seconds
+    last = 0
+    while True:
+        batch = list(
+            s.exec(
+                select(UsageInterval)
+                .where(col(UsageInterval.id) > last, col(UsageInterval.ended_at).is_not(None))
+                .order_by(col(UsageInterval.id))
+                .limit(_BATCH)
+            ).all()
+        )
+        if not batch:
+            break
+        last = batch[-1].id or last
+        for key, piece in _sums(batch, _periods_for(s, batch)).items():
+            sums[key].add(piece)
+        for iv in batch:
+            assert iv.ended_at is not None
+            secs = max(0.0, (iv.ended_at - iv.started_at).total_seconds())
+            ends.append((iv.ended_at, iv.id or 0, iv.user_id, secs))
+            s.expunge(iv)
+    fair: dict[int, tuple[float, datetime]] = {}
+    h = FAIR_SHARE_HALF_LIFE_S
+    for ended_at, _, user_id, secs in sorted(ends):
+        prev = fair.get(user_id)
+        if prev is None:
+            fair[user_id] = (secs, ended_at)
+        else:
+            value, as_of = prev
+            fair[user_id] = (decay(value, (ended_at - as_of).total_seconds(), h) + secs, ended_at)
+    return dict(sums), fair
+
+
+def stored_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
+    """The rollup rows and counters as kept, in the shape `computed_rollups` returns."""
+    sums = {
+        (r.hour, r.user_id, r.host_id, r.market, r.run_id): Sums(
+            r.micro_usd, r.held_us, r.covered_micro
+        )
+        for r in s.exec(select(UsageRollup)).all()
+    }
+    fair = {r.user_id: (r.decayed_s, r.as_of) for r in s.exec(select(FairShareUsage)).all()}
+    return sums, fair
+
+
+def stored_day_rollups(s: Session) -> dict[DayKey, Sums]:
+    return {
+        (r.day, r.user_id, r.market, r.instance_type, r.run_id): Sums(
+            r.micro_usd, r.held_us, r.covered_micro
+        )
+        for r in s.exec(select(UsageRollupDay)).all()
+    }
+
+
+def rebuild_rollups(s: Session) -> int:
+    """Throws the rollups and counters away and recomputes them from the intervals (after
+    an upgrade from before rollups, or a repair). Returns how many rollup rows it wrote.
+    Run it with the pool held or the bot stopped, so nothing closes meanwhile."""
+    sums, fair = computed_rollups(s)
+    s.execute(delete(UsageRollup))
+    s.execute(delete(UsageRollupDay))
+    s.execute(delete(FairShareUsage))
+    for (hour, user_id, host_id, market, run_id), v in sums.items():
+        s.add(
+            UsageRollup(
+                hour=hour,
+                user_id=user_id,
+                host_id=host_id,
+                market=market,
+                run_id=run_id,
+                micro_usd=v.micro_usd,
+                held_us=v.held_us,
+                covered_micro=v.covered_micro,
+            )
+        )
+    for (day, user_id, market, instance_type, run_id), v in day_sums(s, sums).items():
+        s.add(
+            UsageRollupDay(
+                day=day,
+                user_id=user_id,
+                market=market,
+                instance_type=instance_type,
+                run_id=run_id,
+                micro_usd=v.micro_usd,
+                held_us=v.held_us,
+                covered_micro=v.covered_micro,
+            )
+        )
+    for user_id, (value, as_of) in fair.items():
+        s.add(
+            FairShareUsage(
+                user_id=user_id, decayed_s=value, as_of=as_of, half_life_s=FAIR_SHARE_HALF_LIFE_S
+            )
+        )
+    return len(sums)
+
+
+def backfill_rollups(engine: Engine) -> int | None:
+    """On start: a database upgraded from before rollups has closed intervals and no
+    rollups, and its costs would miss that history; rebuild once, under the pool.
+    Returns the rows written, or None when nothing needed doing (one cheap query)."""
+    with transaction(engine) as s:
+        if s.exec(select(UsageRollup.id).limit(1)).first() is not None:
+            return None
+        closed = select(UsageInterval.id).where(col(UsageInterval.ended_at).is_not(None))
+        if s.exec(closed.limit(1)).first() is None:
+            return None
+        lock_pool(s)
+        return rebuild_rollups(s)
+
+
+# --- reading a window ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RawUsage:
+    """An interval (or the part of it in an edge of the window) still read raw."""
+
+    usage: Usage
+    market: str
+    instance_type: str | None
+
+
+@dataclass(frozen=True)
+class RolledRow:
+    """The rolled-up part of a window, summed per user, market, instance type and run."""
+
+    user: str
+    market: str
+    instance_type: str | None
+    run_id: int  # 0: a reservation's time
+    micro_usd: int
+    held_us: int
+    covered_micro: int
+
+
+@dataclass(frozen=True)
+class WindowUsage:
+    """A window's usage: closed history from the rollups (whole UTC days from the daily
+    rows, other whole UTC hours from the hourly ones), the rest (open intervals, edges
+    off the hour) as raw usages clipped to their part."""
+
+    rolled: tuple[RolledRow, ...] = ()
+    raw: tuple[RawUsage, ...] = field(default_factory=tuple)
+
+    @property
+    def covered_micro(self) -> int:
+        return sum(r.covered_micro for r in self.rolled)
+
+
+def _spans(window: Window) -> tuple[list[Window], list[Window], list[Window]]:
+    """The window cut into whole UTC days, other whole UTC hours, and the rest."""
+    hours_start, hours_end = ceil_hour(window.start), floor_hour(window.end)
+    if hours_end <= hours_start:  # within an hour: all raw
+        return [], [], [window]
+    raw = [
+        w
+        for w in (Window(window.start, hours_start), Window(hours_end, window.end))
+        if w.end > w.start
+    ]
+    days_start, days_end = ceil_day(hours_start), floor_day(hours_end)
+    if days_end <= days_start:
+        return [], [Window(hours_start, hours_end)], raw
+    hours = [
+        w for w in (Window(hours_start, days_start), Window(days_end, hours_end)) if w.end > w.start
+    ]
+    return [Window(days_start, days_end)], hours, raw
+
+
+def _rolled_days(s: Session, w: Window, user_id: int | None) -> list[RolledRow]:
+    # Seven columns: past sqlmodel's typed `select` overloads, so typed by RolledRow.
+    columns: tuple[Any, ...] = (
+        User.key,
+        UsageRollupDay.market,
+        UsageRollupDay.instance_type,
+        UsageRollupDay.run_id,
+        func.sum(UsageRollupDay.micro_usd),
+        func.sum(UsageRollupDay.held_us),
+        func.sum(UsageRollupDay.covered_micro),
+    )
+    q: Any = (
+        select(*columns)
+        .join(User, col(User.id) == col(UsageRollupDay.user_id))
+        .where(col(UsageRollupDay.day) >= w.start, col(UsageRollupDay.day) < w.end)
+        .group_by(
+            User.key, UsageRollupDay.market, UsageRollupDay.instance_type, UsageRollupDay.run_id
+        )
+    )
+    if user_id is not None:
+        q = q.where(UsageRollupDay.user_id == user_id)
+    return [
+        RolledRow(key, market, itype or None, run, int(m), int(us), int(c))
+        for key, market, itype, run, m, us, c in s.exec(q).all()
+    ]
+
+
+def _rolled_hours(s: Session, w: Window, user_id: int | None) -> list[RolledRow]:
+    columns: tuple[Any, ...] = (
+        User.key,
+        UsageRollup.market,
+        Host.instance_type,
+        UsageRollup.run_id,
+        func.sum(UsageRollup.micro_usd),
+        func.sum(UsageRollup.held_us),
+        func.sum(UsageRollup.covered_micro),
+    )
+    q: Any = (
+        select(*columns)
+        .join(User, col(User.id) == col(UsageRollup.user_id))
+        .join(Host, col(Host.id) == col(UsageRollup.host_id))
+        .where(col(UsageRollup.hour) >= w.start, col(UsageRollup.hour) < w.end)
+        .group_by(User.key, UsageRollup.market, Host.instance_type, UsageRollup.run_id)
+    )
+    if user_id is not None:
+        q = q.where(UsageRollup.user_id == user_id)
+    return [
+        RolledRow(key, market, itype or None, run, int(m), int(us), int(c))
+        for key, market, itype, run, m, us, c in s.exec(q).all()
+    ]
+
+
+def window_usage(s: Session, window: Window, user_id: int | None = None) -> WindowUsage:
+    days, hours, edges = _spans(window)
+    rolled: list[RolledRow] = []
+    for w in days:
+        rolled += _rolled_days(s, w, user_id)
+    for w in hours:
+        rolled += _rolled_hours(s, w, user_id)
+    raw: list[RawUsage] = []
+    open_q = (
+        select(UsageInterval, User.key, Host.instance_type)
+        .join(User, col(User.id) == col(UsageInterval.user_id))
+        .join(Host, col(Host.id) == col(UsageInterval.host_id))
+        .where(col(UsageInterval.ended_at).is_(None), col(UsageInterval.started_at) < window.end)
+    )
+    if user_id is not None:
+        open_q = open_q.where(UsageInterval.user_id == user_id)
+    for iv, key, itype in s.exec(open_q).all():
+        raw.append(_raw(iv, key, itype, iv.started_at, None))
+    for edge in edges:
+        q2 = (
+            select(UsageInterval, User.key, Host.instance_type)
+            .join(User, col(User.id) == col(UsageInterval.user_id))
+            .join(Host, col(Host.id) == col(UsageInterval.host_id))
+            .where(
+                col(UsageInterval.ended_at) > edge.start,
+                col(UsageInterval.started_at) < edge.end,
+            )
+        )
+        if user_id is not None:
+            q2 = q2.where(UsageInterval.user_id == user_id)
+        for iv, key, itype in s.exec(q2).all():
+            assert iv.ended_at is not None
+            raw.append(
+                _raw(iv, key, itype, max(iv.started_at, edge.start), min(iv.ended_at, edge.end))
+            )
+    raw.sort(key=lambda r: (r.usage.start, r.usage.gpu_id))
+    return WindowUsage(tuple(rolled), tuple(raw))
+
+
+def _raw(
+    iv: UsageInterval, key: str, itype: str | None, start: datetime, end: datetime | None
+) -> RawUsage:
+    return RawUsage(
+        usage=Usage(
+            user=key,
+            gpu_id=iv.gpu_id,
+            host_id=iv.host_id,
+            start=start,
+            end=end,
+            usd_per_hour=_rate(iv),
+            kind="run" if iv.run_id is not None else "reservation",
+            ref_id=iv.run_id or iv.reservation_id or 0,
+        ),
+        market=iv.market,
+        instance_type=itype,
+    )
+
+
+# --- fair share ---------------------------------------------------------------------------
+
+
+def fair_share_usage(s: Session, now: datetime, half_life_s: float) -> dict[str, float] | None:
+    """Each user's decayed GPU-seconds at `now`: the kept counters decayed to now, plus
+    what is held now at full weight. None when the counters were kept at another
+    half-life (the caller then computes from the intervals). Unlike the old read of 56
+    days of rows, nothing is cut off: usage older than eight half-lives still counts,
+    at under 1/256 of its weight."""
+    usage: dict[str, float] = {}
+    for row, key in s.exec(
+        select(FairShareUsage, User.key).join(User, col(User.id) == col(FairShareUsage.user_id))
+    ).all():
+        if row.half_life_s != half_life_s:
+            return None
+        usage[key] = decay(row.decayed_s, (now - row.as_of).total_seconds(), half_life_s)
+    for started, key in s.exec(
+        select(UsageInterval.started_at, User.key)
+        .join(User, col(User.id) == col(UsageInterval.user_id))
+        .where(col(UsageInterval.ended_at).is_(None))
+    ).all():
+        usage[key] = usage.get(key, 0.0) + max(0.0, (now - started).total_seconds())
+    return usage
