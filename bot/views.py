@@ -410,33 +410,6 @@ def prices_view(catalog: Catalog, model: str | None) -> View:
     return View(text=text, blocks=blocks)
 
 
-def run_finished_view(run: Any, summary: dict[str, Any], cost_usd: float, log_tail: str) -> View:
-    """The owner's DM when a run ends: the outcome first, then what it cost and why it failed."""
-    wall = summary.get("wall_s")
-    took = f" in {format_duration(timedelta(seconds=float(wall)))}" if wall else ""
-    metrics = summary.get("final_metrics") or {}
-    shown = ", ".join(
-        f"{k} {v:.2%}" if "accuracy" in k and isinstance(v, int | float) else f"{k} {v:.4g}"
-        for k, v in metrics.items()
-        if isinstance(v, int | float)
-    )
-    cost = f"cost ${cost_usd:.2f}" if cost_usd >= 0.005 else "cost $0.00 (owned host)"
-    what = (run.recipe and f"recipe {run.recipe}") or f"`{run.command[:80]}`"
-    if run.state == "succeeded":
-        text = f"Run #{run.id} ({what}) finished{took}: {shown or 'no metrics reported'}; {cost}."
-        return View(text=text, blocks=(Text(text),))
-    if run.state == "cancelled":
-        text = f"Run #{run.id} ({what}) was cancelled{took}; {cost}."
-        return View(text=text, blocks=(Text(text),))
-    code = f"exit status {run.exit_code}" if run.exit_code is not None else "no exit status"
-    reason = summary.get("error") or summary.get("state") or "it stopped"
-    text = f"Run #{run.id} ({what}) failed ({code}): {reason}; {cost}."
-    blocks: list[Block] = [Text(text)]
-    if log_tail.strip():
-        blocks += [Text("*Last lines of its log*"), Code(log_tail.strip()[-2500:])]
-    return View(text=text, blocks=tuple(blocks))
-
-
 def cost_view(
     scope: str,
     period: str,
