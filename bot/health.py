@@ -22,6 +22,9 @@ from typing import Final
 
 # Loss this many times its starting value (and above start + 1) counts as diverged.
 DIVERGE_FACTOR: Final = 3.0
+# A loss this large has blown up whatever its start was (a cross-entropy starts near
+# ln(classes): 2.3 for 10, 10.8 for a 50k vocabulary).
+EXPLODED_LOSS: Final = 1e3
 # Rising this many reported points in a row, ending 50% above the best, is steady growth.
 RISING_POINTS: Final = 6
 # Telemetry: at least this many samples, most of them under LOW_UTIL_PCT, is input bound.
@@ -104,7 +107,7 @@ def _bf16_fix(obs: Observations) -> str:
 def diverging(obs: Observations) -> Alert | None:
     """Far above its start, or rising steadily for the last `RISING_POINTS` reports."""
     points = _losses(obs.history)
-    if len(points) < 2:
+    if not points:
         return None
     first, last = points[0][1], points[-1][1]
     lower = " (it is at " + f"{obs.lr:g})" if obs.lr else ""
@@ -112,6 +115,15 @@ def diverging(obs: Observations) -> Alert | None:
         f"Fix: lower the learning rate{lower} by 10x, add warm-up or gradient clipping; "
         "the rest of this run is likely wasted."
     )
+    if last >= EXPLODED_LOSS:
+        return Alert(
+            "diverging",
+            f"the loss is {last:.4g} at step {points[-1][0]:.0f} (it started at {first:.4g}): "
+            "a loss that size means the weights blew up.",
+            fix,
+        )
+    if len(points) < 2:
+        return None
     if last > DIVERGE_FACTOR * first and last > first + 1.0:
         return Alert(
             "diverging",
@@ -139,10 +151,14 @@ def diverging(obs: Observations) -> Alert | None:
 def nonfinite(obs: Observations) -> Alert | None:
     if obs.nonfinite_losses <= 0 and not any("NaN or inf" in w for w in obs.warnings):
         return None
-    count = f"{obs.nonfinite_losses} " if obs.nonfinite_losses else ""
+    seen = (
+        f"{obs.nonfinite_losses} NaN/inf losses were reported."
+        if obs.nonfinite_losses
+        else "NaN/inf losses were reported."
+    )
     return Alert(
         "nonfinite",
-        f"{count}NaN/inf losses were reported.".capitalize(),
+        seen,
         "Fix: lower the learning rate, clip gradients, check the data for NaNs; with fp16 "
         "try bf16. The model's weights may already be ruined.",
     )

@@ -381,6 +381,7 @@ def _train(
     diverged = False
     pending_warnings: list[str] = []
     pending_nonfinite = 0
+    pending_points: list[tuple[int, float | None]] = []
 
     model.train()
     while step < total_steps:
@@ -426,6 +427,8 @@ def _train(
             )
             if not write_due:
                 pending_nonfinite += amp.nonfinite_losses
+                if amp.mean_loss is not None:  # each epoch is a point of the curve
+                    pending_points.append((step, amp.mean_loss))
             if amp.warnings:
                 pending_warnings.extend(amp.warnings)
                 _log(cfg, info, "warning: " + "; ".join(amp.warnings))
@@ -435,18 +438,19 @@ def _train(
                 if status is not None:
                     new_warnings, pending_warnings = pending_warnings, []
                     bad, pending_nonfinite = pending_nonfinite + amp.nonfinite_losses, 0
+                    points, pending_points = [*pending_points, (step, amp.mean_loss)], []
 
                     def apply(
                         s: RunStatus,
                         new_warnings: list[str] = new_warnings,
                         bad: int = bad,
-                        at: int = step,
-                        loss: float | None = amp.mean_loss,
+                        points: list[tuple[int, float | None]] = points,
                     ) -> None:
                         for w in new_warnings:
                             add_warning(s, w)
                         s.nonfinite_losses += bad
-                        add_history(s, at, loss)
+                        for at, loss in points:
+                            add_history(s, at, loss)
 
                     status.update(
                         apply,
