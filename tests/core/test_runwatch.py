@@ -228,3 +228,30 @@ def test_digits_at_an_absurd_learning_rate_ends_with_a_warning(
     for fact in ("precision", "batch", "learning rate", "GPU-hours", "blew up"):
         assert fact in body, fact
     assert result.attachment is not None and result.attachment_name == f"run-{rid}-curve.png"
+
+
+def test_a_sweep_runs_its_variants_side_by_side_and_ranks_them_in_one_table(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    svc, _ = make_service(sqlite_engine, [local_host(2)])
+    runs = runs_for(svc, tmp_path)
+    reply = handle_text(
+        svc, actor(svc, "carol"), "/gpu run --sweep lr=100000,0.001 --recipe digits --epochs 2"
+    )
+    ids = reply.extra["run_ids"]
+    assert reply.view.text.startswith("Sweep s") and f"#{ids[1]} (lr 0.001)" in reply.view.text
+    runs.dispatch()
+    assert all(state(sqlite_engine, i).state == "running" for i in ids), "side by side"
+    run_until(runs, lambda: all(state(sqlite_engine, i).finished_at for i in ids), timeout=300)
+    label = state(sqlite_engine, ids[0]).sweep
+    with Session(sqlite_engine) as s:
+        (table_dm,) = s.exec(
+            select(Notification).where(Notification.dedupe_key == f"sweep-finished:{label}")
+        ).all()
+    assert table_dm.target == "carol"
+    assert f"Best: run #{ids[1]} (lr 0.001)" in table_dm.text
+    table = table_dm.view["blocks"][-1]
+    assert table["columns"] == ["run", "variant", "accuracy", "final loss", "cost", "outcome"]
+    assert [row[0] for row in table["rows"]] == [f"#{ids[1]}", f"#{ids[0]}"], "best first"
+    assert table["rows"][1][-1] == "succeeded: the loss diverged"
+    assert all(row[4] == "$0.00" for row in table["rows"]), "cost per variant (owned host)"
