@@ -186,14 +186,25 @@ def run_curve_chart(history: Sequence[dict[str, float]], title: str) -> bytes | 
             ax.set_yscale("log")
         ax.set_ylabel("loss")
         ax.grid(True, alpha=0.3)
-    if len(acc) >= 2 and acc_key is not None:
+    if acc and acc_key is not None:
         ax2 = ax.twinx()
         ax2.plot(
             [a for a, _ in acc],
             [100 * v for _, v in acc],
             color="#2b6cb0",
             linewidth=1.5,
+            marker="o" if len(acc) < 3 else None,  # a final accuracy alone is one dot
             label=acc_key,
+        )
+        last_step, last_acc = acc[-1]
+        ax2.annotate(
+            f"{acc_key} {last_acc:.1%}",
+            (last_step, 100 * last_acc),
+            textcoords="offset points",
+            xytext=(-8, 6),
+            ha="right",
+            color="#2b6cb0",
+            fontsize="small",
         )
         ax2.set_ylim(-2, 102)
         ax2.set_ylabel(f"{acc_key} %")

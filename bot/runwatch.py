@@ -244,7 +244,7 @@ def _pct_or_num(name: str, value: float) -> str:
 def _batch_line(st: RunStatus) -> str | None:
     if st.batch_size is None and st.effective_batch_size is None:
         return None
-    line = f"{st.batch_size} per GPU"
+    line = f"{st.batch_size} per device"
     if st.grad_accum_steps > 1:
         line += f" x {st.grad_accum_steps} accumulated"
     if st.world_size > 1:
