@@ -58,6 +58,8 @@ def enqueue(
 # one a second.
 EDIT_SPACING: Final = timedelta(seconds=1.5)
 SUPERSEDED: Final = "superseded by a newer edit"
+# The kind of an edit's row: not a new DM, so nothing that counts DMs counts it.
+EDIT: Final = "edit"
 
 
 def next_edit_slot(s: Session, now: datetime) -> datetime:
@@ -81,7 +83,7 @@ def next_edit_slot(s: Session, now: datetime) -> datetime:
 def enqueue_edit(
     s: Session, message_id: int, target: str, view: views.View, now: datetime
 ) -> datetime:
-    """Queues an edit of message `message_id` (the outbox row of the message as first
+    """Queues an edit of message `message_id` (a DM to `target`) (the outbox row of the message as first
     sent) at the next free slot; older edits of it not yet tried are superseded, since only
     the newest matters. Returns when it is due."""
     for old in s.exec(
@@ -98,7 +100,7 @@ def enqueue_edit(
     due = next_edit_slot(s, now)
     s.add(
         Notification(
-            kind="dm",
+            kind=EDIT,
             target=target,
             text=view.text,
             view=view.to_dict(),

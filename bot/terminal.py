@@ -85,7 +85,7 @@ class TerminalNotifier:
             # A live message edited in place in Slack; a terminal cannot edit a line it
             # printed, so each edit is a line of its own, numbered per message.
             self._edits[item.edit_of] = self._edits.get(item.edit_of, 0) + 1
-            prefix = f"[update #{self._edits[item.edit_of]}] {prefix}"
+            prefix = f"[update #{self._edits[item.edit_of]}] [dm @{item.target}]"
         body = render(item.view).splitlines() or [item.view.text]
         if item.attachment is not None:
             body.append(self._save(item.id, *item.attachment))

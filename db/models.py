@@ -187,7 +187,8 @@ class Notification(SQLModel, table=True):
     loses nothing; `dedupe_key` keeps a retried change from notifying twice."""
 
     id: int | None = Field(default=None, primary_key=True)
-    # "dm" (target is a user key) or "channel" (target is a channel name or id).
+    # "dm" (target is a user key), "channel" (target is a channel name or id), or "edit"
+    # (a new text for the DM `edit_of` points at; target is its user key).
     kind: str = Field(max_length=16)
     target: str = Field(max_length=128)
     # Plain-text fallback, and the message as a view document (bot.views) to render.
