@@ -291,9 +291,7 @@ def result_view(
     else:
         code = outcome.exit_code
         status_words = f"exit status {code}" if code is not None else "no exit status"
-        head = (
-            f"{label} failed ({status_words}): {outcome.error or 'it stopped'}."
-        )
+        head = f"{label} failed ({status_words}): {outcome.error or 'it stopped'}."
     blocks: list[views.Block] = [views.Text(head)]
     facts: list[tuple[str, str]] = []
     if st is not None and st.precision:
