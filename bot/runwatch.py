@@ -91,7 +91,11 @@ def _float(value: object) -> float | None:
 
 
 def _progress_state(run: TrainingRun, status: RunStatus, now: datetime) -> float | None:
-    """Records when the step last moved; returns how long it has been still (seconds)."""
+    """Records when the step last moved; returns how long it has been still (seconds).
+    None for a run that never reported a step: a script that does not call
+    `training.report` is not "silent", it never spoke."""
+    if status.step == 0 and not status.history:
+        return None
     seen = run.metrics.get("progress") or {}
     if seen.get("step") != status.step or "at" not in seen:
         run.metrics = {**run.metrics, "progress": {"step": status.step, "at": now.isoformat()}}

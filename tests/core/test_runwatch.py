@@ -15,13 +15,14 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.commands import Run
+from bot.commands import Queue, Run
 from bot.delivery import deliver
 from bot.dispatch import handle_text
 from bot.outbox import EDIT_SPACING, SUPERSEDED
 from bot.runs import RunService
 from bot.service import GpuService
 from bot.terminal import TerminalNotifier
+from bot.views import Table
 from db.models import GpuSample, Notification, TrainingRun
 from tests.core.helpers import actor, make_service
 from tests.core.test_runs import dms_to, local_host, run_until, runs_for, state
@@ -194,6 +195,11 @@ def test_the_live_message_is_edited_once_a_minute_within_slacks_limits(
     assert sorted(e.edit_of or 0 for e in live) == sorted(k or 0 for k in per_run)
     latest = max(live, key=lambda e: e.id or 0)
     assert "is running: step" in latest.text and "$0.00 so far" in latest.text
+    # `/gpu queue` (and so App Home, built from it) shows the same line.
+    table = runs.queue(actor(svc, "carol"), Queue()).view.blocks[-1]
+    assert isinstance(table, Table) and "progress" in table.columns
+    progress = {r[1]: r[table.columns.index("progress")] for r in table.rows}
+    assert progress["alice"].startswith("step 3/30, loss 1.8") and "so far" in progress["alice"]
     # The shell prints each edit as an `[update #N]` line.
     out = io.StringIO()
     clock.advance(timedelta(minutes=1))
