@@ -22,7 +22,7 @@ from typing import Final
 
 # Loss this many times its starting value (and above start + 1) counts as diverged.
 DIVERGE_FACTOR: Final = 3.0
-# A loss this large has blown up whatever its start was (a cross-entropy starts near
+# A cross-entropy this large has blown up whatever its start was (it starts near
 # ln(classes): 2.3 for 10, 10.8 for a 50k vocabulary).
 EXPLODED_LOSS: Final = 1e3
 # Rising this many reported points in a row, ending 50% above the best, is steady growth.
@@ -63,6 +63,9 @@ class Observations:
     # Seconds since the step last moved (bot clock), None when not known yet.
     silent_s: float | None = None
     lr: float | None = None
+    # The loss is a cross-entropy (a built-in recipe), so its size alone says it blew up;
+    # a script's loss may be an MSE in any units, judged only against its own start.
+    cross_entropy: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ def diverging(obs: Observations) -> Alert | None:
         f"Fix: lower the learning rate{lower} by 10x, add warm-up or gradient clipping; "
         "the rest of this run is likely wasted."
     )
-    if last >= EXPLODED_LOSS:
+    if obs.cross_entropy and last >= EXPLODED_LOSS:
         return Alert(
             "diverging",
             f"the loss is {last:.4g} at step {points[-1][0]:.0f} (it started at {first:.4g}): "

@@ -29,7 +29,7 @@ from sqlmodel import Session, col, select
 from bot import charts, health, views
 from bot.durations import format_duration
 from bot.outbox import enqueue, enqueue_edit
-from db.models import GpuSample, Host, TrainingRun, UsageInterval, User
+from db.models import GpuSample, TrainingRun, UsageInterval, User
 from training.exitcodes import describe_exit
 from training.status import RunStatus
 
@@ -83,6 +83,7 @@ def observations(
         samples=samples,
         silent_s=silent_s,
         lr=status.lr if status.lr is not None else _float(run.options.get("lr")),
+        cross_entropy=run.recipe is not None,
     )
 
 
@@ -430,11 +431,6 @@ def sweep_done(s: Session, label: str) -> list[tuple[TrainingRun, float]] | None
     if not rows or any(r.finished_at is None for r in rows):
         return None
     return [(r, float(r.metrics.get("cost_usd") or 0.0)) for r in rows]
-
-
-def host_name(s: Session, run: TrainingRun) -> str:
-    host = s.get(Host, run.host_id) if run.host_id is not None else None
-    return host.name if host is not None else str(run.placement.get("host", "?"))
 
 
 def metrics_of(status: RunStatus) -> dict[str, Any]:
