@@ -4,6 +4,7 @@ health alert and the result (with its chart uploaded) arrive as messages of thei
 
 from __future__ import annotations
 
+import secrets
 import sys
 from collections import Counter
 from datetime import timedelta
@@ -15,12 +16,15 @@ from sqlmodel import Session, col, select
 from bot.commands import Run
 from bot.delivery import deliver
 from bot.outbox import StoredDeliveryLog
+from bot.slack.app import build_face
 from bot.slack.notifier import SlackNotifier, make_client
-from db.models import Notification
+from bot.slack.server import HttpServer
+from db.models import Notification, TrainingRun
 from tests.core.helpers import actor, make_service
 from tests.core.test_runs import local_host, run_until, runs_for, state
 from tests.core.test_runwatch import SCRIPT
 from tests.fakes.slack_api import FakeSlack
+from tests.slack.conftest import SignedClient
 
 ALICE = "U0ALICE01"
 
@@ -74,3 +78,44 @@ def test_the_live_message_is_updated_in_place_and_the_result_follows(
     assert result.text is not None and result.text.startswith(f"⚠️ Run #{rid}")
     (upload,) = fake_slack.files.values()
     assert upload.filename == f"run-{rid}-curve.png"
+
+
+def test_a_sweep_from_slack_ends_with_one_table_in_the_owners_dm(
+    fake_slack: FakeSlack, sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """Through the real HTTP front and Bolt app: `/gpu run --sweep …` queues the group (a
+    malformed sweep is an ephemeral error), the worker side runs it, and the comparison
+    table reaches the owner's DM as Block Kit the fake accepts."""
+    secret = secrets.token_hex(16)
+    svc, clock = make_service(
+        sqlite_engine,
+        [local_host(2)],
+        slack_bot_token=fake_slack.bot_token,
+        slack_signing_secret=secret,
+        slack_api_url=fake_slack.url,
+    )
+    runs = runs_for(svc, tmp_path)
+    notifier = SlackNotifier(
+        make_client(svc.settings), svc.settings.channel, StoredDeliveryLog(sqlite_engine, clock)
+    )
+    face = build_face(svc, svc.settings, notifier=notifier, deliver_after_commands=True)
+    server = HttpServer(face, host="127.0.0.1", port=0, threads=4).start()
+    try:
+        client = SignedClient(server.host, server.port, secret, fake_slack)
+        bad = client.command("run --recipe digits --sweep lr=1e-3", user=ALICE).json()
+        assert bad["response_type"] == "ephemeral" and "2 to 8 different values" in bad["text"]
+        body = client.command(
+            "run --recipe digits --epochs 1 --sweep lr=0.001,100000", user=ALICE
+        ).json()
+        assert body["text"].startswith("Sweep s"), body
+        with Session(sqlite_engine) as s:
+            ids = [r.id for r in s.exec(select(TrainingRun).order_by(col(TrainingRun.id)))]
+        run_until(runs, lambda: all(state(sqlite_engine, i or 0).finished_at for i in ids), 300)
+        clock.advance(timedelta(seconds=5))
+        deliver(svc, notifier)
+    finally:
+        server.stop()
+        face.shutdown()
+    texts = [m.text or "" for m in fake_slack.messages_in(fake_slack.dm_channel_for(ALICE))]
+    (table,) = [t for t in texts if t.startswith("Sweep s")]
+    assert f"Best: run #{ids[0]} (lr 0.001)" in table
