@@ -162,6 +162,14 @@ class TrainingRun(SQLModel, table=True):
     # The runner's last status document and final summary (accuracy, loss, …).
     metrics: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     request_key: str | None = Field(default=None, unique=True, max_length=128)
+    # A recipe's own settings as asked (`--lr`, `--batch-size`, `--epochs`), passed to the
+    # runner; a sweep variant holds its value here too.
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        sa_column=Column(JSON, nullable=False, server_default=text("'{}'")),
+    )
+    # The sweep this run is a variant of (`/gpu run --sweep`): one label for the group.
+    sweep: str | None = Field(default=None, index=True, max_length=32)
 
 
 class UsageInterval(SQLModel, table=True):
@@ -213,7 +221,8 @@ class Notification(SQLModel, table=True):
     )
 
     id: int | None = Field(default=None, primary_key=True)
-    # "dm" (target is a user key) or "channel" (target is a channel name or id).
+    # "dm" (target is a user key), "channel" (target is a channel name or id), or "edit"
+    # (a new text for the DM `edit_of` points at; target is its user key).
     kind: str = Field(max_length=16)
     target: str = Field(max_length=128)
     # Plain-text fallback, and the message as a view document (bot.domain.views) to render.
@@ -240,6 +249,9 @@ class Notification(SQLModel, table=True):
     posted_ts: str | None = Field(default=None, max_length=32)
     upload_started_at: datetime | None = _ts(nullable=True)
     uploaded_at: datetime | None = _ts(nullable=True)
+    # An edit of an earlier notification (its id): the run's live message, updated in
+    # place with chat.update where that message was posted; None for a new message.
+    edit_of: int | None = Field(default=None, index=True)
 
 
 class SlackConversation(SQLModel, table=True):

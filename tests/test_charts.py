@@ -20,10 +20,13 @@ from bot.domain.charts import (
     COST_HEIGHT_PX,
     COST_WIDTH_PX,
     HEIGHT_PX,
+    RUN_HEIGHT_PX,
+    RUN_WIDTH_PX,
     WIDTH_PX,
     CostBar,
     GpuSeries,
     cost_chart,
+    run_curve_chart,
     utilization_chart,
 )
 
@@ -123,3 +126,16 @@ def test_the_cost_chart_is_fixed_size_deterministic_and_carries_no_software_stam
     # No people, no overhead: still a chart of the same size, and not the same picture.
     empty = cost_chart((), Decimal(0), "GPU cost by person, 2026-W03 ($0.00 in all)")
     assert png_size(empty) == (COST_WIDTH_PX, COST_HEIGHT_PX) and empty != a
+
+
+def test_a_runs_curve_is_fixed_size_deterministic_and_needs_two_points() -> None:
+    exploded = [
+        {"step": 4.0, "loss": 1.4e19},
+        {"step": 24.0, "loss": 2.8e9},
+        {"step": 330.0, "loss": 7.7e4, "test_accuracy": 0.1},
+    ]
+    png = run_curve_chart(exploded, "Run #2: loss by step")
+    assert png is not None and png_size(png) == (RUN_WIDTH_PX, RUN_HEIGHT_PX)
+    assert run_curve_chart(exploded, "Run #2: loss by step") == png
+    assert b"matplotlib" not in png
+    assert run_curve_chart([{"step": 1.0, "loss": 2.3}], "one point") is None

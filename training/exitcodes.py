@@ -34,3 +34,33 @@ EXIT_OOM = 77
 
 #: Codes after which starting the same command again continues the run.
 RESUMABLE = frozenset({EXIT_PREEMPTED, EXIT_TIME_LIMIT})
+
+_WORDS = {
+    EXIT_DONE: "exit status 0, done",
+    EXIT_FAILED: "exit status 1: the run raised an error or its loss went NaN for good",
+    EXIT_USAGE: "exit status 2: a bad command line",
+    EXIT_PREEMPTED: "exit status 75: stopped by SIGTERM after a checkpoint",
+    EXIT_TIME_LIMIT: "exit status 76: its time limit was reached after a checkpoint",
+    EXIT_OOM: "exit status 77: out of GPU memory even at the smallest batch",
+    126: "exit status 126: the command is not executable",
+    127: "exit status 127: command not found",
+}
+_SIGNALS = {
+    2: "SIGINT (interrupted)",
+    6: "SIGABRT (aborted, often a crash in native code)",
+    9: "SIGKILL (killed, often by the kernel's out-of-memory killer: host RAM)",
+    11: "SIGSEGV (a segmentation fault in native code)",
+    15: "SIGTERM (asked to stop)",
+}
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit status in words, for the owner's DM: ``exit 137: killed by SIGKILL ...``."""
+    if code is None:
+        return "no exit status (the process vanished)"
+    if code in _WORDS:
+        return _WORDS[code]
+    if 128 < code < 160:
+        signal = _SIGNALS.get(code - 128, f"signal {code - 128}")
+        return f"exit status {code}: killed by {signal}"
+    return f"exit status {code}"

@@ -48,7 +48,7 @@ from training.precision import (
     make_grad_scaler,
 )
 from training.recipes import Recipe, TensorData, accuracy, get_recipe
-from training.status import RunStatus, StatusFile, Summary, add_warning
+from training.status import RunStatus, StatusFile, Summary, add_history, add_warning
 
 
 @dataclass
@@ -380,6 +380,8 @@ def _train(
     order_epoch = -1
     diverged = False
     pending_warnings: list[str] = []
+    pending_nonfinite = 0
+    pending_points: list[tuple[int, float | None]] = []
 
     model.train()
     while step < total_steps:
@@ -423,6 +425,10 @@ def _train(
             diverged = amp.mean_loss is None and (
                 not scaler.is_enabled() or (amp.loss_scale or 0.0) < AmpMonitor.min_scale
             )
+            if not write_due:
+                pending_nonfinite += amp.nonfinite_losses
+                if amp.mean_loss is not None:  # each epoch is a point of the curve
+                    pending_points.append((step, amp.mean_loss))
             if amp.warnings:
                 pending_warnings.extend(amp.warnings)
                 _log(cfg, info, "warning: " + "; ".join(amp.warnings))
@@ -431,10 +437,20 @@ def _train(
                 eta = (total_steps - step) / rate if rate > 0 else None
                 if status is not None:
                     new_warnings, pending_warnings = pending_warnings, []
+                    bad, pending_nonfinite = pending_nonfinite + amp.nonfinite_losses, 0
+                    points, pending_points = [*pending_points, (step, amp.mean_loss)], []
 
-                    def apply(s: RunStatus, new_warnings: list[str] = new_warnings) -> None:
+                    def apply(
+                        s: RunStatus,
+                        new_warnings: list[str] = new_warnings,
+                        bad: int = bad,
+                        points: list[tuple[int, float | None]] = points,
+                    ) -> None:
                         for w in new_warnings:
                             add_warning(s, w)
+                        s.nonfinite_losses += bad
+                        for at, loss in points:
+                            add_history(s, at, loss)
 
                     status.update(
                         apply,

@@ -135,6 +135,14 @@ class RunStatus:
     """Why a failed run failed, in one or a few lines."""
     log_tail: list[str] = field(default_factory=list)
     """The last lines the run printed (user commands), newest last."""
+    history: list[dict[str, float]] = field(default_factory=list)
+    """Loss (and metrics) against steps, oldest first: ``{"step": 120, "loss": 0.41,
+    "accuracy": 0.9}`` per status write, thinned to at most `HISTORY_POINTS` (every other
+    old point is dropped when full, so the whole run stays covered). The bot judges the
+    run's health from it and draws the final DM's chart; the file alone carries it, so a
+    run that ends between two polls still has its curve."""
+    nonfinite_losses: int = 0
+    """Losses reported as NaN or inf so far (they are stored as null, JSON has no NaN)."""
     summary: Summary | None = None
     """Set once the run ends (done, or stopped and resumable)."""
 
@@ -152,6 +160,8 @@ _FIELD_TYPES: Final[dict[str, tuple[type, ...]]] = {
     "metrics": (dict,),
     "warnings": (list,),
     "log_tail": (list,),
+    "history": (list,),
+    "nonfinite_losses": (int,),
 }
 _FIELDS: Final = {f.name for f in dataclasses.fields(RunStatus)}
 _SUMMARY_FIELDS: Final = {f.name for f in dataclasses.fields(Summary)}
@@ -301,6 +311,30 @@ class StatusFile:
             write_status(self.path, status)
 
 
+HISTORY_POINTS: Final = 256
+
+
+def add_history(status: RunStatus, step: int, loss: float | None, **metrics: float) -> None:
+    """Appends one point of the run's curve (finite values only); a point for a step
+    already recorded replaces it. Bounded: when full, every other point but the newest is
+    dropped, so a long run keeps its whole shape at a coarser grain."""
+    point: dict[str, float] = {"step": float(step)}
+    if _finite_or_none(loss) is not None:
+        point["loss"] = float(loss)  # type: ignore[arg-type]
+    for name, value in metrics.items():
+        if _finite_or_none(float(value)) is not None:
+            point[name] = float(value)
+    if len(point) == 1:
+        return
+    if status.history and status.history[-1].get("step") == point["step"]:
+        status.history[-1] = point
+    else:
+        status.history.append(point)
+    if len(status.history) > HISTORY_POINTS:
+        last = status.history[-1]
+        status.history = [*status.history[:-1:2], last]
+
+
 def add_warning(status: RunStatus, message: str, limit: int = 20) -> None:
     """Record a warning once; the list is bounded so a looping problem cannot bloat the file."""
     if message not in status.warnings:
@@ -319,6 +353,7 @@ class _Reporter:
         self.last_write = 0.0
         self.last_step: tuple[int, float] | None = None
         self.registered_atexit = False
+        self.nonfinite = 0
 
     def report(self, force: bool, fields: dict[str, Any], metrics: dict[str, float]) -> bool:
         path = os.environ.get(ENV_STATUS_FILE)
@@ -333,6 +368,10 @@ class _Reporter:
                 if isinstance(total, int) and steps_per_s > 0:
                     fields.setdefault("eta_s", max(0.0, (total - step) / steps_per_s))
             self.last_step = (step, now)
+        loss = fields.get("loss")
+        if isinstance(loss, float) and _finite_or_none(loss) is None:
+            self.nonfinite += 1
+            fields.pop("loss")
         self.pending.update(fields)
         self.pending_metrics.update(metrics)
         if not self.registered_atexit:
@@ -347,15 +386,24 @@ class _Reporter:
 
     def flush(self) -> None:
         path = os.environ.get(ENV_STATUS_FILE)
-        if not path or (not self.pending and not self.pending_metrics):
+        if not path or (not self.pending and not self.pending_metrics and not self.nonfinite):
             return
         pending, metrics = self.pending, self.pending_metrics
         self.pending, self.pending_metrics = {}, {}
+
+        bad = self.nonfinite
+        self.nonfinite = 0
 
         def change(status: RunStatus) -> None:
             if status.state == "starting":
                 status.state = "running"
             status.metrics.update(metrics)
+            if bad:
+                status.nonfinite_losses += bad
+                add_warning(status, "training.report got NaN or inf losses")
+            step = pending.get("step", status.step)
+            if isinstance(step, int):
+                add_history(status, step, pending.get("loss"), **metrics)
 
         StatusFile(path).update(change, **pending)
         self.last_write = time.monotonic()

@@ -8,8 +8,8 @@ modules that run inside its transactions without holding it (bot.app.budgets).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
-from typing import Any, Protocol
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final, Protocol
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
@@ -29,26 +29,88 @@ def enqueue(
     now: datetime,
     dedupe: str | None,
     attachment: tuple[str, bytes] | None = None,
-) -> None:
+) -> int | None:
     """Queues one DM ("dm", a user key) or channel post ("channel", a name or id); a
-    `dedupe` key already in the outbox means this change was reported: nothing is added."""
+    `dedupe` key already in the outbox means this change was reported: nothing is added.
+    Returns the new row's id (None when deduplicated), for a message later edited in place."""
     if dedupe is not None:
         exists = s.exec(select(Notification.id).where(Notification.dedupe_key == dedupe)).first()
         if exists is not None:
-            return
+            return None
+    row = Notification(
+        kind=kind,
+        target=target,
+        text=view.text,
+        view=view.to_dict(),
+        created_at=now,
+        deliver_after=now,
+        dedupe_key=dedupe,
+        attachment_name=attachment[0] if attachment else None,
+        attachment=attachment[1] if attachment else None,
+    )
+    s.add(row)
+    s.flush()
+    return row.id
+
+
+# chat.update is Tier 3 ("50+ per minute" per workspace, ../shared/slack/limits.json); edits
+# are spaced so that at most 40 go out a minute, which also keeps any one channel under
+# one a second.
+EDIT_SPACING: Final = timedelta(seconds=1.5)
+SUPERSEDED: Final = "superseded by a newer edit"
+# The kind of an edit's row: not a new DM, so nothing that counts DMs counts it.
+EDIT: Final = "edit"
+
+
+def next_edit_slot(s: Session, now: datetime) -> datetime:
+    """When the next edit may go out: `EDIT_SPACING` after the latest one sent or due.
+
+    From the outbox itself, so every worker and replica spaces edits alike: a queued edit
+    counts at its `deliver_after`, a sent one at its `sent_at` (a claim's lease moves
+    `deliver_after` and must not count)."""
+    recent = now - timedelta(minutes=5)
+    latest = now - EDIT_SPACING
+    for due, sent in s.exec(
+        select(Notification.deliver_after, Notification.sent_at).where(
+            col(Notification.edit_of).is_not(None), col(Notification.created_at) >= recent
+        )
+    ):
+        at = sent if sent is not None else due
+        latest = max(latest, at)
+    return max(now, latest + EDIT_SPACING)
+
+
+def enqueue_edit(
+    s: Session, message_id: int, target: str, view: views.View, now: datetime
+) -> datetime:
+    """Queues an edit of message `message_id` (a DM to `target`) (the outbox row of the message as first
+    sent) at the next free slot; older edits of it not yet tried are superseded, since only
+    the newest matters. Returns when it is due."""
+    for old in s.exec(
+        select(Notification).where(
+            col(Notification.edit_of) == message_id,
+            col(Notification.sent_at).is_(None),
+            col(Notification.attempts) == 0,
+        )
+    ):
+        old.sent_at = now
+        old.last_error = SUPERSEDED
+        s.add(old)
+    s.flush()
+    due = next_edit_slot(s, now)
     s.add(
         Notification(
-            kind=kind,
+            kind=EDIT,
             target=target,
             text=view.text,
             view=view.to_dict(),
             created_at=now,
-            deliver_after=now,
-            dedupe_key=dedupe,
-            attachment_name=attachment[0] if attachment else None,
-            attachment=attachment[1] if attachment else None,
+            deliver_after=due,
+            edit_of=message_id,
         )
     )
+    s.flush()
+    return due
 
 
 # --- what the deliverer knows, stored ------------------------------------------------------

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import sys
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -30,10 +31,11 @@ from typing import Any
 from sqlalchemy import and_, or_, update
 from sqlmodel import Session, col, select
 
-from bot.app import budgets, sources
+from bot.app import budgets, runwatch, sources
 from bot.app.access import RunGate, StaticMembership, audit
 from bot.app.agentwatch import requeue_resumable, resumable_stop, upload_checkpoints, watch_hosts
 from bot.app.held import end_held, held_gpu_ids, who_holds
+from bot.app.outbox import enqueue
 from bot.app.ports import Actor, Core, HostAccess
 from bot.app.rollups import fair_share_usage
 from bot.domain import code_sources, estimates, views
@@ -77,14 +79,14 @@ from provisioning.catalog import Catalog
 from provisioning.costs import gpu_share
 from provisioning.ssh import SshError, SshRunner, SshTarget
 from training.exitcodes import EXIT_OOM
-from training.status import TERMINAL_STATES, parse_status
+from training.status import TERMINAL_STATES, RunStatus, parse_status
 
 log = logging.getLogger(__name__)
 
 RECIPES = ("digits",)
 # A run claimed but not started within this long is presumed orphaned by a crash.
 STARTING_GRACE = timedelta(seconds=90)
-USAGE_RUN = "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] [--spot] [--git URL[@REF] | --path DIR] [--recipe NAME] -- COMMAND"
+USAGE_RUN = "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] [--spot] [--git URL[@REF] | --path DIR] [--recipe NAME [--lr LR] [--batch-size N] [--epochs N] [--sweep lr=V1,V2]] -- COMMAND"
 
 
 @dataclass
@@ -169,19 +171,23 @@ class RunService:
             user = self.core.user_row(s, actor.key, actor.name)
             max_s = int(cmd.max_duration.total_seconds()) if cmd.max_duration else None
             # Budget (bot.app.budgets): a run that cannot fit is refused before it queues.
+            variants = len(cmd.sweep[1]) if cmd.sweep else 1
             budgets.check_budget(
                 s,
                 user,
-                budgets.run_estimate(s, model, cmd.gpus, max_s),
+                budgets.run_estimate(s, model, cmd.gpus, max_s) * variants,
                 self.core.clock.now(),
                 self.core.settings,
-                what=f"This run ({views.gpu_phrase(cmd.gpus, model)}, "
+                what=(f"This sweep ({variants} runs of " if cmd.sweep else "This run (")
+                + f"{views.gpu_phrase(cmd.gpus, model)}, "
                 + (
                     f"up to {format_duration(cmd.max_duration)})"
                     if cmd.max_duration
                     else "no --max: counted as 1h)"
                 ),
             )
+            if cmd.sweep is not None:
+                return self._submit_sweep(s, cmd, user, model, request_key)
             run = TrainingRun(
                 user_id=user.id,  # type: ignore[arg-type]
                 command=_command_text(cmd.command),
@@ -195,10 +201,50 @@ class RunService:
                 submitted_at=self.core.clock.now(),
                 request_key=request_key,
                 source=cmd.source,
+                options=dict(cmd.options),
             )
             s.add(run)
             s.flush()
             return self._queued_reply(s, run)
+
+    def _submit_sweep(
+        self, s: Session, cmd: Run, user: User, model: str, request_key: str | None
+    ) -> views.Reply:
+        """One queued run per value, under one sweep label, submitted together so that the
+        scheduler places them side by side on the warm fleet; `_finish` posts the table
+        when the last one ends."""
+        assert cmd.sweep is not None
+        param, values = cmd.sweep
+        label = f"s{uuid.uuid4().hex[:6]}"
+        now = self.core.clock.now()
+        ids = []
+        for n, value in enumerate(values):
+            run = TrainingRun(
+                user_id=user.id,  # type: ignore[arg-type]
+                command="",
+                recipe=cmd.recipe,
+                gpu_count=cmd.gpus,
+                gpu_model=model,
+                precision=cmd.precision,
+                spot=cmd.spot,
+                max_seconds=int(cmd.max_duration.total_seconds()) if cmd.max_duration else None,
+                state=RUN_QUEUED,
+                submitted_at=now,
+                # The first variant carries the request key: a retried delivery finds it.
+                request_key=request_key if n == 0 else None,
+                options={**dict(cmd.options), param: value},
+                sweep=label,
+            )
+            s.add(run)
+            s.flush()
+            ids.append(run.id)
+        listed = ", ".join(f"#{i} ({param} {v:g})" for i, v in zip(ids, values, strict=True))
+        text = (
+            f"Sweep {label} queued: recipe {cmd.recipe} on "
+            f"{views.gpu_phrase(cmd.gpus, model)} per variant, {listed}. Each run DMs you as it "
+            "starts and ends; when the last one ends you get one table comparing them."
+        )
+        return views.Reply(views.message(text).view, extra={"run_id": ids[0], "run_ids": ids})
 
     def _check_source(self, cmd: Run) -> None:
         """A source is checked where it is accepted (a Run built by code skips the
@@ -325,6 +371,11 @@ class RunService:
                     start = estimates.start_phrase(ahead[run.id], now.timestamp())
                     cost = estimates.cost_phrase(ahead[run.id])
                 age = format_duration(now - run.submitted_at)
+                progress = "–"
+                if run.state == RUN_RUNNING and run.id is not None:
+                    # The live message's line (bot.app.runwatch), from the last poll's figures.
+                    usd, _ = runwatch.cost_so_far(s, run.id, now)
+                    progress = runwatch.progress_line(s, run, None, now, usd)
                 table.append(
                     (
                         f"#{run.id}",
@@ -334,6 +385,7 @@ class RunService:
                         where,
                         start,
                         age,
+                        progress,
                         cost,
                     )
                 )
@@ -349,7 +401,17 @@ class RunService:
             views.Header("Training queue"),
             views.Context(summary),
             views.Table(
-                ("run", "who", "what", "needs", "where", "est. start", "age", "est. cost"),
+                (
+                    "run",
+                    "who",
+                    "what",
+                    "needs",
+                    "where",
+                    "est. start",
+                    "age",
+                    "progress",
+                    "est. cost",
+                ),
                 tuple(table),
             ),
         )
@@ -861,9 +923,14 @@ class RunService:
                 + ("s " if len(placement["gpu_indexes"]) != 1 else " ")
                 + ", ".join(map(str, placement["gpu_indexes"]))
             )
-            text = f"Run #{run_id} started on {where}. `/gpu logs {run_id}` shows its log."
-            self.core.notify_dm(
+            text = (
+                f"Run #{run_id} started on {where}. This message shows its progress, "
+                f"updated about once a minute; `/gpu logs {run_id}` shows its log."
+            )
+            # The run's live message (bot.app.runwatch edits it in place while it runs).
+            message = enqueue(
                 s,
+                "dm",
                 owner.key,
                 views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
                 self.core.clock.now(),
@@ -871,6 +938,8 @@ class RunService:
                 dedupe=f"run-started:{run_id}"
                 + (f":{placement['resume_from']['count']}" if "resume_from" in placement else ""),
             )
+            runwatch.started_live(s, run, message)
+            s.add(run)
 
     def _prepare_code(
         self, run_id: int, runner: SshRunner, target: SshTarget, run_dir: str, log_path: str
@@ -943,7 +1012,7 @@ class RunService:
                 continue
             status = parse_status(raw.decode("utf-8", "replace")) if raw else None
             if status is not None:
-                self._update_metrics(run.id, status)
+                self._update_metrics(run.id, status, live_runs=len(rows))
             if alive and (status is None or status.state not in TERMINAL_STATES):
                 continue
             if alive:
@@ -986,7 +1055,7 @@ class RunService:
                 if self._retry_oom(run.id, status, runner, target, placement):
                     continue
                 summary["error"] = f"{summary.get('error') or 'out of GPU memory'}. {OOM_ADVICE}"
-            self._finish(run.id, state, exit_code, summary, tail)
+            self._finish(run.id, state, exit_code, summary, tail, status)
             finished += 1
         return finished
 
@@ -1063,20 +1132,16 @@ class RunService:
                 s.add(run)
 
     @retrying
-    def _update_metrics(self, run_id: int, status: Any) -> None:
+    def _update_metrics(self, run_id: int, status: RunStatus, live_runs: int = 1) -> None:
+        """Stores the run's latest figures and watches it (bot.app.runwatch: health alerts
+        to its owner, once each; its live message edited about once a minute)."""
         with transaction(self.engine) as s:
             run = locked(s, TrainingRun, run_id)  # one row, nothing after it (db.session)
             if run is not None and run.state in RUN_OPEN_STATES:
-                run.metrics = {
-                    **run.metrics,
-                    "state": status.state,
-                    "step": status.step,
-                    "loss": status.loss,
-                    "metrics": status.metrics,
-                    "precision": status.precision,
-                    "samples_per_s": status.samples_per_s,
-                    "eta_s": status.eta_s,
-                }
+                run.metrics = {**run.metrics, **runwatch.metrics_of(status)}
+                owner = s.get(User, run.user_id)
+                if run.state == RUN_RUNNING and owner is not None:
+                    runwatch.watch(s, run, owner, status, self.core.clock.now(), live_runs)
                 s.add(run)
 
     def _started_by_the_dead(self, placement: dict[str, Any]) -> int | bool | None:
@@ -1157,7 +1222,13 @@ class RunService:
 
     @retrying
     def _finish(
-        self, run_id: int, state: str, exit_code: int | None, summary: dict[str, Any], log_tail: str
+        self,
+        run_id: int,
+        state: str,
+        exit_code: int | None,
+        summary: dict[str, Any],
+        log_tail: str,
+        status: RunStatus | None = None,
     ) -> None:
         now = self.core.clock.now()
         with transaction(self.engine) as s:
@@ -1170,17 +1241,36 @@ class RunService:
             run.finished_at = now
             run.exit_code = exit_code
             run.metrics = {**run.metrics, "summary": summary, "cost_usd": round(cost, 4)}
-            s.add(run)
             owner = s.get(User, run.user_id)
             assert owner is not None
+            # bot.app.runwatch: metrics, precision and batch and why, GPU-hours, cost, the
+            # health summary and the loss curve; for a failure the exit status in words.
+            outcome = runwatch.Outcome(state, exit_code, status, log_tail, summary.get("error"))
+            view, chart = runwatch.result_view(s, run, outcome, now)
+            runwatch.close_live(s, run, owner, now)
             self.core.notify_dm(
-                s,
-                owner.key,
-                views.run_finished_view(run, summary, cost, log_tail),
-                now,
-                dedupe=f"run-finished:{run_id}",
+                s, owner.key, view, now, dedupe=f"run-finished:{run_id}", attachment=chart
             )
+            s.add(run)
+            if run.sweep is not None:
+                done = runwatch.sweep_done(s, run.sweep)
+                if done is not None:
+                    param = next(iter(set(done[0][0].options) - set(_base_options(done))), "lr")
+                    self.core.notify_dm(
+                        s,
+                        owner.key,
+                        runwatch.sweep_view(run.sweep, param, done),
+                        now,
+                        dedupe=f"sweep-finished:{run.sweep}",
+                    )
             self.core.grant_pass(s, now)
+
+
+def _base_options(rows: list[tuple[TrainingRun, float]]) -> set[str]:
+    """The settings every variant of a sweep shares (same name and value): the swept
+    one is the other."""
+    first = rows[0][0].options
+    return {k for k, v in first.items() if all(r.options.get(k) == v for r, _ in rows)}
 
 
 OOM_ADVICE = (
@@ -1220,8 +1310,14 @@ def _runner_command(run: TrainingRun, placement: dict[str, Any]) -> str:
         parts += ["--gpus", str(run.gpu_count)]
     if run.recipe:
         parts += ["--recipe", run.recipe]
+        for name in ("lr", "epochs"):  # the recipe's settings as asked (bot.domain.commands)
+            if isinstance(run.options.get(name), int | float):
+                parts += [f"--{name}", f"{run.options[name]:g}"]
+        asked = run.options.get("batch-size")
         if batch is not None:  # an OOM retry; without a known batch `auto` probes again
             parts += ["--batch-size", str(batch)]
+        elif isinstance(asked, int | float):
+            parts += ["--batch-size", str(int(asked))]
         return shell.join(parts)
     head = ""
     if retried:

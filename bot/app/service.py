@@ -101,6 +101,8 @@ class OutboxItem:
     maybe_sent: bool = False
     # A file that goes with it (a chart PNG): its name and bytes.
     attachment: tuple[str, bytes] | None = None
+    # An edit of this earlier notification (a run's live message), not a new message.
+    edit_of: int | None = None
 
 
 # pg_advisory_xact_lock key for host syncs ("gpubsync" in ASCII, far from the leader's).
@@ -943,6 +945,7 @@ class GpuService:
                     attachment=(n.attachment_name or "attachment", n.attachment)
                     if n.attachment is not None
                     else None,
+                    edit_of=n.edit_of,
                 )
                 for n in rows
             ]

@@ -161,3 +161,59 @@ def cost_chart(people: Sequence[CostBar], idle_overhead_usd: Decimal, title: str
     # No bbox="tight": it would change the pixel size with the labels.
     fig.savefig(buf, format="png", dpi=_DPI, metadata={"Software": None})
     return buf.getvalue()
+
+
+# --- a run's curve --------------------------------------------------------------------------
+
+RUN_WIDTH_PX = 800
+RUN_HEIGHT_PX = 400
+
+
+def run_curve_chart(history: Sequence[dict[str, float]], title: str) -> bytes | None:
+    """Loss against steps (log scale when it spans more than 100x, as a diverging run's
+    does), and any accuracy the run reported on a second axis (0–100%). None when the run
+    reported fewer than two points: a single dot says nothing a sentence cannot."""
+    steps = [p["step"] for p in history if "loss" in p]
+    losses = [p["loss"] for p in history if "loss" in p]
+    acc_key = next((k for p in history for k in sorted(p) if "acc" in k and k != "step"), None)
+    acc = [(p["step"], p[acc_key]) for p in history if acc_key and acc_key in p]
+    if len(steps) < 2 and len(acc) < 2:
+        return None
+    fig = Figure(figsize=(RUN_WIDTH_PX / _DPI, RUN_HEIGHT_PX / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel("step")
+    if len(steps) >= 2:
+        ax.plot(steps, losses, color="#c53030", linewidth=1.5, label="loss")
+        positive = [v for v in losses if v > 0]
+        if positive and len(positive) == len(losses) and max(positive) > 100 * min(positive):
+            ax.set_yscale("log")
+        ax.set_ylabel("loss")
+        ax.grid(True, alpha=0.3)
+    if acc and acc_key is not None:
+        ax2 = ax.twinx()
+        ax2.plot(
+            [a for a, _ in acc],
+            [100 * v for _, v in acc],
+            color="#2b6cb0",
+            linewidth=1.5,
+            marker="o" if len(acc) < 3 else None,  # a final accuracy alone is one dot
+            label=acc_key,
+        )
+        last_step, last_acc = acc[-1]
+        ax2.annotate(
+            f"{acc_key} {last_acc:.1%}",
+            (last_step, 100 * last_acc),
+            textcoords="offset points",
+            xytext=(-8, 6),
+            ha="right",
+            color="#2b6cb0",
+            fontsize="small",
+        )
+        ax2.set_ylim(-2, 102)
+        ax2.set_ylabel(f"{acc_key} %")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI, metadata={"Software": None})
+    return buf.getvalue()

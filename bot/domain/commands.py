@@ -67,10 +67,12 @@ VERBS: dict[str, VerbSpec] = {
     ),
     "run": VerbSpec(
         "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] "
-        "[--spot] [--git URL[@REF] | --path DIR] [--recipe NAME] -- COMMAND",
+        "[--spot] [--git URL[@REF] | --path DIR] [--recipe NAME [--lr LR] [--batch-size N] "
+        "[--epochs N] [--sweep lr=V1,V2,...]] -- COMMAND",
         "queue a training run on the team's GPUs",
         (
             "/gpu run --recipe digits",
+            "/gpu run --recipe digits --sweep lr=1e-4,3e-4,1e-3",
             "/gpu run --gpus 1 -- python train.py",
             "/gpu run --git https://github.com/org/repo@main -- python train.py --lr 3e-4",
             "/gpu run --path /data/proj --gpus 8 --gpu a100 --max 4h --spot -- torchrun train.py",
@@ -80,7 +82,12 @@ VERBS: dict[str, VerbSpec] = {
         "at a branch, tag or full commit) on the host; `--path` runs in a directory already "
         "on the host; from a terminal, `gpubot submit DIR -- COMMAND` uploads a local "
         "directory. A run that runs out of GPU memory (exit 77) is retried once with half "
-        "the batch (`GPUBOT_BATCH_SIZE` for your own script).",
+        "the batch (`GPUBOT_BATCH_SIZE` for your own script). While it runs, the reply "
+        "you got when it started is updated about once a minute (step, loss, GPU use, ETA, "
+        "cost so far), and you get a DM when its loss goes NaN or diverges, its GPUs sit "
+        "idle or full, or it stops reporting; your own script reports with "
+        "`training.report(step=..., loss=...)`. `--sweep lr=1e-4,3e-4` runs one variant per "
+        "value and compares them in one table.",
     ),
     "queue": VerbSpec(
         "/gpu queue [me]",
@@ -185,6 +192,10 @@ class Run:
     # Where the code comes from (bot.app.sources): "git:<url>@<ref>", "path:<dir>",
     # "staged:<id>"; "" runs the command in the run's own directory.
     source: str = ""
+    # A recipe's own settings (`--lr`, `--batch-size`, `--epochs`) as (name, value) pairs.
+    options: tuple[tuple[str, float], ...] = ()
+    # `--sweep lr=1e-4,3e-4`: one variant per value of one recipe setting, run as a group.
+    sweep: tuple[str, tuple[float, ...]] | None = None
 
     @property
     def interactive(self) -> bool:
@@ -544,7 +555,66 @@ def _options(
     return opts, spot, []
 
 
-_RUN_FLAGS_WITH_VALUE = {"--gpus", "--gpu", "--precision", "--max", "--recipe", "--git", "--path"}
+_RUN_FLAGS_WITH_VALUE = {
+    "--gpus",
+    "--gpu",
+    "--precision",
+    "--max",
+    "--recipe",
+    "--git",
+    "--path",
+    "--lr",
+    "--batch-size",
+    "--epochs",
+    "--sweep",
+}
+# A recipe's settings the bot passes to the runner: name -> (kind, lowest, highest).
+RECIPE_OPTIONS: dict[str, tuple[type, float, float]] = {
+    "lr": (float, 1e-12, 1e12),
+    "batch-size": (int, 1, 1_000_000),
+    "epochs": (int, 1, 10_000),
+}
+MAX_SWEEP = 8
+
+
+def _recipe_value(name: str, text: str, ctx: _Ctx) -> float:
+    kind, low, high = RECIPE_OPTIONS[name]
+    try:
+        value = float(text) if kind is float else int(text)
+    except ValueError:
+        raise ctx.fail(f"`--{name}` takes a number, not `{_clip(text)}`.") from None
+    if not (low <= value <= high) or value != value:
+        raise ctx.fail(f"`--{name}` must be between {low:g} and {high:g}, not `{_clip(text)}`.")
+    return value
+
+
+def _recipe_options(
+    opts: dict[str, str], recipe: str | None, ctx: _Ctx
+) -> tuple[tuple[tuple[str, float], ...], tuple[str, tuple[float, ...]] | None]:
+    """`--lr`/`--batch-size`/`--epochs` and `--sweep NAME=V1,V2,...`, for recipes only (a
+    command takes its own arguments after `--`)."""
+    given = [n for n in RECIPE_OPTIONS if f"--{n}" in opts]
+    if recipe is None and (given or "--sweep" in opts):
+        used = "--sweep" if "--sweep" in opts else f"--{given[0]}"
+        raise ctx.fail(
+            f"`{used}` goes with a recipe; your own command takes its settings after `--`."
+        )
+    options = tuple((n, _recipe_value(n, opts[f"--{n}"], ctx)) for n in given)
+    if "--sweep" not in opts:
+        return options, None
+    name, eq, values = opts["--sweep"].partition("=")
+    name = name.strip().lower().lstrip("-")
+    if not eq or name not in RECIPE_OPTIONS:
+        raise ctx.fail(
+            "Sweep one setting: `--sweep lr=1e-4,3e-4,1e-3` "
+            f"(settings: {', '.join(RECIPE_OPTIONS)})."
+        )
+    if name in given:
+        raise ctx.fail(f"`--{name}` and a sweep over {name}: give one of them.")
+    swept = tuple(_recipe_value(name, v.strip(), ctx) for v in values.split(",") if v.strip())
+    if not 2 <= len(swept) <= MAX_SWEEP or len(set(swept)) != len(swept):
+        raise ctx.fail(f"A sweep takes 2 to {MAX_SWEEP} different values, comma-separated.")
+    return options, (name, swept)
 
 
 def _parse_run(rest: str, ctx: _Ctx) -> Run:
@@ -575,6 +645,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
     if not command and recipe is None and opts:
         raise ctx.fail("Say what to run: `--recipe NAME` or `-- COMMAND`.")
     source = _run_source(opts, recipe, ctx)
+    options, sweep = _recipe_options(opts, recipe, ctx)
     return Run(
         command=tuple(command),
         recipe=recipe,
@@ -584,6 +655,8 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         max_duration=max_duration,
         spot=spot,
         source=source,
+        options=options,
+        sweep=sweep,
     )
 
 

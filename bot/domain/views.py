@@ -19,7 +19,6 @@ from bot.domain.durations import format_duration
 from bot.domain.readmodels import HostState, ReservationInfo, StatusSnapshot
 from bot.domain.timefmt import days, when
 from provisioning.catalog import Catalog
-from training.exitcodes import EXIT_TIME_LIMIT
 
 # --- the blocks -------------------------------------------------------------------
 
@@ -477,42 +476,6 @@ def as_of_phrase(text: str) -> str:
     (`2025H2-or-later(snapshot;see README)` → `2025H2-or-later (snapshot)`)."""
     text = re.sub(r"\s*;?\s*see README\s*", "", text)
     return re.sub(r"(\S)\(", r"\1 (", text).replace("()", "").strip()
-
-
-def run_finished_view(run: Any, summary: dict[str, Any], cost_usd: float, log_tail: str) -> View:
-    """The owner's DM when a run ends: the outcome first, then what it cost and why it failed."""
-    wall = summary.get("wall_s")
-    took = f" in {format_duration(timedelta(seconds=float(wall)))}" if wall else ""
-    metrics = summary.get("final_metrics") or {}
-    shown = ", ".join(
-        f"{k} {v:.2%}" if "accuracy" in k and isinstance(v, int | float) else f"{k} {v:.4g}"
-        for k, v in metrics.items()
-        if isinstance(v, int | float)
-    )
-    cost = f"cost ${cost_usd:.2f}" if cost_usd >= 0.005 else "cost $0.00 (owned host)"
-    what = run_what(run.recipe, run.command, 80)
-    if run.state == "succeeded":
-        text = f"Run #{run.id} ({what}) finished{took}: {shown or 'no metrics reported'}; {cost}."
-        return View(text=text, blocks=(Text(text),))
-    if run.state == "cancelled":
-        text = f"Run #{run.id} ({what}) was cancelled{took}; {cost}."
-        return View(text=text, blocks=(Text(text),))
-    if summary.get("state") == "time_limit" or run.exit_code == EXIT_TIME_LIMIT:
-        limit = (
-            f" (--max {format_duration(timedelta(seconds=run.max_seconds))})"
-            if run.max_seconds
-            else ""
-        )
-        got = f": {shown}" if shown else ""
-        text = f"Run #{run.id} ({what}) stopped at its time limit{limit}{took}{got}; {cost}."
-        return View(text=text, blocks=(Text(text),))
-    code = f"exit status {run.exit_code}" if run.exit_code is not None else "no exit status"
-    reason = summary.get("error") or summary.get("state") or "it stopped"
-    text = f"Run #{run.id} ({what}) failed ({code}): {reason}; {cost}."
-    blocks: list[Block] = [Text(text)]
-    if log_tail.strip():
-        blocks += [Text("*Last lines of its log*"), Code(log_tail.strip()[-2500:])]
-    return View(text=text, blocks=tuple(blocks))
 
 
 def cost_view(

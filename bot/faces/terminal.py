@@ -77,9 +77,15 @@ class TerminalNotifier:
         self._lock = lock
         # Where attachments (charts) are written so a person at the terminal can open them.
         self._files_dir = files_dir
+        self._edits: dict[int, int] = {}  # edits printed per live message
 
     def send(self, item: OutboxItem) -> None:
         prefix = f"[dm @{item.target}]" if item.kind == "dm" else f"[#{item.target}]"
+        if item.edit_of is not None:
+            # A live message edited in place in Slack; a terminal cannot edit a line it
+            # printed, so each edit is a line of its own, numbered per message.
+            self._edits[item.edit_of] = self._edits.get(item.edit_of, 0) + 1
+            prefix = f"[update #{self._edits[item.edit_of]}] [dm @{item.target}]"
         body = render(item.view).splitlines() or [item.view.text]
         if item.attachment is not None:
             body.append(self._save(item.id, *item.attachment))
@@ -137,6 +143,7 @@ class Shell:
         reply = handle_text(self.service, self._actor(user), line)
         if isinstance(reply.extra.get("run_id"), int):
             self.run_ids.add(reply.extra["run_id"])
+        self.run_ids.update(i for i in reply.extra.get("run_ids") or () if isinstance(i, int))
         text = render(reply.view)
         if not reply.ephemeral:
             text = f"[#{self.service.settings.channel}] " + text

@@ -95,6 +95,14 @@ H = timedelta(hours=1)
         ),
         ("run --gpus=2 python train.py", Run(command=("python", "train.py"), gpus=2)),
         ("run", Run()),
+        (
+            "run --recipe digits --lr 100000 --epochs 2",
+            Run(recipe="digits", options=(("lr", 100000.0), ("epochs", 2))),
+        ),
+        (
+            "run --sweep lr=1e-4,3e-4,1e-3 --recipe digits",
+            Run(recipe="digits", sweep=("lr", (1e-4, 3e-4, 1e-3))),
+        ),
     ],
 )
 def test_forms_people_type(text: str, expected: object) -> None:
@@ -119,6 +127,12 @@ def test_forms_people_type(text: str, expected: object) -> None:
         ("run --frob -- x", "Unknown option", "run"),
         ("run --gpus 2", "Say what to run", "run"),
         ("run 'unclosed", "could not split", "run"),
+        ("run --lr 0.1 -- python t.py", "goes with a recipe", "run"),
+        ("run --recipe digits --lr fast", "takes a number", "run"),
+        ("run --recipe digits --epochs 0", "between 1 and", "run"),
+        ("run --recipe digits --sweep lr=1e-3", "2 to 8 different values", "run"),
+        ("run --recipe digits --sweep momentum=0.9,0.99", "Sweep one setting", "run"),
+        ("run --recipe digits --lr 1 --sweep lr=1,2", "give one of them", "run"),
         ("budget alice 200", "Name the person first", "budget"),
         ("budget @alice lots", "not an amount", "budget"),
         ("pool set p4d max=x", "not an instance type", "pool"),

@@ -10,8 +10,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from bot.app.runs import LocalAccess, RunService
+from bot.app.runwatch import Outcome, result_view
 from bot.app.service import GpuService
 from bot.domain import timefmt, views
 from bot.domain.charts import GpuSeries, utilization_chart
@@ -80,10 +82,11 @@ def test_queue_estimates_a_run_that_waits_for_a_booting_instance(
     runs = runs_for(svc, tmp_path)
     a = actor(svc, "alice")
     runs.submit(a, Run(recipe="digits", model="A100", max_duration=timedelta(hours=2)))
-    row = last_table(runs.queue(a, Queue()).view).rows[0]
-    assert "unknown" not in row
-    assert row[-1] == "$8.20"
-    assert row[-3].startswith("in ")
+    table = last_table(runs.queue(a, Queue()).view)
+    row = dict(zip(table.columns, table.rows[0], strict=True))
+    assert "unknown" not in row.values()
+    assert row["est. cost"] == "$8.20"
+    assert row["est. start"].startswith("in ")
 
 
 # --- wording ---------------------------------------------------------------------------
@@ -117,11 +120,27 @@ def test_a_command_is_shown_as_typed_and_cut_with_an_ellipsis(
 
 
 def test_a_run_stopped_at_its_max_says_so(sqlite_engine: Engine) -> None:
-    run = TrainingRun(
-        id=7, user_id=1, command="python train.py", state="failed", exit_code=76, max_seconds=7200
+    svc, _ = make_service(sqlite_engine, [local_slot()])
+    outcome = Outcome(state="failed", exit_code=76, status=None, log_tail="", error="time_limit")
+    with Session(sqlite_engine) as s:
+        owner = svc.user_row(s, "alice")
+        s.flush()
+        assert owner.id is not None
+        run = TrainingRun(
+            user_id=owner.id,
+            command="python train.py",
+            state="failed",
+            exit_code=76,
+            max_seconds=7200,
+            submitted_at=datetime.now(UTC),
+        )
+        s.add(run)
+        s.flush()
+        view, _ = result_view(s, run, outcome, datetime.now(UTC))
+    assert view.text.startswith(
+        f"Run #{run.id} (`python train.py`) stopped at its time limit (--max 2h)."
     )
-    text = views.run_finished_view(run, {"state": "time_limit", "error": None}, 1.5, "").text
-    assert text == "Run #7 (`python train.py`) stopped at its time limit (--max 2h); cost $1.50."
+    assert "exit status" not in render(view)
 
 
 def test_cancelling_a_command_claims_no_checkpoint_and_its_log_says_why_none(

@@ -88,3 +88,19 @@ def test_a_digits_run_queues_runs_and_dms_its_accuracy(tmp_path: Path) -> None:
     )
     assert m, out
     assert float(m.group(1)) >= 95.0
+    assert "precision" in out and "GPU-hours" in out and "Health: no NaNs" in out
+    assert "(attached: run-1-curve.png" in out
+
+
+def test_digits_at_an_absurd_learning_rate_ends_with_a_warning_in_the_shell(
+    tmp_path: Path,
+) -> None:
+    proc = run_shell(
+        tmp_path, "--user", "alice", script="/gpu run --recipe digits --lr 100000 --epochs 2\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "[dm @alice] ⚠️ Run #1 (recipe digits) finished" in out, out
+    assert "but its training went wrong (the loss diverged)" in out
+    assert "Do not trust this result" in out and "weights blew up" in out
+    assert "learning rate  100000" in out

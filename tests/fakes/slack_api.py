@@ -956,6 +956,15 @@ class FakeSlack:
                 if m.channel == channel and (include_deleted or not m.deleted)
             ]
 
+    def per_minute(self, method: str) -> int:
+        """The calls a minute `method`'s published tier allows (limits.json: "Tier 3" is
+        "50+ per minute"), for tests that check the bot keeps within it. Raises for a method
+        whose tier is not a numbered one."""
+        rates = self.ref.limits["rate_limits"]
+        tier = next(m["tier"] for m in rates["methods"] if m["method"] == method)
+        rate = next(t["rate"] for t in rates["tiers"] if t["tier"] == tier)
+        return int(re.match(r"(\d+)", rate).group(1))  # type: ignore[union-attr]
+
     def expect_violation(self, pattern: str) -> None:
         """Declare that this test provokes a violation matching `pattern` (a regex); the
         fixture then fails the test if it does NOT happen, or if any other one does."""

@@ -162,3 +162,31 @@ def test_reading_status_needs_no_torch() -> None:
         [sys.executable, "-c", probe], env=runner_env(), cwd=REPO, timeout=60, capture_output=True
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_report_counts_nan_losses_and_keeps_the_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN never reaches the file (JSON has none): it is counted and warned about, and
+    the loss shown stays the last finite one; each write adds a point to the curve."""
+    path = tmp_path / "s.json"
+    monkeypatch.setenv(st.ENV_STATUS_FILE, str(path))
+    StatusFile(path).reset(RunStatus(state="running"))
+    report(step=1, loss=2.3, force=True)
+    report(step=2, loss=float("nan"), force=True)
+    report(step=3, loss=float("inf"), accuracy=0.5, force=True)
+    got = read_status(path)
+    assert got is not None
+    assert (got.step, got.loss, got.nonfinite_losses) == (3, 2.3, 2)
+    assert got.warnings == ["training.report got NaN or inf losses"]
+    assert got.history == [{"step": 1.0, "loss": 2.3}, {"step": 3.0, "accuracy": 0.5}]
+
+
+def test_the_curve_is_thinned_to_a_bound_and_keeps_both_ends() -> None:
+    status = RunStatus()
+    for step in range(1, 1001):
+        st.add_history(status, step, 1.0 / step)
+    assert len(status.history) <= st.HISTORY_POINTS
+    assert status.history[0]["step"] == 1.0 and status.history[-1]["step"] == 1000.0
+    steps = [p["step"] for p in status.history]
+    assert steps == sorted(steps)

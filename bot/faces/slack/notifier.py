@@ -220,6 +220,9 @@ class SlackNotifier:
 
     def send(self, item: OutboxItem) -> None:
         self._respect_pause()
+        if item.edit_of is not None:
+            self._edit(item, item.edit_of)
+            return
         channel = self._conversation(item)
         facts = self._facts.facts(item.id)
         posted_in: str | None = None
@@ -232,6 +235,30 @@ class SlackNotifier:
         if item.attachment is not None and facts.uploaded_at is None:
             # After the message, so a chart never arrives without its words.
             self._upload(item, item.attachment, posted_in)
+
+    def _edit(self, item: OutboxItem, message_id: int) -> None:
+        """chat.update of a message posted earlier (a run's live message), found by the
+        channel and ts stored when it was posted. An edit is idempotent, so a lost reply
+        just means it is sent again; a message not yet posted makes the edit wait."""
+        facts = self._facts.facts(message_id)
+        if facts.posted_ts is None or facts.attempt_channel is None:
+            raise NotTaken("the message to edit is not posted yet", timedelta(seconds=15))
+        body = message(item.view)
+        try:
+            self._call(
+                "chat.update",
+                self._client.chat_update,
+                channel=facts.attempt_channel,
+                ts=facts.posted_ts,
+                text=body["text"],
+                blocks=body["blocks"],
+            )
+        except RuntimeError as exc:
+            if "message_not_found" in str(exc) or "cant_update_message" in str(exc):
+                # Deleted by its reader: nothing to edit, and nothing worth retrying.
+                log.info("live message of notification %s is gone: %s", message_id, exc)
+                return
+            raise
 
     def _upload(self, item: OutboxItem, attachment: tuple[str, bytes], channel: str) -> None:
         name, data = attachment
