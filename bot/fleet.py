@@ -131,7 +131,11 @@ Prepare = Callable[[SshRunner, SshTarget], PreparedHost]
 
 
 def bootstrap_prepare(
-    runner: SshRunner, target: SshTarget, *, cloud: bool | None = None
+    runner: SshRunner,
+    target: SshTarget,
+    *,
+    cloud: bool | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> PreparedHost:
     """The production preparation: the idempotent bootstrap (a marker read when current),
     with the host agent (training.agent; bot.agentwatch reads it). On an EC2 instance it
@@ -139,7 +143,8 @@ def bootstrap_prepare(
     watches for spot notices. On a static host (someone else's machine) it only watches:
     no stop, no metadata service. `cloud` None: an EC2 host is one named by its instance
     id (the EC2 fleet's host names); static hosts carry the names the team gave them.
-    The agent's runs dir is the bootstrap root's ``runs``, where `RemoteAccess` puts runs."""
+    The agent's runs dir is the bootstrap root's ``runs``, where `RemoteAccess` puts runs.
+    `env` goes to the bootstrap's commands: a pip index, proxy or wheel directory."""
     if cloud is None:
         ident = target.name.removeprefix("i-")
         cloud = target.name.startswith("i-") and len(ident) in (8, 17)
@@ -149,7 +154,7 @@ def bootstrap_prepare(
         agent = AgentInstall(stop_command=stop)
     else:
         agent = AgentInstall(stop_command=None, imds_endpoint=None)
-    report = bootstrap(runner, target, remote_root="~/.gpubot", agent=agent)
+    report = bootstrap(runner, target, remote_root="~/.gpubot", agent=agent, env=env)
     return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
 
 
@@ -170,6 +175,10 @@ class _HostRunner:
 
     # The runner's interpreter and module as `bot.runs._runner_command` puts them first.
     _RUNNER = (sys.executable, "-m", "training.runner")
+    # The probes (inventory, telemetry, agent) as callers spell them: the bot's own
+    # interpreter or a bare `python3` (bot.utilization.default_python). On a prepared
+    # host either one is the wrong interpreter: the host's venv runs them, from its code.
+    _PROBES = ("training.telemetry", "training.inventory", "training.agent")
 
     def __init__(self, inner: SshRunner, host: PreparedHost) -> None:
         self.inner = inner
@@ -184,7 +193,22 @@ class _HostRunner:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> RunResult:
+        command, env = self._own_python(command, env)
         return self.inner.run(target, command, timeout, cwd=cwd, env=env)
+
+    def _own_python(
+        self, command: str, env: Mapping[str, str] | None
+    ) -> tuple[str, Mapping[str, str] | None]:
+        """`python3 -m training.telemetry …` → the host's venv python, its code on the path."""
+        for module in self._PROBES:
+            for python in (sys.executable, "python3"):
+                old = (python, "-m", module)
+                swapped = shell.replace_program(command, old, (self.host.python, "-m", module))
+                if swapped is not None:
+                    if self.host.code_dir:
+                        env = {**(env or {}), "PYTHONPATH": self.host.code_dir}
+                    return swapped, env
+        return command, env
 
     def upload_dir(
         self,
@@ -247,6 +271,11 @@ class _HostRunner:
             if self.host.code_dir:
                 extra["PYTHONPATH"] = self.host.code_dir
         return self.inner.start_detached(target, command, log_path, cwd=cwd, env=extra or None)
+
+
+def host_runner(inner: SshRunner, host: PreparedHost) -> SshRunner:
+    """`inner` speaking for a prepared host: runs and probes use the host's own venv."""
+    return _HostRunner(inner, host)
 
 
 # --- reaching hosts ---------------------------------------------------------------------
@@ -331,24 +360,39 @@ class RemoteAccess:
             return None
         return _HostRunner(self.runner, prepared), target, Path(prepared.root) / "runs"
 
-    def _prepare(self, host_name: str, target: SshTarget) -> PreparedHost | None:
+    def prepared(self, host_name: str) -> PreparedHost | None:
+        """The host as this process prepared it, without dialling; None if not yet."""
+        with self._lock:
+            return self._prepared.get(host_name)
+
+    def prepare_now(self, host_name: str, target: SshTarget) -> PreparedHost:
+        """Prepares (bootstraps) the host unless this process did; raises
+        ProvisioningError saying why it cannot be (bot.hostcheck runs it off the tick)."""
         with self._lock:
             if host_name in self._prepared:
                 return self._prepared[host_name]
             host_lock = self._host_locks.setdefault(host_name, threading.Lock())
-        with host_lock:  # one bootstrap per host at a time; the others wait for it
+        with host_lock:
             with self._lock:
                 if host_name in self._prepared:
                     return self._prepared[host_name]
-            try:
-                prepared = self.prepare(self.runner, target)
-            except ProvisioningError as exc:
-                log.warning("preparing %s failed: %s", host_name, exc)
-                return None
+            prepared = self.prepare(self.runner, target)
             with self._lock:
                 self._prepared[host_name] = prepared
             log.info("host %s prepared (root %s)", host_name, prepared.root)
             return prepared
+
+    def forget(self, host_name: str) -> None:
+        """Drops what this process knew of the host (`gpubot hosts forget`)."""
+        with self._lock:
+            self._prepared.pop(host_name, None)
+
+    def _prepare(self, host_name: str, target: SshTarget) -> PreparedHost | None:
+        try:
+            return self.prepare_now(host_name, target)
+        except ProvisioningError as exc:
+            log.warning("preparing %s failed: %s", host_name, exc)
+            return None
 
 
 # --- the fleet ------------------------------------------------------------------------

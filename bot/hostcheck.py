@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -34,6 +33,7 @@ from datetime import datetime, timedelta
 from sqlmodel import Session, col, select
 
 from bot import views
+from bot.billing import note_host_state
 from bot.fleet import RemoteAccess, host_runner
 from bot.service import GpuService
 from db.models import (
@@ -170,7 +170,9 @@ class HostChecker:
         except SshError as exc:
             return CheckResult(name, ok=False, reason=f"unreachable: {exc}")
         if not alive.ok:
-            return CheckResult(name, ok=False, reason=f"unreachable: `true` exited {alive.exit_code}")
+            return CheckResult(
+                name, ok=False, reason=f"unreachable: `true` exited {alive.exit_code}"
+            )
         try:
             prepared = self.access.prepare_now(name, target)
         except SshError as exc:
@@ -245,35 +247,42 @@ class HostChecker:
 
     def _failed(self, result: CheckResult, *, at_once: bool) -> None:
         now = self.service.clock.now()
-        newly_down: datetime | None = None
+        with transaction(self.service.engine, write=False) as s:
+            listed = s.exec(select(Host).where(Host.name == result.host)).first() is not None
+        if not listed:  # its first check failed before it was ever listed: list it down
+            self.service.sync_hosts(
+                [self._instance(result.host, self.hosts[result.host].gpus, HOST_UNREACHABLE)]
+            )
+        announce: str | None = None
         with transaction(self.service.engine) as s:
-            row = s.exec(select(Host).where(Host.name == result.host)).first()
-            if row is None:  # never listed yet (its first check failed): list it as down
-                self.service.sync_hosts(
-                    [self._instance(result.host, self.hosts[result.host].gpus, HOST_UNREACHABLE)]
-                )
-                row = s.exec(select(Host).where(Host.name == result.host)).one()
+            row = s.exec(select(Host).where(Host.name == result.host)).one()
             row.check_failures += 1
             row.down_since = row.down_since or now
             row.down_reason = result.reason[:300]
             row.next_check_at = now + backoff(row.check_failures)
-            if row.state != HOST_UNREACHABLE and (at_once or row.check_failures >= self.down_after):
+            failures = row.check_failures
+            if row.state != HOST_UNREACHABLE and (at_once or failures >= self.down_after):
                 row.state = HOST_UNREACHABLE
                 row.updated_at = now
-                newly_down = row.down_since
+                s.add(row)
+                s.flush()
+                note_host_state(s, row, now, self.service.settings)
+                announce = self._tell_waiting(s, row, now)
             s.add(row)
-            if newly_down is not None:
-                self._tell_waiting(s, row, now)
+            dedupe = f"host-down:{row.name}:{row.down_since.isoformat()}"
+        if announce is not None:
+            self.service.notify_channel(_text(announce), dedupe=dedupe)
         log.warning(
             "host %s: check %d failed: %s (next in %s)",
             result.host,
-            row.check_failures,
+            failures,
             result.reason,
-            backoff(row.check_failures),
+            backoff(failures),
         )
 
-    def _tell_waiting(self, s: Session, host: Host, now: datetime) -> None:
-        """Once per outage: whoever holds GPUs or runs there, or waits for its GPUs."""
+    def _tell_waiting(self, s: Session, host: Host, now: datetime) -> str:
+        """Once per outage: whoever holds GPUs or runs there, or waits for its GPUs, by DM;
+        returns the text, for the channel (posted after this transaction commits)."""
         assert host.down_since is not None
         models = {
             g.model
@@ -281,7 +290,11 @@ class HostChecker:
         }
         told: set[int] = set()
         users: list[int] = []
-        for res in s.exec(select(Reservation).where(Reservation.host_id == host.id, Reservation.state == RES_ACTIVE)):
+        for res in s.exec(
+            select(Reservation).where(
+                Reservation.host_id == host.id, Reservation.state == RES_ACTIVE
+            )
+        ):
             users.append(res.user_id)
         for run in s.exec(
             select(TrainingRun).where(
@@ -315,9 +328,7 @@ class HostChecker:
                 now,
                 dedupe=f"host-down:{host.name}:{host.down_since.isoformat()}:{user.key}",
             )
-        self.service.notify_channel(
-            _text(text), dedupe=f"host-down:{host.name}:{host.down_since.isoformat()}"
-        )
+        return text
 
 
 def _text(text: str) -> views.View:
@@ -346,20 +357,3 @@ def hostcheck_job(service: GpuService) -> None:
 
 def hostcheck_trigger(settings: object) -> dict[str, object]:
     return {"seconds": 15.0}
-
-
-def down_hosts(s: Session) -> list[Host]:
-    """Hosts marked down, for the status and queue views."""
-    return list(
-        s.exec(
-            select(Host)
-            .where(Host.state == HOST_UNREACHABLE, col(Host.down_reason).is_not(None))
-            .order_by(col(Host.name))
-        )
-    )
-
-
-def down_line(host: Host, now: datetime, when: Callable[[datetime, datetime], str]) -> str:
-    assert host.down_since is not None
-    return f"{host.name} is down since {when(host.down_since, now)}: {host.down_reason}"
-

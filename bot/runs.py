@@ -52,6 +52,7 @@ from bot.scheduling import (
 )
 from db.models import (
     HOST_READY,
+    HOST_UNREACHABLE,
     RES_WAITING,
     Gpu,
     Host,
@@ -268,6 +269,7 @@ class RunService:
             )
             prices = self._per_gpu_prices(s)
             ahead = self._estimates(s, now, [run for run, _ in rows])  # bot.estimates
+            down, ready_models = self._down_hosts(s)
             table = []
             waiting = 0
             for run, user in rows:
@@ -288,6 +290,15 @@ class RunService:
                 if run.id in ahead:
                     start = estimates.start_phrase(ahead[run.id], now.timestamp())
                     cost = estimates.cost_phrase(ahead[run.id])
+                waits_on = [
+                    h
+                    for h, models in down
+                    if run.gpu_model in models or (not run.gpu_model and models)
+                ]
+                if run.state == RUN_QUEUED and waits_on and run.gpu_model not in ready_models:
+                    h = waits_on[0]
+                    assert h.down_since is not None
+                    start = f"waits: {h.name} {views.down_phrase(h.down_since, h.down_reason, now)}"
                 age = format_duration(now - run.submitted_at)
                 table.append(
                     (
@@ -317,7 +328,30 @@ class RunService:
                 tuple(table),
             ),
         )
+        for h, _models in down:
+            assert h.down_since is not None
+            blocks += (
+                views.Context(f"{h.name} is {views.down_phrase(h.down_since, h.down_reason, now)}"),
+            )
         return views.Reply(views.View(text=summary, blocks=blocks))
+
+    def _down_hosts(self, s: Session) -> tuple[list[tuple[Host, set[str]]], set[str]]:
+        """Hosts marked down (bot.hostcheck) with their GPU models, and the models some
+        ready host offers: a run waits on a down host when only that host has its model."""
+        down: list[tuple[Host, set[str]]] = []
+        ready: set[str] = set()
+        for host in s.exec(select(Host).order_by(col(Host.name))):
+            models = {
+                g.model
+                for g in s.exec(
+                    select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
+                )
+            }
+            if host.state == HOST_UNREACHABLE and host.down_since is not None:
+                down.append((host, models))
+            elif host.state == HOST_READY:
+                ready |= models
+        return down, ready
 
     def _estimates(
         self, s: Session, now: datetime, runs: list[TrainingRun]

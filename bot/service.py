@@ -47,6 +47,7 @@ from bot.ports import Actor as Actor  # re-exported: the faces take it with the 
 from bot.ports import Provisioner
 from db.models import (
     HOST_READY,
+    HOST_UNREACHABLE,
     RES_ACTIVE,
     RES_CANCELLED,
     RES_EXPIRED,
@@ -956,4 +957,6 @@ def _host_state(host: Host, gpus: list[GpuState]) -> HostState:
         market=host.market,
         hourly_usd=host.hourly_usd,
         gpus=tuple(gpus),
+        down_since=host.down_since if host.state == HOST_UNREACHABLE else None,
+        down_reason=host.down_reason if host.state == HOST_UNREACHABLE else None,
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from bot import digest, fleet, idle, utilization
+from bot import digest, fleet, hostcheck, idle, utilization
 from bot.delivery import Notifier, deliver
 from bot.errors import new_ref
 from bot.leader import Leadership
@@ -91,6 +91,14 @@ def periodic_jobs(service: GpuService) -> list[PeriodicJob]:
     )
     jobs.append(
         PeriodicJob("fleet", fleet.fleet_job, "interval", fleet.fleet_trigger(service.settings))
+    )
+    jobs.append(
+        PeriodicJob(
+            "host-check",
+            hostcheck.hostcheck_job,
+            "interval",
+            hostcheck.hostcheck_trigger(service.settings),
+        )
     )
     return jobs
 
