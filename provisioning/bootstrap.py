@@ -780,6 +780,71 @@ def install_agent(
     return "supervisor", steps
 
 
+def remove_agent(
+    runner: SshRunner,
+    target: SshTarget,
+    root: str,
+    *,
+    purge: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Stops and removes the host agent and whatever brings it back (systemd unit, the
+    supervisor loop, its @reboot line), and the bootstrap marker, so a later bootstrap
+    installs afresh. `purge` also removes `root` (the venv, the code, the runs). Returns
+    what was done, in words. Safe to repeat: what is already gone is skipped."""
+
+    def sh(line: str, timeout: float = QUICK_TIMEOUT_S) -> RunResult:
+        return runner.run(target, line, timeout, env=env)
+
+    steps: list[str] = []
+    dest = f"/etc/systemd/system/{AGENT_UNIT}"
+    if sh(shell.join(["test", "-e", dest])).ok:
+        sudo = 'S=; [ "$(id -u)" = 0 ] || S="sudo -n"; '
+        done = sh(
+            f"{sudo}$S {shell.join(['systemctl', 'disable', '--now', AGENT_UNIT])}"
+            f" ; $S {shell.join(['rm', '-f', '--', dest])}"
+            f" && $S {shell.join(['systemctl', 'daemon-reload'])}",
+            VENV_TIMEOUT_S,
+        )
+        if not done.ok:
+            detail = (done.stderr.strip() or done.stdout.strip())[-300:] or str(done.exit_code)
+            raise ProvisioningError(
+                f"{target.label}: could not remove the host agent unit {dest}: {detail}"
+            )
+        steps.append(f"host agent: systemd unit {AGENT_UNIT} stopped, disabled and removed")
+    pid = _live_supervisor(runner, target, root)
+    if pid is not None:
+        runner.kill_group(target, pid, "TERM")
+        deadline = time.monotonic() + 10
+        while runner.is_alive(target, pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if runner.is_alive(target, pid):
+            runner.kill_group(target, pid, "KILL")
+        steps.append(f"host agent: supervised process group {pid} stopped")
+    keep_others = shell.join(["grep", "-vF", "--", AGENT_CRON_TAG])
+    tagged = shell.join(["grep", "-qF", "--", AGENT_CRON_TAG])
+    cron = sh(
+        "command -v crontab >/dev/null 2>&1 || exit 3; "
+        f"crontab -l 2>/dev/null | {tagged} || exit 4; "
+        f"crontab -l | {keep_others} | crontab -"
+    )
+    if cron.ok:
+        steps.append("host agent: @reboot crontab line removed")
+    agent_dir = posixpath.join(root, "agent")
+    marker = posixpath.join(root, MARKER_NAME)
+    targets = [root] if purge else [agent_dir, marker]
+    removed = sh(shell.join(["rm", "-rf", "--", *targets]), VENV_TIMEOUT_S)
+    if not removed.ok:
+        detail = (removed.stderr.strip() or removed.stdout.strip())[-300:]
+        raise ProvisioningError(f"{target.label}: could not remove {' '.join(targets)}: {detail}")
+    steps.append(
+        f"removed {root} (venv, code, runs)"
+        if purge
+        else f"removed {agent_dir} and the bootstrap marker (the venv and code stay)"
+    )
+    return steps
+
+
 def agent_cron_line(script: str, log: str) -> str:
     """The crontab line that starts the supervisor again after a reboot. The tag is a
     comment at the end, so the next install finds (and replaces) its own line. cron reads
