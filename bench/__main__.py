@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHES: list[str] = ["runner_overhead", "simulate", "slack_latency"]
+BENCHES: list[str] = ["runner_overhead", "simulate", "slack_latency", "host_bootstrap"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,7 +178,7 @@ class _HostRunner:
     # The probes (inventory, telemetry, agent) as callers spell them: the bot's own
     # interpreter or a bare `python3` (bot.utilization.default_python). On a prepared
     # host either one is the wrong interpreter: the host's venv runs them, from its code.
-    _PROBES = ("training.telemetry", "training.inventory", "training.agent")
+    _HOST_PROBES = ("training.telemetry", "training.inventory", "training.agent")
 
     def __init__(self, inner: SshRunner, host: PreparedHost) -> None:
         self.inner = inner
@@ -200,7 +200,9 @@ class _HostRunner:
         self, command: str, env: Mapping[str, str] | None
     ) -> tuple[str, Mapping[str, str] | None]:
         """`python3 -m training.telemetry …` → the host's venv python, its code on the path."""
-        for module in self._PROBES:
+        if not self.host.python:
+            return command, env  # not prepared yet (RunAccountRunner prepares on first use)
+        for module in self._HOST_PROBES:
             for python in (sys.executable, "python3"):
                 old = (python, "-m", module)
                 swapped = shell.replace_program(command, old, (self.host.python, "-m", module))

@@ -72,7 +72,7 @@ def backoff(failures: int) -> timedelta:
     2 min, … up to 15 min."""
     if failures <= 0:
         return CHECK_EVERY
-    return min(BACKOFF_FIRST * (2 ** min(failures - 1, 16)), BACKOFF_MAX)
+    return min(BACKOFF_FIRST * (1 << min(failures - 1, 16)), BACKOFF_MAX)
 
 
 @dataclass(frozen=True)
