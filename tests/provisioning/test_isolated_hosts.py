@@ -29,7 +29,7 @@ from provisioning.bootstrap import (
 )
 from provisioning.ssh import SshClient
 from tests.isolated_hosts import Bootstrapped, isolated_target
-from tests.ssh_hosts import SshLab, pip_env
+from tests.ssh_hosts import SshLab
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -100,13 +100,10 @@ def test_a_bootstrap_from_nothing_leaves_a_venv_that_runs_every_recipe_import(
 
 
 def test_a_second_bootstrap_is_a_noop(bootstrapped: Bootstrapped) -> None:
-    client = SshClient(connect_timeout=5, command_timeout=60)
-    try:
-        again = bootstrap(client, bootstrapped.target, remote_root="~/.gpubot", env=pip_env())
-    finally:
-        client.close()
+    again = bootstrapped.again
     assert again.noop and again.steps == (UP_TO_DATE,)
     assert again.venv_python == bootstrapped.report.venv_python
+    assert again.uploaded == 0
 
 
 def test_pip_failing_is_a_setup_error_that_says_why(isolated_lab: SshLab) -> None:
