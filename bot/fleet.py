@@ -283,6 +283,10 @@ def host_runner(inner: SshRunner, host: PreparedHost) -> SshRunner:
 # --- reaching hosts ---------------------------------------------------------------------
 
 
+class PrepareInProgress(ProvisioningError):
+    """Another thread is bootstrapping this host now; asked not to wait for it."""
+
+
 class RemoteAccess:
     """`HostAccess` for hosts reached over SSH (static hosts and cloud instances).
 
@@ -300,12 +304,16 @@ class RemoteAccess:
         *,
         prepare: Prepare | None = bootstrap_prepare,
         local: HostAccess | None = None,
+        wait_for_prepare: bool = True,
     ) -> None:
         self.engine = engine
         self.runner = runner
         self.resolver = resolver
         self.prepare = prepare or home_prepare
         self.local = local
+        # False where another thread prepares hosts (bot.hostcheck): a caller that finds a
+        # bootstrap in progress gets None ("not ready yet") instead of waiting minutes.
+        self.wait_for_prepare = wait_for_prepare
         self._prepared: dict[str, PreparedHost] = {}
         self._lock = threading.Lock()
         self._host_locks: dict[str, threading.Lock] = {}
@@ -367,14 +375,17 @@ class RemoteAccess:
         with self._lock:
             return self._prepared.get(host_name)
 
-    def prepare_now(self, host_name: str, target: SshTarget) -> PreparedHost:
+    def prepare_now(self, host_name: str, target: SshTarget, *, wait: bool = True) -> PreparedHost:
         """Prepares (bootstraps) the host unless this process did; raises
-        ProvisioningError saying why it cannot be (bot.hostcheck runs it off the tick)."""
+        ProvisioningError saying why it cannot be (bot.hostcheck runs it off the tick).
+        `wait=False`: PrepareInProgress when another thread is preparing it right now."""
         with self._lock:
             if host_name in self._prepared:
                 return self._prepared[host_name]
             host_lock = self._host_locks.setdefault(host_name, threading.Lock())
-        with host_lock:
+        if not host_lock.acquire(blocking=wait):
+            raise PrepareInProgress(f"{host_name} is being prepared")
+        try:
             with self._lock:
                 if host_name in self._prepared:
                     return self._prepared[host_name]
@@ -383,6 +394,8 @@ class RemoteAccess:
                 self._prepared[host_name] = prepared
             log.info("host %s prepared (root %s)", host_name, prepared.root)
             return prepared
+        finally:
+            host_lock.release()
 
     def forget(self, host_name: str) -> None:
         """Drops what this process knew of the host (`gpubot hosts forget`)."""
@@ -391,7 +404,10 @@ class RemoteAccess:
 
     def _prepare(self, host_name: str, target: SshTarget) -> PreparedHost | None:
         try:
-            return self.prepare_now(host_name, target)
+            return self.prepare_now(host_name, target, wait=self.wait_for_prepare)
+        except PrepareInProgress:
+            log.info("%s is being prepared on another thread; not ready yet", host_name)
+            return None
         except ProvisioningError as exc:
             log.warning("preparing %s failed: %s", host_name, exc)
             return None

@@ -28,7 +28,7 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from sqlmodel import Session, col, select
 
@@ -356,4 +356,6 @@ def hostcheck_job(service: GpuService) -> None:
 
 
 def hostcheck_trigger(settings: object) -> dict[str, object]:
-    return {"seconds": 15.0}
+    """Every 15 s, and once right away: a host's bootstrap starts at worker start, on the
+    checker's threads, before the first tick would want the host."""
+    return {"seconds": 15.0, "next_run_time": datetime.now(UTC)}

@@ -396,6 +396,8 @@ def build_runtime(
             runner,
             resolver or StaticResolver(compute.targets()),
             prepare=_for_hosts(prepare, cloud=False),
+            # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
+            wait_for_prepare=False,
         )
         service.runs = RunService(service, access, catalog)
         # Bootstrap, inventory and health run on the checker's threads, never in the tick.

@@ -212,6 +212,9 @@ def test_the_tick_never_waits_for_a_slow_bootstrap(
     assert checker.tick() == []
     assert checker.in_flight() == ["gpu-a"]
     rt.service.tick()
+    # What the tick's dispatch and sampling ask for is "not ready yet", not a wait.
+    assert rt.service.runs is not None
+    assert rt.service.runs.access.runner_for("gpu-a") is None
     release.set()
     [result] = checker.wait(timeout=60)
     assert result.ok
