@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHES: list[str] = ["runner_overhead", "simulate", "slack_latency", "history"]
+BENCHES: list[str] = ["runner_overhead", "simulate", "slack_latency", "history", "host_bootstrap"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,13 @@ class Host(SQLModel, table=True):
     tags: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
+    # Health of an SSH host (bot.app.hostcheck): since when it has not answered (None: it
+    # does), why in words ("unreachable: …", "setup failed: …"), how many checks in a
+    # row failed, and when the next one may dial it (backing off while it fails).
+    down_since: datetime | None = _ts(nullable=True)
+    down_reason: str | None = Field(default=None, max_length=300)
+    check_failures: int = 0
+    next_check_at: datetime | None = _ts(nullable=True)
 
 
 class Gpu(SQLModel, table=True):

@@ -26,12 +26,14 @@ Why the steps are what they are:
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import posixpath
 import re
 import time
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +45,14 @@ from provisioning.ssh import RunResult, SshRunner, SshTarget, local_tree
 
 # Bump when a host bootstrapped by an older bot lacks something the bot now relies on
 # (another package in the venv, a new directory); every host then redoes the steps.
-BOOTSTRAP_VERSION = 1
+BOOTSTRAP_VERSION = 2  # 2: the whole `train` extra (scikit-learn was missing), not two packages
 MARKER_NAME = "bootstrap.json"
 MIN_PYTHON = (3, 10)
 # What never goes to a host: bytecode is the host's own to compile.
 PACKAGE_EXCLUDE = ("__pycache__", "*.pyc", "*.pyo")
-# Besides torch, what `training` needs on a host (telemetry's NVML; torch wants numpy).
-EXTRA_PACKAGES = ("nvidia-ml-py", "numpy")
+# What `training` needs on a host is pyproject.toml's `train` extra, read by
+# `train_requirements()`: one list, so a recipe's import cannot work here and fail there.
+TRAIN_EXTRA = "train"
 
 # Timeouts (seconds): a quick shell command; a first `import torch` from a cold disk;
 # venv creation (ensurepip copies pip in); pip downloading and unpacking torch.
@@ -102,6 +105,67 @@ class BootstrapReport:
         return posixpath.join(self.root, "code")
 
 
+def train_requirements() -> tuple[str, ...]:
+    """The `train` extra of gpubot, as pip requirement strings ("torch==2.13.0", …).
+
+    From pyproject.toml beside the package in a source checkout (an editable install's
+    metadata is only as new as its last `pip install`), else from the installed
+    distribution's metadata (a deployed bot has no pyproject.toml). Either way the list
+    is pyproject's; nothing here repeats it.
+    """
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if pyproject.is_file():
+        try:
+            data = tomllib.loads(pyproject.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ProvisioningError(f"cannot read {pyproject}: {exc}") from None
+        extra = data.get("project", {}).get("optional-dependencies", {}).get(TRAIN_EXTRA)
+        if not isinstance(extra, list) or not extra:
+            raise ProvisioningError(f"{pyproject} has no [{TRAIN_EXTRA}] extra")
+        return tuple(str(req).strip() for req in extra)
+    try:
+        declared = importlib.metadata.requires("gpubot") or []
+    except importlib.metadata.PackageNotFoundError:
+        declared = []
+    found = extra_from_metadata(declared, TRAIN_EXTRA)
+    if not found:
+        raise ProvisioningError(
+            "cannot tell what a host needs: gpubot is installed without its "
+            f"[{TRAIN_EXTRA}] extra's metadata and there is no pyproject.toml"
+        )
+    return found
+
+
+def extra_from_metadata(declared: list[str], extra: str) -> tuple[str, ...]:
+    """One extra's requirements out of `importlib.metadata.requires` lines."""
+    return tuple(
+        req.split(";", 1)[0].strip()
+        for req in declared
+        if ";" in req and _is_extra(req.split(";", 1)[1], extra)
+    )
+
+
+def _is_extra(marker: str, extra: str) -> bool:
+    """Whether a metadata marker (`extra == "train"`) selects exactly this extra."""
+    return re.fullmatch(rf"""\s*extra\s*==\s*["']{re.escape(extra)}["']\s*""", marker) is not None
+
+
+def requirement_name(requirement: str) -> str:
+    """The distribution a requirement names: "scikit-learn>=1.5" → "scikit-learn"."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if match is None:
+        raise ProvisioningError(f"not a requirement: {requirement!r}")
+    return match.group(1)
+
+
+def torch_requirement(requirements: tuple[str, ...]) -> str:
+    """The torch line of the train extra: the one package an image may already bring."""
+    for req in requirements:
+        if requirement_name(req).lower() == "torch":
+            return req
+    raise ProvisioningError("the train extra names no torch")
+
+
 def venv_python(root: str) -> str:
     return posixpath.join(root, "venv", "bin", "python")
 
@@ -131,7 +195,7 @@ def bootstrap(
     target: SshTarget,
     *,
     remote_root: str = "~/.gpubot",
-    torch_spec: str = "torch==2.13.0",
+    torch_spec: str | None = None,
     python: str = "python3",
     install_torch: bool = True,
     progress: Callable[[str], None] | None = None,
@@ -142,16 +206,22 @@ def bootstrap(
 ) -> BootstrapReport:
     """Bring the host to BOOTSTRAP_VERSION with the current training package; idempotent.
 
-    `python` is the host interpreter the venv is made from. `nvidia_smi` is the
+    `torch_spec` replaces the train extra's torch line (None: keep it). `python` is the
+    host interpreter the venv is made from. `nvidia_smi` is the
     driver's CLI, for images that keep it off PATH. `env` goes to every command: a
     pip index or proxy for hosts without direct internet (PIP_INDEX_URL, HTTPS_PROXY).
     `agent` installs the host agent (`training.agent`) as a service; None installs none.
     Raises `ProvisioningError` (or its `SshError`) with a message fit for the user.
     """
+    requirements = train_requirements()
+    torch_line = torch_requirement(requirements)
+    if torch_spec is not None:
+        requirements = tuple(torch_spec if r == torch_line else r for r in requirements)
     return _Bootstrap(
         runner=runner,
         target=target,
-        torch_spec=torch_spec,
+        torch_spec=torch_spec or torch_line,
+        requirements=requirements,
         python=python,
         install_torch=install_torch,
         progress=progress,
@@ -171,6 +241,7 @@ class _Bootstrap:
         runner: SshRunner,
         target: SshTarget,
         torch_spec: str,
+        requirements: tuple[str, ...],
         python: str,
         install_torch: bool,
         progress: Callable[[str], None] | None,
@@ -182,6 +253,7 @@ class _Bootstrap:
         self.runner = runner
         self.target = target
         self.torch_spec = torch_spec
+        self.requirements = requirements
         self.python = python
         self.install_torch = install_torch
         self.progress = progress
@@ -410,6 +482,7 @@ class _Bootstrap:
         found = self._torch_in(vpy)
         if found is not None:
             self._say(f"torch {found} already in the venv")
+            self._install_missing(vpy)  # a host bootstrapped by an older list
             return found, self._uses_system_site(venv)
 
         image = self._image_torch()
@@ -425,6 +498,7 @@ class _Bootstrap:
                     f"imports with {self.python} but not in the venv made from it"
                 )
             self._say(f"torch {found} from the image (the venv uses its site-packages)")
+            self._install_missing(vpy)
             return found, True
 
         if not self.install_torch:
@@ -433,17 +507,10 @@ class _Bootstrap:
             return None, False
 
         self._make_venv(venv, system_site=False, with_pip=True)
-        if not self._run([vpy, "-m", "pip", "--version"], QUICK_TIMEOUT_S).ok:
-            # A venv made earlier without pip (install_torch was off then).
-            ensured = self._run([vpy, "-m", "ensurepip", "--upgrade"], VENV_TIMEOUT_S)
-            if not ensured.ok:
-                raise self._fail("the venv has no pip and ensurepip failed", ensured)
-        packages = [self.torch_spec, *EXTRA_PACKAGES]
+        self._ensure_pip(vpy)
+        packages = list(self.requirements)
         self._say(f"installing {' '.join(packages)} (this can take several minutes)")
-        pip = [vpy, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
-        installed = self._run([*pip, *packages], PIP_TIMEOUT_S)
-        if not installed.ok:
-            raise self._fail(f"pip install {self.torch_spec} failed", installed)
+        self._pip_install(vpy, packages)
         found = self._torch_in(vpy)
         if found is None:
             raise ProvisioningError(
@@ -452,6 +519,52 @@ class _Bootstrap:
             )
         self._say(f"torch {found} installed")
         return found, False
+
+    def _ensure_pip(self, vpy: str) -> None:
+        if not self._run([vpy, "-m", "pip", "--version"], QUICK_TIMEOUT_S).ok:
+            # A venv made without pip (install_torch was off then, or an image's torch).
+            ensured = self._run([vpy, "-m", "ensurepip", "--upgrade"], VENV_TIMEOUT_S)
+            if not ensured.ok:
+                raise self._fail("the venv has no pip and ensurepip failed", ensured)
+
+    def _pip_install(self, vpy: str, packages: list[str]) -> None:
+        # --no-compile: byte-compiling torch's ~15k modules up front costs tens of seconds
+        # of a first bootstrap; the venv is the login's own, so imports compile lazily.
+        pip = [
+            *(vpy, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"),
+            "--no-compile",
+        ]
+        installed = self._run([*pip, *packages], PIP_TIMEOUT_S)
+        if not installed.ok:
+            raise self._fail(f"pip install {' '.join(packages)} failed", installed)
+
+    def _install_missing(self, vpy: str) -> None:
+        """The train extra's other packages where an image brought torch: whatever the
+        venv cannot already import (the image's own numpy is kept; sklearn rarely is there)."""
+        others = [r for r in self.requirements if requirement_name(r).lower() != "torch"]
+        names = [requirement_name(r) for r in others]
+        probe = (
+            "import importlib.metadata as m, json, sys\n"
+            "def has(n):\n"
+            "    try:\n        m.version(n)\n        return True\n"
+            "    except m.PackageNotFoundError:\n        return False\n"
+            "print(json.dumps([n for n in sys.argv[1:] if not has(n)]))"
+        )
+        result = self._run([vpy, "-c", probe, *names], IMPORT_TIMEOUT_S)
+        lines = result.stdout.strip().splitlines()
+        try:
+            missing = set(json.loads(lines[-1])) if result.ok and lines else None
+        except ValueError:
+            missing = None
+        if missing is None:
+            raise self._fail("cannot list the packages in the venv", result)
+        wanted = [r for r, n in zip(others, names, strict=True) if n in missing]
+        if not wanted:
+            self._say("the image has every other package training needs")
+            return
+        self._ensure_pip(vpy)
+        self._say(f"installing {' '.join(wanted)} (the image lacks them)")
+        self._pip_install(vpy, wanted)
 
     def _uses_system_site(self, venv: str) -> bool:
         cfg = self.runner.read_file(self.target, posixpath.join(venv, "pyvenv.cfg"))
@@ -665,6 +778,71 @@ def install_agent(
             "host agent: no crontab here, so after a reboot it runs again at the next bootstrap"
         )
     return "supervisor", steps
+
+
+def remove_agent(
+    runner: SshRunner,
+    target: SshTarget,
+    root: str,
+    *,
+    purge: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Stops and removes the host agent and whatever brings it back (systemd unit, the
+    supervisor loop, its @reboot line), and the bootstrap marker, so a later bootstrap
+    installs afresh. `purge` also removes `root` (the venv, the code, the runs). Returns
+    what was done, in words. Safe to repeat: what is already gone is skipped."""
+
+    def sh(line: str, timeout: float = QUICK_TIMEOUT_S) -> RunResult:
+        return runner.run(target, line, timeout, env=env)
+
+    steps: list[str] = []
+    dest = f"/etc/systemd/system/{AGENT_UNIT}"
+    if sh(shell.join(["test", "-e", dest])).ok:
+        sudo = 'S=; [ "$(id -u)" = 0 ] || S="sudo -n"; '
+        done = sh(
+            f"{sudo}$S {shell.join(['systemctl', 'disable', '--now', AGENT_UNIT])}"
+            f" ; $S {shell.join(['rm', '-f', '--', dest])}"
+            f" && $S {shell.join(['systemctl', 'daemon-reload'])}",
+            VENV_TIMEOUT_S,
+        )
+        if not done.ok:
+            detail = (done.stderr.strip() or done.stdout.strip())[-300:] or str(done.exit_code)
+            raise ProvisioningError(
+                f"{target.label}: could not remove the host agent unit {dest}: {detail}"
+            )
+        steps.append(f"host agent: systemd unit {AGENT_UNIT} stopped, disabled and removed")
+    pid = _live_supervisor(runner, target, root)
+    if pid is not None:
+        runner.kill_group(target, pid, "TERM")
+        deadline = time.monotonic() + 10
+        while runner.is_alive(target, pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if runner.is_alive(target, pid):
+            runner.kill_group(target, pid, "KILL")
+        steps.append(f"host agent: supervised process group {pid} stopped")
+    keep_others = shell.join(["grep", "-vF", "--", AGENT_CRON_TAG])
+    tagged = shell.join(["grep", "-qF", "--", AGENT_CRON_TAG])
+    cron = sh(
+        "command -v crontab >/dev/null 2>&1 || exit 3; "
+        f"crontab -l 2>/dev/null | {tagged} || exit 4; "
+        f"crontab -l | {keep_others} | crontab -"
+    )
+    if cron.ok:
+        steps.append("host agent: @reboot crontab line removed")
+    agent_dir = posixpath.join(root, "agent")
+    marker = posixpath.join(root, MARKER_NAME)
+    targets = [root] if purge else [agent_dir, marker]
+    removed = sh(shell.join(["rm", "-rf", "--", *targets]), VENV_TIMEOUT_S)
+    if not removed.ok:
+        detail = (removed.stderr.strip() or removed.stdout.strip())[-300:]
+        raise ProvisioningError(f"{target.label}: could not remove {' '.join(targets)}: {detail}")
+    steps.append(
+        f"removed {root} (venv, code, runs)"
+        if purge
+        else f"removed {agent_dir} and the bootstrap marker (the venv and code stay)"
+    )
+    return steps
 
 
 def agent_cron_line(script: str, log: str) -> str:

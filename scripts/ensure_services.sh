@@ -20,3 +20,4 @@ else
 fi
 bash "$(dirname "$0")/sshd_hosts.sh"
 bash "$(dirname "$0")/run_account.sh"
+bash "$(dirname "$0")/ssh_accounts.sh"

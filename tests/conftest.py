@@ -12,6 +12,7 @@ import pytest
 os.environ["GPUBOT_SSH_LOOPBACK_ONLY"] = "1"
 
 from tests.fakes.fixtures import fake_slack  # noqa: F401  (the fake Slack Web API, for every test)
+from tests.isolated_hosts import bootstrapped, isolated_lab  # noqa: F401  (hosts not this machine)
 
 
 def _cuda_available() -> bool:

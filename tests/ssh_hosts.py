@@ -5,8 +5,12 @@ its own loopback address (127.0.0.2, 127.0.0.3, … port 2222), so the SSH layer
 tested against the daemon it meets in production rather than a double. One client
 key pair is shared by all hosts, as one bot key is in production.
 
-Both hosts are this machine underneath, so tests keep each host's files apart by
-path (see `SshHost.root`).
+The default lab (`start_lab`) logs in as the bot's own user: both hosts are this
+machine underneath, with the bot's venv readable, so tests keep each host's files apart
+by path (see `SshHost.root`). That is a shortcut for tests about the SSH layer, runs and
+agents, not about what a host has. `start_isolated_lab` is the honest one: each host is
+its own unix account (scripts/ssh_accounts.sh makes them) with its own home, a login
+shell and only the system python3, so a bootstrap there starts from nothing.
 """
 
 from __future__ import annotations
@@ -111,10 +115,14 @@ class SshHost:
     authorized_keys: Path
     port: int = DEFAULT_PORT
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # The unix account this host logs in as; None: the bot's own (the default lab).
+    account: str | None = None
 
     @property
     def root(self) -> Path:
         """Where tests put this host's remote files, so two hosts never share a path."""
+        if self.account is not None:
+            return Path(pwd.getpwnam(self.account).pw_dir)
         return Path(f"/tmp/gpubot-sshtest-{self.address}-{os.getpid()}")
 
     @property
@@ -209,12 +217,25 @@ class SshLab:
     client_key: Path
     hosts: dict[str, SshHost]
     user: str
+    # Where the isolated lab keeps the authorized keys the accounts may read; None otherwise.
+    keys_dir: Path | None = None
 
     def stop(self) -> None:
         for host in self.hosts.values():
             host.stop()
         for host in self.hosts.values():
-            shutil.rmtree(host.root, ignore_errors=True)
+            if host.account is None:
+                shutil.rmtree(host.root, ignore_errors=True)
+            else:
+                # The home stays as the session left it (a look after a failure helps);
+                # the next isolated lab empties it before its bootstrap from nothing.
+                end_account_processes(host.account)
+        if self.keys_dir is not None:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
+
+    def user_of(self, name: str) -> str:
+        """The login name for host `name`."""
+        return self.hosts[name].account or self.user
 
 
 def start_lab(directory: Path, addresses: dict[str, str] | None = None) -> SshLab:
@@ -242,6 +263,119 @@ def start_lab(directory: Path, addresses: dict[str, str] | None = None) -> SshLa
             hosts[name] = host
             host.start()
             host.root.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        lab.stop()
+        raise
+    return lab
+
+
+# --- hosts that are not the bot's ---------------------------------------------------------
+
+# The accounts scripts/ssh_accounts.sh creates, and the wheel cache it fills.
+HOST_ACCOUNTS = tuple(
+    os.environ.get("GPUBOT_TEST_HOST_ACCOUNTS", "gpubot-host-a gpubot-host-b").split()
+)
+WHEELS = Path(os.environ.get("GPUBOT_TEST_WHEELS", "/var/cache/gpubot-test-wheels"))
+
+
+def isolated_unavailable() -> str | None:
+    """None when the isolated hosts can run here; otherwise why not (a skip reason)."""
+    reason = sshd_available()
+    if reason is not None:
+        return reason
+    if os.geteuid() != 0:
+        return "the isolated SSH hosts need root (to log in as other accounts and reset them)"
+    for account in HOST_ACCOUNTS:
+        try:
+            pwd.getpwnam(account)
+        except KeyError:
+            return f"no account {account} (run `bash scripts/ssh_accounts.sh`)"
+    if not (WHEELS / ".requirements").exists():
+        return f"no wheel cache at {WHEELS} (run `bash scripts/ssh_accounts.sh`)"
+    return None
+
+
+def pip_env() -> dict[str, str]:
+    """What a bootstrap on an isolated host gets: the shared wheel cache, no index (the
+    suite installs offline; a real team passes its own index or proxy the same way)."""
+    return {"PIP_FIND_LINKS": str(WHEELS), "PIP_NO_INDEX": "1"}
+
+
+def _account_pids(account: str) -> list[int]:
+    uid = pwd.getpwnam(account).pw_uid
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def end_account_processes(account: str) -> None:
+    """Kill, by id, what the tests started as `account` (agents, runs, probes): the
+    account exists only for these tests, so every process it owns is theirs."""
+    for pid in _account_pids(account):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wipe_home(account: str) -> None:
+    """The account's home as `useradd` left it (empty): the next bootstrap starts from nothing."""
+    home = Path(pwd.getpwnam(account).pw_dir)
+    children = [str(child) for child in home.iterdir()] if home.is_dir() else []
+    if children:  # rm(1): a venv with torch is ~20k files, twice as fast as shutil.rmtree
+        subprocess.run(["rm", "-rf", "--", *children], capture_output=True, check=False)
+    if shutil.which("crontab") is not None:  # the agent's @reboot line, where cron exists
+        subprocess.run(["crontab", "-r", "-u", account], capture_output=True, check=False)
+
+
+def start_isolated_lab(
+    directory: Path, addresses: dict[str, str] | None = None, *, fresh: bool = True
+) -> SshLab:
+    """One sshd per host, each logging in as its own account (HOST_ACCOUNTS in order).
+
+    `fresh` empties the accounts' homes first, so what a test sees there was made by
+    this session. The authorized keys live in a world-readable directory of their own:
+    sshd reads them as the logging-in account, which may not read the bot's temp dirs."""
+    reason = isolated_unavailable()
+    if reason is not None:
+        raise SshdUnavailable(reason)
+    addresses = addresses or {"lab-a": "127.0.0.4", "lab-b": "127.0.0.5"}
+    if len(addresses) > len(HOST_ACCOUNTS):
+        raise SshdUnavailable(f"only {len(HOST_ACCOUNTS)} host accounts for {len(addresses)} hosts")
+    directory.mkdir(parents=True, exist_ok=True)
+    client_key = directory / "client_ed25519"
+    _keygen(client_key, "gpubot-test-client")
+    keys_dir = Path(f"/tmp/gpubot-sshkeys-{os.getpid()}-{directory.name}")
+    keys_dir.mkdir(mode=0o755, exist_ok=True)
+    keys_dir.chmod(0o755)
+    authorized = keys_dir / "authorized_keys"
+    authorized.write_text(client_key.with_suffix(".pub").read_text())
+    authorized.chmod(0o644)
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    hosts: dict[str, SshHost] = {}
+    lab = SshLab(
+        directory=directory, client_key=client_key, hosts=hosts, user=user, keys_dir=keys_dir
+    )
+    try:
+        for (name, address), account in zip(addresses.items(), HOST_ACCOUNTS, strict=False):
+            if fresh:
+                end_account_processes(account)
+                wipe_home(account)
+            host_dir = directory / name
+            host_dir.mkdir(exist_ok=True)
+            host = SshHost(
+                name=name,
+                address=address,
+                directory=host_dir,
+                authorized_keys=authorized,
+                account=account,
+            )
+            hosts[name] = host
+            host.start()
     except BaseException:
         lab.stop()
         raise

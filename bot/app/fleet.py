@@ -128,7 +128,11 @@ Prepare = Callable[[SshRunner, SshTarget], PreparedHost]
 
 
 def bootstrap_prepare(
-    runner: SshRunner, target: SshTarget, *, cloud: bool | None = None
+    runner: SshRunner,
+    target: SshTarget,
+    *,
+    cloud: bool | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> PreparedHost:
     """The production preparation: the idempotent bootstrap (a marker read when current),
     with the host agent (training.agent; bot.app.agentwatch reads it). On an EC2 instance it
@@ -136,7 +140,8 @@ def bootstrap_prepare(
     watches for spot notices. On a static host (someone else's machine) it only watches:
     no stop, no metadata service. `cloud` None: an EC2 host is one named by its instance
     id (the EC2 fleet's host names); static hosts carry the names the team gave them.
-    The agent's runs dir is the bootstrap root's ``runs``, where `RemoteAccess` puts runs."""
+    The agent's runs dir is the bootstrap root's ``runs``, where `RemoteAccess` puts runs.
+    `env` goes to the bootstrap's commands: a pip index, proxy or wheel directory."""
     if cloud is None:
         ident = target.name.removeprefix("i-")
         cloud = target.name.startswith("i-") and len(ident) in (8, 17)
@@ -146,7 +151,7 @@ def bootstrap_prepare(
         agent = AgentInstall(stop_command=stop)
     else:
         agent = AgentInstall(stop_command=None, imds_endpoint=None)
-    report = bootstrap(runner, target, remote_root="~/.gpubot", agent=agent)
+    report = bootstrap(runner, target, remote_root="~/.gpubot", agent=agent, env=env)
     return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
 
 
@@ -167,6 +172,10 @@ class _HostRunner:
 
     # The runner's interpreter and module as `bot.app.runs._runner_command` puts them first.
     _RUNNER = (sys.executable, "-m", "training.runner")
+    # The probes (inventory, telemetry, agent) as callers spell them: the bot's own
+    # interpreter or a bare `python3` (bot.app.utilization.default_python). On a prepared
+    # host either one is the wrong interpreter: the host's venv runs them, from its code.
+    _HOST_PROBES = ("training.telemetry", "training.inventory", "training.agent")
 
     def __init__(self, inner: SshRunner, host: PreparedHost) -> None:
         self.inner = inner
@@ -181,7 +190,24 @@ class _HostRunner:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> RunResult:
+        command, env = self._own_python(command, env)
         return self.inner.run(target, command, timeout, cwd=cwd, env=env)
+
+    def _own_python(
+        self, command: str, env: Mapping[str, str] | None
+    ) -> tuple[str, Mapping[str, str] | None]:
+        """`python3 -m training.telemetry …` → the host's venv python, its code on the path."""
+        if not self.host.python:
+            return command, env  # not prepared yet (RunAccountRunner prepares on first use)
+        for module in self._HOST_PROBES:
+            for python in (sys.executable, "python3"):
+                old = (python, "-m", module)
+                swapped = shell.replace_program(command, old, (self.host.python, "-m", module))
+                if swapped is not None:
+                    if self.host.code_dir:
+                        env = {**(env or {}), "PYTHONPATH": self.host.code_dir}
+                    return swapped, env
+        return command, env
 
     def upload_dir(
         self,
@@ -246,7 +272,16 @@ class _HostRunner:
         return self.inner.start_detached(target, command, log_path, cwd=cwd, env=extra or None)
 
 
+def host_runner(inner: SshRunner, host: PreparedHost) -> SshRunner:
+    """`inner` speaking for a prepared host: runs and probes use the host's own venv."""
+    return _HostRunner(inner, host)
+
+
 # --- reaching hosts ---------------------------------------------------------------------
+
+
+class PrepareInProgress(ProvisioningError):
+    """Another thread is bootstrapping this host now; asked not to wait for it."""
 
 
 class RemoteAccess:
@@ -266,12 +301,16 @@ class RemoteAccess:
         *,
         prepare: Prepare | None = bootstrap_prepare,
         local: HostAccess | None = None,
+        wait_for_prepare: bool = True,
     ) -> None:
         self.engine = engine
         self.runner = runner
         self.resolver = resolver
         self.prepare = prepare or home_prepare
         self.local = local
+        # False where another thread prepares hosts (bot.app.hostcheck): a caller that finds a
+        # bootstrap in progress gets None ("not ready yet") instead of waiting minutes.
+        self.wait_for_prepare = wait_for_prepare
         self._prepared: dict[str, PreparedHost] = {}
         self._lock = threading.Lock()
         self._host_locks: dict[str, threading.Lock] = {}
@@ -328,24 +367,47 @@ class RemoteAccess:
             return None
         return _HostRunner(self.runner, prepared), target, Path(prepared.root) / "runs"
 
-    def _prepare(self, host_name: str, target: SshTarget) -> PreparedHost | None:
+    def prepared(self, host_name: str) -> PreparedHost | None:
+        """The host as this process prepared it, without dialling; None if not yet."""
+        with self._lock:
+            return self._prepared.get(host_name)
+
+    def prepare_now(self, host_name: str, target: SshTarget, *, wait: bool = True) -> PreparedHost:
+        """Prepares (bootstraps) the host unless this process did; raises
+        ProvisioningError saying why it cannot be (bot.app.hostcheck runs it off the tick).
+        `wait=False`: PrepareInProgress when another thread is preparing it right now."""
         with self._lock:
             if host_name in self._prepared:
                 return self._prepared[host_name]
             host_lock = self._host_locks.setdefault(host_name, threading.Lock())
-        with host_lock:  # one bootstrap per host at a time; the others wait for it
+        if not host_lock.acquire(blocking=wait):
+            raise PrepareInProgress(f"{host_name} is being prepared")
+        try:
             with self._lock:
                 if host_name in self._prepared:
                     return self._prepared[host_name]
-            try:
-                prepared = self.prepare(self.runner, target)
-            except ProvisioningError as exc:
-                log.warning("preparing %s failed: %s", host_name, exc)
-                return None
+            prepared = self.prepare(self.runner, target)
             with self._lock:
                 self._prepared[host_name] = prepared
             log.info("host %s prepared (root %s)", host_name, prepared.root)
             return prepared
+        finally:
+            host_lock.release()
+
+    def forget(self, host_name: str) -> None:
+        """Drops what this process knew of the host (`gpubot hosts forget`)."""
+        with self._lock:
+            self._prepared.pop(host_name, None)
+
+    def _prepare(self, host_name: str, target: SshTarget) -> PreparedHost | None:
+        try:
+            return self.prepare_now(host_name, target, wait=self.wait_for_prepare)
+        except PrepareInProgress:
+            log.info("%s is being prepared on another thread; not ready yet", host_name)
+            return None
+        except ProvisioningError as exc:
+            log.warning("preparing %s failed: %s", host_name, exc)
+            return None
 
 
 # --- the fleet ------------------------------------------------------------------------

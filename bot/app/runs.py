@@ -57,6 +57,7 @@ from bot.domain.scheduling import (
 from db.models import (
     HOST_PENDING,
     HOST_READY,
+    HOST_UNREACHABLE,
     RES_WAITING,
     RUN_CANCELLED,
     RUN_CANCELLING,
@@ -347,6 +348,7 @@ class RunService:
             )
             prices = self._per_gpu_prices(s)
             ahead = self._estimates(s, now, [run for run, _ in rows])  # bot.domain.estimates
+            down, ready_models = self._down_hosts(s)
             table = []
             waiting = 0  # the line position: counts everyone's queued runs
             shown_waiting = 0  # the summary counts only the rows shown (`queue me`)
@@ -370,6 +372,15 @@ class RunService:
                 if run.id in ahead:
                     start = estimates.start_phrase(ahead[run.id], now.timestamp())
                     cost = estimates.cost_phrase(ahead[run.id])
+                waits_on = [
+                    h
+                    for h, models in down
+                    if run.gpu_model in models or (not run.gpu_model and models)
+                ]
+                if run.state == RUN_QUEUED and waits_on and run.gpu_model not in ready_models:
+                    h = waits_on[0]
+                    assert h.down_since is not None
+                    start = f"waits: {h.name} {views.down_phrase(h.down_since, h.down_reason, now, self.core.settings.timezone)}"
                 age = format_duration(now - run.submitted_at)
                 progress = "–"
                 if run.state == RUN_RUNNING and run.id is not None:
@@ -415,7 +426,32 @@ class RunService:
                 tuple(table),
             ),
         )
+        for h, _models in down:
+            assert h.down_since is not None
+            blocks += (
+                views.Context(
+                    f"{h.name} is {views.down_phrase(h.down_since, h.down_reason, now, self.core.settings.timezone)}"
+                ),
+            )
         return views.Reply(views.View(text=summary, blocks=blocks))
+
+    def _down_hosts(self, s: Session) -> tuple[list[tuple[Host, set[str]]], set[str]]:
+        """Hosts marked down (bot.app.hostcheck) with their GPU models, and the models some
+        ready host offers: a run waits on a down host when only that host has its model."""
+        down: list[tuple[Host, set[str]]] = []
+        ready: set[str] = set()
+        for host in s.exec(select(Host).order_by(col(Host.name))):
+            models = {
+                g.model
+                for g in s.exec(
+                    select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
+                )
+            }
+            if host.state == HOST_UNREACHABLE and host.down_since is not None:
+                down.append((host, models))
+            elif host.state == HOST_READY:
+                ready |= models
+        return down, ready
 
     def _estimates(
         self, s: Session, now: datetime, runs: list[TrainingRun]

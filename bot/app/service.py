@@ -48,6 +48,7 @@ from bot.domain.metering import Window, period_window
 from bot.domain.readmodels import GpuState, HostState, ReservationInfo, StatusSnapshot
 from db.models import (
     HOST_READY,
+    HOST_UNREACHABLE,
     RES_ACTIVE,
     RES_CANCELLED,
     RES_EXPIRED,
@@ -1005,4 +1006,6 @@ def _host_state(host: Host, gpus: list[GpuState]) -> HostState:
         market=host.market,
         hourly_usd=host.hourly_usd,
         gpus=tuple(gpus),
+        down_since=host.down_since if host.state == HOST_UNREACHABLE else None,
+        down_reason=host.down_reason if host.state == HOST_UNREACHABLE else None,
     )

@@ -66,8 +66,10 @@ PythonFor = Callable[[str], str]
 
 def default_python(host_name: str) -> str:
     """The interpreter that runs the probe on a host. This machine: the bot's own, which
-    has `training` installed beside it. Elsewhere: `python3`, with `training` on its
-    path (bootstrap puts it there). A parameter everywhere it is used, for other layouts."""
+    has `training` installed beside it. Elsewhere: `python3` as a name only: the prepared
+    host's runner (`bot.app.fleet.host_runner`) runs it as the host's bootstrapped venv with
+    the uploaded code on its path, since the system python3 has neither torch nor
+    `training`. A parameter everywhere it is used, for other layouts."""
     return sys.executable if host_name == "local" else "python3"
 
 

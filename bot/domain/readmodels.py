@@ -32,6 +32,9 @@ class HostState:
     market: str
     hourly_usd: float
     gpus: tuple[GpuState, ...]
+    # Set while bot.app.hostcheck has it marked down: since when, and why in words.
+    down_since: datetime | None = None
+    down_reason: str | None = None
 
     @property
     def free(self) -> int:

@@ -360,7 +360,7 @@ def status_view(snap: StatusSnapshot) -> View:
         keys = {r.host.name for r in snap.mine if r.host is not None}
         hosts = tuple(h for h in hosts if h.name in keys)
     for host in hosts:
-        blocks.append(Text(_host_line(host)))
+        blocks.append(Text(_host_line(host, now, snap.tz)))
         rows = []
         for g in host.gpus:
             if g.holder is None:
@@ -390,6 +390,14 @@ def status_view(snap: StatusSnapshot) -> View:
         )
         blocks.append(Text("*Waiting*"))
         blocks.append(Table(("pos", "id", "who", "wants", "for", "waiting"), waiting_rows))
+        for host in snap.hosts:
+            if host.down_since is not None:
+                blocks.append(
+                    Context(
+                        f"{host.name} is {down_phrase(host.down_since, host.down_reason, now, snap.tz)}; "
+                        "what waits for its GPUs gets them when it answers again."
+                    )
+                )
     if snap.mine:
         mine = []
         for r in snap.mine:
@@ -421,10 +429,22 @@ def _no_hosts(snap: StatusSnapshot) -> str:
     return "No hosts are configured."
 
 
-def _host_line(host: HostState) -> str:
+def _host_line(host: HostState, now: datetime, tz: str) -> str:
     price = f", ${host.hourly_usd:.2f}/h" if host.hourly_usd else ""
     where = f" ({host.address})" if host.address else ""
-    return f"*{host.name}*{where}: {host.provider}, {host.state}{price}, {host.free}/{len(host.gpus)} free"
+    line = f"*{host.name}*{where}: {host.provider}, {host.state}{price}, {host.free}/{len(host.gpus)} free"
+    if host.down_since is not None:
+        line += f", {down_phrase(host.down_since, host.down_reason, now, tz)}"
+    elif host.provider == "ssh" and host.gpus and all(g.model == "cpu" for g in host.gpus):
+        line += ", CPU only: no NVIDIA GPU found, runs use its CPUs"
+    elif host.provider == "ssh" and host.state == "pending" and not host.gpus:
+        line += ", being set up (bootstrap, then its GPUs are read)"
+    return line
+
+
+def down_phrase(since: datetime, reason: str | None, now: datetime, tz: str) -> str:
+    """How a host marked down reads wherever work waits on it."""
+    return f"down since {when(since, now, tz)}: {reason or 'no answer'}"
 
 
 def prices_view(catalog: Catalog, model: str | None) -> View:

@@ -51,6 +51,8 @@ db_app = typer.Typer(help="Database schema commands.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 prices_app = typer.Typer(help="The GPU price catalog.", no_args_is_help=True)
 app.add_typer(prices_app, name="prices")
+hosts_app = typer.Typer(help="The team's own SSH hosts.", no_args_is_help=True)
+app.add_typer(hosts_app, name="hosts")
 
 
 def _settings() -> Settings:
@@ -337,6 +339,50 @@ def db_rebuild_rollups() -> None:
         lock_pool(s)  # nothing closes an interval meanwhile
         rows = rebuild_rollups(s)
     typer.echo(f"rebuilt {rows} rollup rows from the usage intervals")
+
+
+@hosts_app.command("forget")
+def hosts_forget(
+    name: str = typer.Argument(..., help="The host's name, as /gpu status shows it."),
+    purge: bool = typer.Option(
+        False, "--purge", help="Also remove ~/.gpubot on the host: the venv, the code, the runs."
+    ),
+) -> None:
+    """Stop and remove the host agent (its systemd unit or supervised loop) and forget the host.
+
+    Refused while GPUs on it are held or runs run there. Take it out of GPUBOT_SSH_HOSTS
+    too, or the next start lists it again.
+    """
+    from bot.app.hostadmin import forget_host
+    from db.migrate import upgrade
+    from db.session import make_engine
+    from provisioning.ssh import SshClient
+
+    settings = _settings()
+    engine = make_engine(settings.sqlalchemy_url)
+    upgrade(engine)
+    key = os.environ.get("GPUBOT_SSH_KEY", "").strip()
+    client = SshClient()
+    try:
+        steps = forget_host(
+            engine,
+            settings,
+            SystemClock(),
+            client,
+            name,
+            key_path=str(Path(key).expanduser()) if key else None,
+            purge=purge,
+        )
+    except UserError as exc:
+        typer.echo(f"gpubot: {exc.text}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        client.close()
+    for step in steps:
+        typer.echo(step)
+    configured = os.environ.get("GPUBOT_SSH_HOSTS", "")
+    if any(e.strip().split("=", 1)[0] == name for e in configured.split(",") if "=" in e):
+        typer.echo(f"{name} is still in GPUBOT_SSH_HOSTS: remove it there before the next start.")
 
 
 @prices_app.command("refresh")

@@ -33,12 +33,14 @@ import stat
 import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
+from sqlmodel import select
 
 from bot.adapters.leader import Leadership, leadership_for
+from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
 from bot.app.fleet import (
     CatalogSupply,
@@ -50,16 +52,18 @@ from bot.app.fleet import (
     attach,
     bootstrap_prepare,
 )
+from bot.app.hostcheck import HostChecker
 from bot.app.ports import FIXED_POOL
 from bot.app.rollups import backfill_rollups
 from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
 from bot.domain.clock import Clock, SystemClock
 from db.migrate import upgrade
-from db.session import make_engine
+from db.models import HOST_PENDING, HOST_UNREACHABLE, Host
+from db.session import make_engine, transaction
 from provisioning import shell
 from provisioning.aws import Ec2Compute
-from provisioning.base import Compute, ProvisioningError
+from provisioning.base import Compute, Instance, ProvisioningError
 from provisioning.bootstrap import bootstrap, default_package_dir
 from provisioning.catalog import Catalog
 from provisioning.hosts import LocalCompute, StaticHostsCompute
@@ -139,6 +143,27 @@ def make_compute(settings: Settings, runner: SshRunner | None = None) -> Compute
     raise ConfigError(
         f"GPUBOT_PROVIDER={settings.provider} is not supported; use local, ssh or aws."
     )
+
+
+def _static_listing(engine: Engine, compute: StaticHostsCompute) -> list[Instance]:
+    """The static hosts as configured, without dialling any: a host given without a GPU
+    list is pending until bot.app.hostcheck has bootstrapped it and read its inventory (a bare
+    `python3` there cannot import `training`), and one marked down stays down until a
+    check sees it answer, across restarts."""
+    with transaction(engine, write=False) as s:
+        down = {
+            h.name
+            for h in s.exec(select(Host).where(Host.provider == "ssh"))
+            if h.state == HOST_UNREACHABLE and h.down_reason
+        }
+    out = []
+    for inst in StaticHostsCompute(compute.hosts).list_instances():
+        if inst.name in down:
+            inst = replace(inst, state=HOST_UNREACHABLE)
+        elif not inst.gpus:
+            inst = replace(inst, state=HOST_PENDING)
+        out.append(inst)
+    return out
 
 
 def _for_hosts(prepare: Prepare | None, *, cloud: bool) -> Prepare | None:
@@ -350,14 +375,18 @@ def build_runtime(
             service, local_access(settings), catalog, refusal=RUN_AS_MISSING if refused else None
         )
     elif isinstance(compute, StaticHostsCompute):
-        service.sync_hosts(compute.list_instances())
+        service.sync_hosts(_static_listing(engine, compute))
         access = RemoteAccess(
             engine,
             runner,
             resolver or StaticResolver(compute.targets()),
             prepare=_for_hosts(prepare, cloud=False),
+            # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
+            wait_for_prepare=False,
         )
         service.runs = RunService(service, access, catalog)
+        # Bootstrap, inventory and health run on the checker's threads, never in the tick.
+        hostcheck.attach(service, HostChecker(service, access, compute.hosts))
     elif isinstance(compute, Ec2Compute):
         access = RemoteAccess(
             engine,

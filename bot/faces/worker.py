@@ -16,7 +16,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from bot.adapters.leader import Leadership
 from bot.adapters.metrics import TICK_SECONDS, note_tick
-from bot.app import digest, fleet, idle, utilization
+from bot.app import digest, fleet, hostcheck, idle, utilization
 from bot.app.delivery import Notifier, deliver
 from bot.app.service import GpuService
 from bot.domain.errors import new_ref
@@ -103,6 +103,14 @@ def periodic_jobs(service: GpuService) -> list[PeriodicJob]:
     )
     jobs.append(
         PeriodicJob("fleet", fleet.fleet_job, "interval", fleet.fleet_trigger(service.settings))
+    )
+    jobs.append(
+        PeriodicJob(
+            "host-check",
+            hostcheck.hostcheck_job,
+            "interval",
+            hostcheck.hostcheck_trigger(service.settings),
+        )
     )
     return jobs
 

@@ -107,6 +107,8 @@ def make_fleet(
         return PreparedHost(root=str(remote_root), python=sys.executable)
 
     resolver = LoopbackResolver(target or lab_target(ssh))
+    # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about the fleet's money and lifecycle;
+    # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     access = RemoteAccess(engine, client, resolver, prepare=prepare)
     fleet = Fleet(svc, compute, access, catalog=compute.catalog)
     attach(svc, fleet)

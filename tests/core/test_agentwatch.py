@@ -77,6 +77,8 @@ class Bench:
             root = str(self.roots[target.name])
             return PreparedHost(root=root, python=sys.executable, code_dir=str(REPO))
 
+        # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about the agent's reports;
+        # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
         self.rt: Runtime = build_runtime(load_settings(), ssh=self.client, prepare=prepare)
         runs = self.rt.service.runs
         assert runs is not None

@@ -529,6 +529,8 @@ def test_staged_and_git_runs_on_a_static_ssh_host(
     monkeypatch.setenv("GPUBOT_SSH_HOSTS", f"gpu-b={lab.user}@{host.address}:{host.port}/1xcpu")
     remote = PreparedHost(root=str(host.root / "gpubot"), python=sys.executable)
     client = SshClient(connect_timeout=5, command_timeout=60)
+    # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about where a run's code comes from;
+    # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     rt = build_runtime(load_settings(), ssh=client, prepare=lambda runner, target: remote)
     runs = rt.service.runs
     assert runs is not None

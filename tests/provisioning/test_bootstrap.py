@@ -31,6 +31,8 @@ from provisioning.bootstrap import (
     bootstrap,
     default_package_dir,
     package_hash,
+    requirement_name,
+    train_requirements,
 )
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.ssh import RunResult, SshClient, SshRunner, SshTarget, UploadReport, local_tree
@@ -159,7 +161,20 @@ def _fake_site(tmp: Path, init: str) -> Path:
     site = tmp / "fake-site"
     (site / "torch").mkdir(parents=True)
     (site / "torch" / "__init__.py").write_text(init)
+    _fake_dists(site)
     return site
+
+
+def _fake_dists(site: Path) -> None:
+    """The train extra's other packages as installed metadata, as an image that has them
+    shows them: the bootstrap then has nothing to pip install (and no index to ask)."""
+    for req in train_requirements():
+        name = requirement_name(req)
+        if name.lower() == "torch":
+            continue
+        info = site / f"{name.replace('-', '_')}-99.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 99.0\n")
 
 
 def _make_host(runner: SshRunner, target: SshTarget, tmp: Path) -> Host:
@@ -229,6 +244,8 @@ def test_first_bootstrap_does_every_step_and_the_second_is_a_noop(host: Host) ->
         NO_DRIVER,
         f"Python {platform.python_version()}",
         f"torch {FAKE_TORCH} from the image (the venv uses its site-packages)",
+        # The image's python is the bot's venv here: numpy, sklearn and NVML come with it.
+        "the image has every other package training needs",
         f"training package: {len(shipped)} files sent, 0 unchanged",
         "smoke test passed: training.inventory sees 0 GPUs",
         f"marker written (bootstrap v{BOOTSTRAP_VERSION})",
@@ -451,6 +468,7 @@ def test_an_image_whose_python_is_a_venv_lends_its_torch(local: Host) -> None:
     [site] = image.glob("lib/python*/site-packages")
     (site / "torch").mkdir()
     (site / "torch" / "__init__.py").write_text("__version__ = '2.13.0+image'\n")
+    _fake_dists(site)
     del host.env["PYTHONPATH"]
 
     report = host.boot(python=str(image / "bin" / "python"))

@@ -67,6 +67,8 @@ def test_a_run_on_an_ssh_host_sees_none_of_the_bots_secrets(
     def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
         return PreparedHost(root=str(remote), python=sys.executable)
 
+    # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about secrets reaching a run;
+    # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     rt = build_runtime(load_settings(), ssh=client, prepare=prepare, runs_as_self=False)
     try:
         alice = rt.service.actor("alice")

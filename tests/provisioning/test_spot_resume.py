@@ -103,6 +103,8 @@ def runtime(
         # A hand-prepared host: this interpreter, the checkout on PYTHONPATH.
         return PreparedHost(root=str(roots[target.name]), python=sys.executable, code_dir=str(REPO))
 
+    # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about spot notices and resuming;
+    # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     rt = build_runtime(load_settings(), ssh=client, prepare=prepare)
     try:
         yield rt, client

@@ -99,6 +99,8 @@ def test_static_hosts_are_listed_synced_and_reachable(env: Path, client: SshClie
         assert home_prepare(runner, target).root.endswith("/.gpubot")
         return PreparedHost(root=str(env / "remote"), python=sys.executable)
 
+    # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about listing and reaching static hosts;
+    # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     rt = build_runtime(load_settings(), ssh=client, prepare=prepare)
     assert isinstance(rt.compute, StaticHostsCompute)
     snap = rt.service.status(rt.service.actor("alice"), Status())
@@ -181,6 +183,8 @@ def test_a_training_run_goes_to_a_static_host_over_ssh(
     monkeypatch.setenv("GPUBOT_SSH_KEY", str(ssh_lab.client_key))
     monkeypatch.setenv("GPUBOT_SSH_HOSTS", _entry(ssh_lab, "gpu-b", "1xcpu"))
     remote = PreparedHost(root=str(tmp_path / "remote"), python=sys.executable)
+    # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about listing and reaching static hosts;
+    # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     rt = build_runtime(load_settings(), ssh=client, prepare=lambda runner, target: remote)
     runs = rt.service.runs
     assert runs is not None

@@ -1,7 +1,7 @@
 """watching runs: recipe options and sweep groups on runs; outbox rows that edit a message
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 Create Date: 2026-12-03
 """
 
@@ -12,7 +12,7 @@ import sqlmodel
 from alembic import op
 
 revision: str = "0006"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,273 @@
+"""Static hosts' health (bot.app.hostcheck) against real sshd hosts, on the virtual clock.
+
+A host's sshd is killed and started again, as a reboot or a network drop would; the
+checks run on the checker's threads and the tests wait for them (`HostChecker.wait`)
+rather than for time. The health tests prepare hosts without a bootstrap (a shortcut:
+they are about marking down and back, not about what a host has); the last test is the
+bootstrap one, on an isolated host with only the system python3.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlmodel import Session, select
+
+from bot.app.config import load_settings
+from bot.app.fleet import PreparedHost, bootstrap_prepare
+from bot.app.hostcheck import BACKOFF_FIRST, CHECK_EVERY, HostChecker, backoff, checker_for
+from bot.app.utilization import default_python, probe
+from bot.domain.clock import VirtualClock
+from bot.domain.commands import Queue, Release, Reserve, Run, Status
+from bot.faces.runtime import Runtime, build_runtime
+from db.models import Gpu, Host, Notification, Reservation
+from provisioning.base import ProvisioningError
+from provisioning.ssh import SshClient, SshRunner, SshTarget
+from tests.isolated_hosts import Bootstrapped
+from tests.ssh_hosts import SshHost, SshLab, pip_env
+
+START = datetime(2026, 12, 7, 9, 0, tzinfo=UTC)
+
+
+def _entry(lab: SshLab, name: str, gpus: str = "") -> str:
+    host = lab.hosts[name]
+    user = lab.user_of(name)
+    return f"{name}={user}@{host.address}:{host.port}" + (f"/{gpus}" if gpus else "")
+
+
+@pytest.fixture
+def client() -> Iterator[SshClient]:
+    c = SshClient(connect_timeout=2, command_timeout=20)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _runtime(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    lab: SshLab,
+    hosts: str,
+    client: SshClient,
+    prepare: object,
+) -> tuple[Runtime, VirtualClock, HostChecker]:
+    monkeypatch.setenv("GPUBOT_PROVIDER", "ssh")
+    monkeypatch.setenv("GPUBOT_HOME", str(tmp_path))
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.setenv("GPUBOT_SSH_KEY", str(lab.client_key))
+    monkeypatch.setenv("GPUBOT_SSH_HOSTS", hosts)
+    clock = VirtualClock(START)
+    rt = build_runtime(load_settings(), clock=clock, ssh=client, prepare=prepare)  # type: ignore[arg-type]
+    checker = checker_for(rt.service)
+    assert checker is not None
+    return rt, clock, checker
+
+
+def _no_bootstrap(root: Path) -> object:
+    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+        # A shortcut: these tests are about health, not about what a host has.
+        return PreparedHost(root=str(root / target.name), python=sys.executable)
+
+    return prepare
+
+
+def _host(rt: Runtime, name: str) -> Host:
+    with Session(rt.engine) as s:
+        return s.exec(select(Host).where(Host.name == name)).one()
+
+
+def _dms(rt: Runtime, user: str) -> list[str]:
+    with Session(rt.engine) as s:
+        return [
+            n.text
+            for n in s.exec(
+                select(Notification).where(Notification.kind == "dm", Notification.target == user)
+            )
+        ]
+
+
+def _check(checker: HostChecker) -> list[str]:
+    started = checker.tick()
+    checker.wait(timeout=60)
+    return started
+
+
+def test_backoff_doubles_and_is_capped() -> None:
+    assert [backoff(n) for n in (1, 2, 3)] == [BACKOFF_FIRST, BACKOFF_FIRST * 2, BACKOFF_FIRST * 4]
+    assert backoff(40) == timedelta(minutes=15)
+    assert backoff(0) == CHECK_EVERY
+
+
+def test_a_host_that_stops_answering_is_marked_down_and_comes_back_by_itself(
+    ssh_lab: SshLab,
+    droppable_host: SshHost,
+    client: SshClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hosts = ",".join([_entry(ssh_lab, "gpu-a", "1xA100"), _entry(ssh_lab, "gpu-b", "1xT4")])
+    rt, clock, checker = _runtime(
+        monkeypatch, tmp_path, ssh_lab, hosts, client, _no_bootstrap(tmp_path)
+    )
+    svc = rt.service
+    assert sorted(_check(checker)) == ["gpu-a", "gpu-b"]
+    assert _host(rt, "gpu-b").state == "ready"
+    alice, bob = svc.actor("alice"), svc.actor("bob")
+    assert "gpu-b" in svc.reserve(alice, Reserve(1, "T4")).view.text
+    svc.reserve(bob, Reserve(1, "T4"))  # waits behind alice
+
+    droppable_host.stop()
+    first_failure = clock.now()
+    seen = []
+    for failures in (1, 2, 3):
+        clock.advance(timedelta(minutes=2) if failures == 1 else backoff(failures - 1))
+        started = _check(checker)
+        assert "gpu-b" in started
+        host = _host(rt, "gpu-b")
+        seen.append(host.state)
+        assert host.check_failures == failures
+        assert host.next_check_at == clock.now() + backoff(failures)
+        # Backing off: a tick before the next check is due does not dial it.
+        assert "gpu-b" not in checker.tick()
+        checker.wait(timeout=60)
+        if failures == 1:
+            first_failure = clock.now()
+    assert seen == ["ready", "ready", "unreachable"]
+    host = _host(rt, "gpu-b")
+    assert host.down_since == first_failure
+    assert host.down_reason is not None and host.down_reason.startswith("unreachable: ")
+    assert _host(rt, "gpu-a").state == "ready" and _host(rt, "gpu-a").check_failures == 0
+
+    # Told once each: the holder and the one waiting for its T4.
+    for user in ("alice", "bob"):
+        [note] = [t for t in _dms(rt, user) if "is down since" in t]
+        assert note.startswith("Host gpu-b is down since 09:")
+    clock.advance(backoff(3))
+    _check(checker)
+    assert sum("is down since" in t for t in _dms(rt, "bob")) == 1
+
+    status = svc.status(alice, Status()).view
+    line = next(b for b in status.blocks if "*gpu-b*" in str(b))
+    assert "down since" in str(line) and "unreachable: " in str(line)
+    assert any("gpu-b is down since" in str(b) for b in status.blocks)
+
+    # /gpu queue: a run for its T4 says what it waits on.
+    assert svc.runs is not None
+    svc.runs.submit(bob, Run(recipe="digits", model="T4"))
+    queue = svc.runs.queue(bob, Queue()).view
+    table = next(b for b in queue.blocks if "est. start" in str(b))
+    assert "waits: gpu-b down since" in str(table)
+    assert any(
+        str(b).startswith("Context") and "gpu-b is down since" in str(b) for b in queue.blocks
+    )
+
+    # Nothing is granted there while it is down.
+    svc.release(alice, Release(all=True))
+    svc.tick()
+    with Session(rt.engine) as s:
+        assert s.exec(select(Reservation).where(Reservation.state == "waiting")).all()
+
+    droppable_host.start()
+    clock.advance(backoff(4))
+    _check(checker)
+    host = _host(rt, "gpu-b")
+    assert (host.state, host.down_since, host.down_reason, host.check_failures) == (
+        "ready",
+        None,
+        None,
+        0,
+    )
+    svc.tick()
+    with Session(rt.engine) as s:
+        assert not s.exec(select(Reservation).where(Reservation.state == "waiting")).all()
+    rt.engine.dispose()
+
+
+def test_the_tick_never_waits_for_a_slow_bootstrap(
+    ssh_lab: SshLab, client: SshClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    def slow(runner: SshRunner, target: SshTarget) -> PreparedHost:
+        entered.set()
+        assert release.wait(timeout=60)
+        return PreparedHost(root=str(tmp_path / target.name), python=sys.executable)
+
+    rt, _clock, checker = _runtime(
+        monkeypatch, tmp_path, ssh_lab, _entry(ssh_lab, "gpu-a"), client, slow
+    )
+    # Without a GPU list it is pending (not grantable) until its bootstrap and inventory.
+    assert _host(rt, "gpu-a").state == "pending"
+    assert checker.tick() == ["gpu-a"]
+    assert entered.wait(timeout=60)
+    # The bootstrap is in flight: the tick hands out nothing more and returns.
+    assert checker.tick() == []
+    assert checker.in_flight() == ["gpu-a"]
+    rt.service.tick()
+    # What the tick's dispatch and sampling ask for is "not ready yet", not a wait.
+    assert rt.service.runs is not None
+    assert rt.service.runs.access.runner_for("gpu-a") is None
+    release.set()
+    [result] = checker.wait(timeout=60)
+    assert result.ok
+    assert _host(rt, "gpu-a").state == "ready"
+    rt.engine.dispose()
+
+
+def test_a_failed_setup_marks_the_host_down_at_once_and_tells_the_channel(
+    ssh_lab: SshLab, client: SshClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(runner: SshRunner, target: SshTarget) -> PreparedHost:
+        raise ProvisioningError(f"bootstrap of {target.name}: pip install failed: No space left")
+
+    rt, _clock, checker = _runtime(
+        monkeypatch, tmp_path, ssh_lab, _entry(ssh_lab, "gpu-a", "1xA100"), client, broken
+    )
+    rt.service.reserve(rt.service.actor("carol"), Reserve(1, "A100"))
+    _check(checker)
+    host = _host(rt, "gpu-a")
+    assert host.state == "unreachable" and host.check_failures == 1
+    assert host.down_reason == "setup failed: bootstrap of gpu-a: pip install failed: No space left"
+    [dm] = [t for t in _dms(rt, "carol") if "is down since" in t]
+    assert "setup failed: bootstrap of gpu-a: pip install failed" in dm
+    rt.engine.dispose()
+
+
+def test_a_host_without_a_gpu_list_is_probed_after_its_bootstrap_with_its_own_python(
+    bootstrapped: Bootstrapped,
+    client: SshClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lab = bootstrapped.lab
+    prepare = functools.partial(bootstrap_prepare, cloud=False, env=pip_env())
+    rt, _clock, checker = _runtime(
+        monkeypatch, tmp_path, lab, _entry(lab, "lab-a"), client, prepare
+    )
+    assert checker.tick() == ["lab-a"]
+    [result] = checker.wait(timeout=600)
+    assert result.ok, result.reason
+    host = _host(rt, "lab-a")
+    assert host.state == "ready"
+    with Session(rt.engine) as s:
+        assert [g.model for g in s.exec(select(Gpu).where(Gpu.host_id == host.id))] == ["cpu"]
+    status = rt.service.status(rt.service.actor("dave"), Status()).view
+    assert any("CPU only: no NVIDIA GPU found" in str(b) for b in status.blocks)
+
+    # Telemetry as bot.app.utilization asks for it ("python3 -m training.telemetry") runs
+    # with the host's venv and code, not the bare system python3.
+    assert rt.service.runs is not None
+    found = rt.service.runs.access.runner_for("lab-a")
+    assert found is not None
+    runner, target, _runs = found
+    snap = probe(runner, target, default_python("lab-a"))
+    assert snap.gpus == () and snap.error
+    rt.engine.dispose()
