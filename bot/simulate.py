@@ -58,6 +58,7 @@ from pathlib import Path
 import typer
 
 from bot.scheduling import (
+    RunHistory,
     POLICIES,
     Action,
     Allocation,
@@ -224,7 +225,7 @@ def parse_trace(
 
 # ---------------------------------------------------------------- the loop
 
-_ARRIVE, _READY, _START, _END, _WAKE, _RELEASE = 0, 1, 2, 3, 4, 5
+_ARRIVE, _READY, _START, _END, _WAKE, _RELEASE, _REEST = 0, 1, 2, 3, 4, 5, 6
 
 ESTIMATES = ("none", "exact")
 
@@ -459,6 +460,9 @@ class _Loop:
         }
         self.on_decision = on_decision
         self.stopping: dict[str, float] = {}  # signalled job -> when its GPUs come back
+        # what the scheduler may know of run times without an oracle: finished jobs
+        self.history = RunHistory()
+        self.est_end: dict[str, float] = {}  # running job -> its predicted end (stepped)
         self.jobs = jobs
         self.cloud = cloud
         self.catalog = catalog
@@ -526,7 +530,9 @@ class _Loop:
                     gpus=j.gpus,
                     gpu_model=j.gpu_model,
                     submit_s=j.submit_s,
-                    est_duration_s=j.duration_s if self.exact else None,
+                    est_duration_s=j.duration_s
+                    if self.exact
+                    else self.history.predict_duration(j.user, j.gpus),
                 )
             )
             self.queued += 1
@@ -540,6 +546,8 @@ class _Loop:
                 inst.snap = None
         elif kind == _START:
             j = self.by_id[key]
+            if not self.exact:
+                self.predict(key, t, t)
             self.running[j.user] = self.running.get(j.user, 0) + j.gpus
         elif kind == _END:
             seg = self.seg.get(key)
@@ -549,6 +557,11 @@ class _Loop:
             self.stopping.pop(key, None)  # it ended before its signal took effect
             self.left[key] = 0.0
             self.release(key, t)
+            j = self.by_id[key]
+            self.history.add(j.user, j.gpus, j.duration_s)  # known now that it ended
+        elif kind == _REEST:
+            if self.est_end.get(key) == t and key in self.seg:
+                self.predict(key, self.seg[key][0], t)
         elif kind == _RELEASE:
             if self.stopping.get(key) == t:
                 del self.stopping[key]
@@ -651,6 +664,25 @@ class _Loop:
                 cloud.terminate(a.instance_id)
                 del self.insts[a.instance_id]
 
+    def predict(self, job_id: str, start: float, now: float) -> None:
+        """Sets a running job's predicted end from the history (`RunHistory.predict_end`,
+        its work before a preemption counted as attained) and wakes at it to step on."""
+        j = self.by_id[job_id]
+        done = j.duration_s - self.left[job_id]  # work of earlier segments: known
+        resume = self.seg[job_id][2]
+        end = self.history.predict_end(j.user, j.gpus, start + resume - done, now)
+        self.est_end.pop(job_id, None)
+        if end is not None:
+            self.est_end[job_id] = end
+            self.push(end, _REEST, job_id)
+        for iid in self.placed_on[job_id]:
+            inst = self.insts[iid]
+            al = inst.allocs[job_id]
+            inst.allocs[job_id] = Allocation(
+                al.run_id, al.user, al.gpus, end, al.preemptible, al.stopping, al.started_s
+            )
+            inst.snap = None
+
     def release(self, job_id: str, t: float) -> None:
         """A job's GPUs go back (it ended or was preempted); emptied instances idle from t."""
         j = self.by_id[job_id]
@@ -709,7 +741,11 @@ class _Loop:
                 gpus=j.gpus,
                 gpu_model=j.gpu_model,
                 submit_s=j.submit_s,
-                est_duration_s=self.left[job_id] + self.cfg.resume_s if self.exact else None,
+                est_duration_s=self.left[job_id] + self.cfg.resume_s
+                if self.exact
+                else self.history.expected_remaining(
+                    j.user, j.gpus, j.duration_s - self.left[job_id]
+                ),
             ),
             key=lambda r: (r.submit_s, r.run_id),
         )
@@ -768,6 +804,8 @@ class _Loop:
             self.push(start, _START, j.job_id)
         else:
             self.running[j.user] = self.running.get(j.user, 0) + j.gpus
+            if not self.exact:
+                self.predict(j.job_id, start, now)
         self.push(end, _END, j.job_id)
 
 

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from bot.scheduling.baselines import fifo_fleet
 from bot.scheduling.decision import decide, next_wakeup, preempt_slot
+from bot.scheduling.history import RunHistory
 from bot.scheduling.model import (
     DAY_S,
     POLICIES,
@@ -92,6 +93,7 @@ from bot.scheduling.order import decay_usage, fairshare_factors, iter_order, ord
 from bot.scheduling.preemption import PreemptionPlanner, fair_shares
 
 LAYERS: tuple[str, ...] = (
+    "history",
     "model",
     "order",
     "slots",
@@ -116,6 +118,7 @@ __all__ = [
     "Preempt",
     "PreemptionPlanner",
     "QueuedRun",
+    "RunHistory",
     "SchedulerConfig",
     "Start",
     "Stop",
