@@ -58,7 +58,6 @@ from pathlib import Path
 import typer
 
 from bot.scheduling import (
-    RunHistory,
     POLICIES,
     Action,
     Allocation,
@@ -67,6 +66,7 @@ from bot.scheduling import (
     Place,
     Preempt,
     QueuedRun,
+    RunHistory,
     SchedulerConfig,
     Start,
     Stop,
