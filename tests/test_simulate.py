@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +13,21 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from bot.scheduling import Place
 from bot.simulate import (
     FIGURE_KEYS,
     INSTANCES_HEADER,
     SCHEDULE_HEADER,
     SimInputError,
     SimResult,
+    TraceJob,
+    parse_trace,
     run_simulation,
     simulate,
     write_instances,
     write_schedule,
 )
+from bot.tracegen import TeamShape, small_team_trace
 from provisioning.catalog import Catalog
 from provisioning.simulated import QuotaExceeded, SimulatedCloud
 from tests.sim_checker import check
@@ -492,3 +497,59 @@ def test_only_checkpointable_jobs_are_preempted_by_the_hash_rule(tmp_path: Path)
     assert moved and moved <= eligible
     none = run_simulation(trace, policy="fair", max_gpus=8)
     assert none.preemptions == 0
+
+
+# ---------------------------------------------------------------- no oracle
+
+
+def _team_jobs(days: int = 1, seed: int = 3) -> list[TraceJob]:
+    text = small_team_trace(seed, TeamShape(days=days))
+    return parse_trace(text.splitlines(), Catalog.load(None), "A100")
+
+
+def test_the_scheduler_is_non_clairvoyant() -> None:
+    """Tripling the run time of the jobs that arrive after noon changes no decision made
+    before the first of them would have ended: the scheduler never saw a run time."""
+    jobs = _team_jobs()
+    cut = 12 * 3600.0
+    later = {j.job_id for j in jobs if j.submit_s >= cut}
+    assert later and len(later) < len(jobs)
+    longer = [replace(j, duration_s=3 * j.duration_s) if j.job_id in later else j for j in jobs]
+
+    def decisions(trace: list[TraceJob]) -> tuple[list[tuple[float, list[Any]]], SimResult]:
+        seen: list[tuple[float, list[Any]]] = []
+        res = run_simulation(
+            trace,
+            policy="fair",
+            max_gpus=16,
+            checkpointable_fraction=0.5,
+            on_decision=lambda t, acts: seen.append((t, acts)),
+        )
+        return seen, res
+
+    base, res = decisions(jobs)
+    ends = [s.end_s for s in res.schedule if s.job_id in later]
+    first_end = min(ends)
+    assert first_end > cut
+    before = [d for d in base if d[0] < first_end]
+    other, _ = decisions(longer)
+    assert len(before) > 10  # the window holds real decisions, so the test can fail
+    assert [d for d in other if d[0] < first_end] == before
+
+    # the window holds decisions over the lengthened jobs themselves (placed, running)
+    placed_later = {
+        a.run_id for t, acts in before for a in acts if isinstance(a, Place) and a.run_id in later
+    }
+    assert placed_later
+
+
+def test_the_team_trace_is_seeded_and_has_the_published_shape() -> None:
+    a = small_team_trace(7)
+    assert a == small_team_trace(7) and a != small_team_trace(8)
+    jobs = parse_trace(a.splitlines(), Catalog.load(None), "A100")
+    durs = sorted(j.duration_s for j in jobs)
+    median, p90 = durs[len(durs) // 2], durs[int(0.9 * len(durs))]
+    assert 200 <= median <= 450 and 3000 <= p90 <= 7000
+    assert sum(j.gpus == 1 for j in jobs) / len(jobs) > 0.75
+    per_day = len(jobs) / TeamShape().days
+    assert 150 <= per_day <= 400
