@@ -58,6 +58,7 @@ from pathlib import Path
 import typer
 
 from bot.scheduling import (
+    LAS_AFTER_S,
     POLICIES,
     Action,
     Allocation,
@@ -347,7 +348,9 @@ def run_simulation(
         ebs_gb=ebs_gb,
         ebs_usd_gb_month=ebs_usd_gb_month,
     )
-    base = config or SchedulerConfig()
+    # Without estimates the scheduler runs as the worker does: least attained service
+    # on (LAS_AFTER_S); with exact ones it is the first simulator's scheduler.
+    base = config or SchedulerConfig(las_after_s=LAS_AFTER_S if estimates == "none" else None)
     cfg = SchedulerConfig(
         **{
             **base.__dict__,
@@ -533,6 +536,7 @@ class _Loop:
                     est_duration_s=j.duration_s
                     if self.exact
                     else self.history.predict_duration(j.user, j.gpus),
+                    preemptible=j.job_id in self.eligible,
                 )
             )
             self.queued += 1
@@ -746,6 +750,8 @@ class _Loop:
                 else self.history.expected_remaining(
                     j.user, j.gpus, j.duration_s - self.left[job_id]
                 ),
+                preemptible=True,
+                attained_s=j.duration_s - self.left[job_id],
             ),
             key=lambda r: (r.submit_s, r.run_id),
         )

@@ -681,3 +681,50 @@ def test_scheduling_modules_import_only_the_layers_before_them() -> None:
             if a.name.startswith("bot.scheduling")
         }
         assert imported <= set(LAYERS[:rank]), (name, imported - set(LAYERS[:rank]))
+
+
+# ---------------------------------------------------------------- without an oracle
+
+
+def test_a_run_in_the_long_queue_makes_way_for_one_that_never_ran() -> None:
+    """Least attained service: one user's long-running checkpointing run yields to the
+    same user's new run (fair share alone would never move it), and only past
+    las_after_s; a run that resumed after such a move waits behind those that did not."""
+    long_runner = Allocation("old", "u", 8, None, preemptible=True, started_s=NOW - 7200)
+    fleet = [inst("i0", (long_runner,))]
+    waiting = run("new", "u", gpus=8, submit=NOW - 1000, dur=None)
+    on = cfg(max_gpus=8, las_after_s=3600.0)
+    actions = decide([waiting], fleet, NOW, catalog=CAT, config=on)
+    assert Preempt("old", "new") in actions and Place("new", ("i0",), 8) in actions
+    # off (the clairvoyant scheduler), or not run long enough: nothing moves
+    assert not decide([waiting], fleet, NOW, catalog=CAT, config=cfg(max_gpus=8))
+    assert not decide(
+        [waiting], fleet, NOW, catalog=CAT, config=cfg(max_gpus=8, las_after_s=3 * 3600.0)
+    )
+    # a resumed run (attained an hour) goes after its user's runs that never ran
+    resumed = QueuedRun("back", "u", 1, "A100", 0.0, None, attained_s=4000.0)
+    fresh = QueuedRun("fresh", "u", 1, "A100", 500.0, None)
+    assert [r.run_id for r in order_queue([resumed, fresh], NOW, {}, on)] == ["fresh", "back"]
+    assert [r.run_id for r in order_queue([resumed, fresh], NOW, {}, cfg())] == ["back", "fresh"]
+    # and it does not take GPUs back by the same rule
+    back8 = QueuedRun("back8", "u", 8, "A100", NOW - 1000, None, attained_s=4000.0)
+    assert not [
+        a for a in decide([back8], fleet, NOW, catalog=CAT, config=on) if isinstance(a, Preempt)
+    ]
+
+
+def test_a_run_that_cannot_move_joins_one_that_cannot_either() -> None:
+    """Pinning: a run without checkpoints goes beside another such run, leaving the
+    instance of movable runs free to be emptied by consolidation."""
+    movable = Allocation("m", "a", 4, None, preemptible=True, started_s=NOW - 100)
+    fixed = Allocation("f", "b", 4, None, preemptible=False, started_s=NOW - 100)
+    fleet = [inst("i0", (movable,)), inst("i1", (fixed,))]
+    pinned = QueuedRun("p", "c", 2, "A100", NOW, 3600.0, preemptible=False)
+    free = QueuedRun("q", "c", 2, "A100", NOW, 3600.0, preemptible=True)
+    got = decide([pinned], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16))
+    assert got == [Place("p", ("i1",), 2)]
+    off = decide([pinned], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16, pin_cost=0.0))
+    assert off == [Place("p", ("i0",), 2)]  # by name among equals, without the rule
+    assert decide([free], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16)) == [
+        Place("q", ("i0",), 2)
+    ]

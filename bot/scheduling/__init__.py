@@ -72,6 +72,7 @@ from bot.scheduling.decision import decide, next_wakeup, preempt_slot
 from bot.scheduling.history import RunHistory
 from bot.scheduling.model import (
     DAY_S,
+    LAS_AFTER_S,
     POLICIES,
     Action,
     Allocation,
@@ -106,6 +107,7 @@ LAYERS: tuple[str, ...] = (
 
 __all__ = [
     "DAY_S",
+    "LAS_AFTER_S",
     "LAYERS",
     "POLICIES",
     "Action",
