@@ -27,20 +27,23 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import func, update
 from sqlmodel import Session, col, select
 
 from bot import budgets, estimates, sources, views
 from bot.access import RunGate, StaticMembership, audit
 from bot.agentwatch import requeue_resumable, resumable_stop, upload_checkpoints, watch_hosts
 from bot.commands import Cancel, Logs, Queue, Run
+from bot.config import Settings
 from bot.durations import format_duration
 from bot.errors import UserError
 from bot.held import end_held, held_gpu_ids, who_holds
 from bot.ports import Actor, Core, HostAccess
 from bot.scheduling import (
+    LAS_AFTER_S,
     Allocation,
     FleetInstance,
+    InstanceState,
     Launch,
     Place,
     Preempt,
@@ -51,7 +54,9 @@ from bot.scheduling import (
     preempt_slot,
 )
 from db.models import (
+    HOST_PENDING,
     HOST_READY,
+    HOST_STOPPED,
     RES_WAITING,
     Gpu,
     Host,
@@ -96,12 +101,75 @@ class LocalAccess:
         return (self.runner, self.target, self.runs_dir) if host_name == "local" else None
 
 
+def scheduler_config(settings: Settings, catalog: Catalog) -> SchedulerConfig:
+    """The worker's scheduler knobs from Settings, so that `gpubot simulate` and the worker
+    can be run with the same ones: idle stop and terminate as the fleet applies them, the
+    stopped volume's price, and a quota no larger than the pools allow (each type's
+    instance cap times its GPUs, the largest; bot.fleet enforces the exact caps when it
+    buys). No run time is known here, so least attained service is on (LAS_AFTER_S)."""
+    biggest = max((t.gpus for t in catalog.types), default=8)
+    ebs_usd_s = settings.ebs_gb * settings.ebs_usd_gb_month / (730.0 * 3600.0)
+    return SchedulerConfig(
+        policy="fair",
+        max_gpus=max(1, settings.pool_max_instances * biggest),
+        idle_stop_s=settings.idle_stop_after.total_seconds(),
+        terminate_after_s=settings.terminate_after.total_seconds(),
+        ebs_usd_s=ebs_usd_s,
+        las_after_s=LAS_AFTER_S,
+    )
+
+
+def host_view(
+    *,
+    name: str,
+    state: str,
+    instance_type: str | None,
+    market: str,
+    usd_hr: float,
+    created_s: float,
+    updated_s: float,
+    now: float,
+    catalog: Catalog,
+    config: SchedulerConfig,
+) -> FleetInstance | None:
+    """A booting or stopped instance as the scheduler sees it, from its host row.
+
+    Why: a scheduler that sees only ready hosts launches again for every run queued while
+    the first instance boots (the simulator, which sees the booting one, waits for it).
+    A pending host is usable boot + setup after it was launched; a stopped one has been
+    stopped since its row last changed. Its GPUs come from the catalog (the host reports
+    them only once it is up); a type the catalog does not know is left out."""
+    t = catalog.get(instance_type) if instance_type else None
+    if t is None:
+        return None
+    st: InstanceState
+    if state == HOST_PENDING:
+        st = "pending"
+        ready = max(now, created_s + config.boot_s + config.setup_s)
+        stopped_since = None
+    elif state == HOST_STOPPED:
+        st, ready, stopped_since = "stopped", updated_s, updated_s
+    else:
+        return None
+    return FleetInstance(
+        instance_id=name,
+        instance_type=t.instance_type,
+        gpu_model=t.gpu_model,
+        gpus=t.gpus,
+        usd_hr=usd_hr or t.ondemand_usd_hr,
+        market="spot" if market == "spot" else "ondemand",
+        state=st,
+        ready_at_s=ready,
+        stopped_since_s=stopped_since,
+    )
+
+
 class RunService:
     def __init__(self, core: Core, access: HostAccess, catalog: Catalog) -> None:
         self.core = core
         self.access = access
         self.catalog = catalog
-        self.config = SchedulerConfig(policy="fair")
+        self.config = scheduler_config(core.settings, catalog)
         self._preempt_slot = -(2**62)  # the last preemption slot dispatch looked at
         # file:// git URLs: tests only (a bare repository in tmp); never in production.
         self.allow_file_git = False
@@ -593,6 +661,35 @@ class RunService:
             )
         hosts: dict[str, Host] = {}
         fleet = []
+        now_s = now.timestamp()
+        # Booting and stopped instances too: the scheduler must see what is on its way.
+        for host in s.exec(
+            select(Host)
+            .where(col(Host.state).in_((HOST_PENDING, HOST_STOPPED)))
+            .order_by(col(Host.id))
+        ):
+            view = host_view(
+                name=host.name,
+                state=host.state,
+                instance_type=host.instance_type,
+                market=host.market,
+                usd_hr=host.hourly_usd,
+                created_s=host.created_at.timestamp(),
+                updated_s=host.updated_at.timestamp(),
+                now=now_s,
+                catalog=self.catalog,
+                config=self.config,
+            )
+            if view is not None:
+                fleet.append(view)
+        last_use = {
+            host_id: ended
+            for host_id, ended in s.exec(
+                select(UsageInterval.host_id, func.max(UsageInterval.ended_at)).group_by(
+                    col(UsageInterval.host_id)
+                )
+            )
+        }
         open_rows = who_holds(s)
         for host in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id))):
             gpus = list(
@@ -644,6 +741,10 @@ class RunService:
                         Allocation(k, u, n, e, *flags.get(k, (False, False, None)))
                         for k, (u, n, e) in by_holder.items()
                     ),
+                    # idle since its last GPU was let go (or since it came up)
+                    idle_since_s=None
+                    if by_holder
+                    else _ts_or(last_use.get(host.id), host.created_at).timestamp(),
                 )
             )
         return queue, fleet, hosts, self._usage(s, now)
@@ -1186,3 +1287,7 @@ def _command_text(argv: tuple[str, ...] | list[str]) -> str:
 
 def _clip(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _ts_or(value: datetime | None, default: datetime) -> datetime:
+    return value if value is not None else default

@@ -728,3 +728,71 @@ def test_a_run_that_cannot_move_joins_one_that_cannot_either() -> None:
     assert decide([free], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16)) == [
         Place("q", ("i0",), 2)
     ]
+
+
+# ---------------------------------------------------------------- the worker's world
+
+
+def test_a_booting_instance_is_waited_for_not_launched_again() -> None:
+    """Two runs queued while an instance boots: with the booting host in its view (as the
+    worker now passes it, `bot.runs.host_view`) the scheduler places the second run on it
+    instead of launching another instance."""
+    from bot.runs import host_view
+
+    config = cfg(max_gpus=64)
+    first = decide([run("1", dur=None)], [], NOW, catalog=CAT, config=config)
+    launch = next(a for a in first if isinstance(a, Launch))
+    assert launch.for_run == "1"
+    booting = host_view(
+        name="i-boot",
+        state="pending",
+        instance_type=launch.instance_type,
+        market="ondemand",
+        usd_hr=0.0,
+        created_s=NOW,
+        updated_s=NOW,
+        now=NOW + 60,
+        catalog=CAT,
+        config=config,
+    )
+    assert booting is not None and booting.state == "pending"
+    assert booting.ready_at_s == NOW + config.boot_s + config.setup_s
+    queue = [run("1", dur=None), run("3", dur=None, submit=NOW + 30)]
+    # what the worker used to pass: ready hosts only, so it launched a second instance
+    blind = decide(queue, [], NOW + 60, catalog=CAT, config=config)
+    assert any(isinstance(a, Launch) for a in blind)
+    seen = decide(queue, [booting], NOW + 60, catalog=CAT, config=config)
+    assert not any(isinstance(a, Launch) for a in seen)
+    assert {a.run_id for a in seen if isinstance(a, Place)} == {"1", "3"}
+    # a stopped host is restarted rather than a new one launched
+    stopped = host_view(
+        name="i-stop",
+        state="stopped",
+        instance_type=launch.instance_type,
+        market="ondemand",
+        usd_hr=0.0,
+        created_s=0.0,
+        updated_s=NOW - 600,
+        now=NOW,
+        catalog=CAT,
+        config=config,
+    )
+    assert stopped is not None
+    again = decide(queue, [stopped], NOW + 60, catalog=CAT, config=config)
+    assert any(isinstance(a, Start) for a in again)
+    assert not any(isinstance(a, Launch) for a in again)
+
+
+def test_the_workers_scheduler_knobs_come_from_settings() -> None:
+    from datetime import timedelta
+
+    from bot.config import Settings
+    from bot.runs import scheduler_config
+    from bot.scheduling import LAS_AFTER_S
+
+    settings = Settings(idle_stop_after=timedelta(minutes=20), pool_max_instances=2)  # type: ignore[call-arg]
+    c = scheduler_config(settings, CAT)
+    assert c.idle_stop_after() == 1200.0
+    assert c.terminate_after(30.0) == settings.terminate_after.total_seconds()
+    assert c.max_gpus == 2 * max(t.gpus for t in CAT.types)
+    assert c.las_after_s == LAS_AFTER_S
