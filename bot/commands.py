@@ -67,7 +67,7 @@ VERBS: dict[str, VerbSpec] = {
     ),
     "run": VerbSpec(
         "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] "
-        "[--spot] [--git URL[@REF] | --path DIR] [--recipe NAME] -- COMMAND",
+        "[--spot] [--checkpoints] [--git URL[@REF] | --path DIR] [--recipe NAME] -- COMMAND",
         "queue a training run on the team's GPUs",
         (
             "/gpu run --recipe digits",
@@ -80,7 +80,10 @@ VERBS: dict[str, VerbSpec] = {
         "at a branch, tag or full commit) on the host; `--path` runs in a directory already "
         "on the host; from a terminal, `gpubot submit DIR -- COMMAND` uploads a local "
         "directory. A run that runs out of GPU memory (exit 77) is retried once with half "
-        "the batch (`GPUBOT_BATCH_SIZE` for your own script).",
+        "the batch (`GPUBOT_BATCH_SIZE` for your own script). `--checkpoints` says your "
+        "command saves a checkpoint in `$GPUBOT_CHECKPOINT_DIR` on SIGTERM, exits 75 and "
+        "resumes from it when run again (recipes do): such a run may be preempted for a "
+        "teammate's and resumed later.",
     ),
     "queue": VerbSpec(
         "/gpu queue [me]",
@@ -185,6 +188,9 @@ class Run:
     # Where the code comes from (bot.sources): "git:<url>@<ref>", "path:<dir>",
     # "staged:<id>"; "" runs the command in the run's own directory.
     source: str = ""
+    # The command checkpoints: it saves to $GPUBOT_CHECKPOINT_DIR on SIGTERM, exits 75
+    # and resumes from there when started again, so the scheduler may move it.
+    checkpoints: bool = False
 
     @property
     def interactive(self) -> bool:
@@ -506,9 +512,11 @@ def _options(
     unknown: Callable[[str, str], str],
     *,
     command_follows: bool,
+    bare: Collection[str] = (),
 ) -> tuple[dict[str, str], bool, list[str]]:
-    """`--name value`, `--name=value` and the bare `--spot`, for every verb that takes
-    options: each at most once. With `command_follows`, `--` or the first word that is no
+    """`--name value`, `--name=value` and the bare `--spot` (and, for `bare`, those
+    flags too, returned in `opts` as "1"), for every verb that takes options: each at
+    most once. With `command_follows`, `--` or the first word that is no
     option starts the user's command, returned as the third item; otherwise every word
     must be an option (`unknown(name, token)` says what is wrong)."""
     opts: dict[str, str] = {}
@@ -526,6 +534,14 @@ def _options(
             if eq:
                 raise ctx.fail("`--spot` takes no value.")
             spot = True
+            i += 1
+            continue
+        if name in bare:
+            if eq:
+                raise ctx.fail(f"`{name}` takes no value.")
+            if name in opts:
+                raise ctx.fail(f"`{name}` is given twice.")
+            opts[name] = "1"
             i += 1
             continue
         if name not in with_value:
@@ -556,7 +572,9 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         _RUN_FLAGS_WITH_VALUE,
         lambda name, tok: f"Unknown option `{_clip(name)}`; put your own command after `--`.",
         command_follows=True,
+        bare=("--checkpoints",),
     )
+    checkpoints = opts.pop("--checkpoints", "") == "1"
     gpus = _int(opts["--gpus"], ctx, "--gpus", 1, MAX_GPUS_PER_REQUEST) if "--gpus" in opts else 1
     model = _model(opts["--gpu"], ctx) if "--gpu" in opts else None
     precision = opts.get("--precision", "auto").lower()
@@ -582,6 +600,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         max_duration=max_duration,
         spot=spot,
         source=source,
+        checkpoints=checkpoints,
     )
 
 

@@ -230,6 +230,7 @@ class RunService:
                 gpu_model=model,
                 precision=cmd.precision,
                 spot=cmd.spot,
+                checkpoints=cmd.checkpoints,
                 max_seconds=int(cmd.max_duration.total_seconds()) if cmd.max_duration else None,
                 state=RUN_QUEUED,
                 submitted_at=self.core.clock.now(),
@@ -716,11 +717,11 @@ class RunService:
                     limit = held_by.max_seconds if held_by is not None else None
                     key, end = f"{iv.run_id}", (started.timestamp() + limit) if limit else None
                     if held_by is not None:
-                        # Recipes checkpoint on SIGTERM (training.loop); a --spot run's
-                        # owner said it resumes. Anything else is never preempted.
+                        # Recipes checkpoint on SIGTERM (training.loop); a --spot or
+                        # --checkpoints run's owner said it resumes. Nothing else moves.
                         flags[key] = (
                             held_by.state == RUN_RUNNING
-                            and (held_by.recipe is not None or held_by.spot),
+                            and (held_by.recipe is not None or held_by.spot or held_by.checkpoints),
                             held_by.state == RUN_CANCELLING or "interrupted" in held_by.placement,
                             started.timestamp(),
                         )

@@ -266,3 +266,36 @@ def test_runs_that_cannot_resume_are_never_preempted(sqlite_engine: Engine, tmp_
     assert state(sqlite_engine, late).state == "queued"
     runs.cancel(alice, Cancel(hog))
     run_until(runs, lambda: state(sqlite_engine, hog).state == "cancelled", timeout=60)
+
+
+def test_a_run_whose_owner_says_it_checkpoints_is_preempted_and_requeued(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """`--checkpoints`: a user's own command that saves on SIGTERM is movable like a
+    recipe; it is requeued to resume, not failed."""
+    from datetime import timedelta
+
+    engine = sqlite_engine
+    svc, clock = make_service(engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    alice, bob = actor(svc, "alice"), actor(svc, "bob")
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+        "time.sleep(600)\n"
+    )
+    hog = runs.submit(alice, Run(command=(sys.executable, "-c", script), checkpoints=True)).extra[
+        "run_id"
+    ]
+    run_until(runs, lambda: state(engine, hog).state == "running")
+    late = runs.submit(bob, Run(command=(sys.executable, "-c", "pass"))).extra["run_id"]
+    clock.advance(timedelta(hours=1))
+    run_until(runs, lambda: state(engine, late).state == "succeeded", timeout=60)
+    assert (
+        state(engine, hog)
+        .placement.get("resume_from", {})
+        .get("reason", "")
+        .startswith(f"preempted for run #{late} of bob")
+    )
+    runs.cancel(alice, Cancel(hog))
+    run_until(runs, lambda: state(engine, hog).state == "cancelled", timeout=60)
