@@ -937,8 +937,14 @@ def _fail(msg: str) -> typer.Exit:
 
 
 def simulate(
-    trace: Path = typer.Option(
-        ..., "--trace", help="job trace CSV: job_id,user,submit_time,duration_s,gpus,gpu_type"
+    trace: Path | None = typer.Option(
+        None, "--trace", help="job trace CSV: job_id,user,submit_time,duration_s,gpus,gpu_type"
+    ),
+    history: str | None = typer.Option(
+        None,
+        "--history",
+        help="instead of --trace: the team's own runs of the last DURATION (e.g. 30d), "
+        "from the bot's database, as they ran",
     ),
     policy: str = typer.Option("fair", "--policy", help="fair | per-job | fifo"),
     prices: Path | None = typer.Option(None, "--prices", help="prices CSV (default: shipped)"),
@@ -993,9 +999,17 @@ def simulate(
     """Replay a job trace through the scheduler on a simulated cloud and report its cost."""
     import json
 
+    if (trace is None) == (history is None):
+        raise _fail("give either --trace FILE or --history DURATION")
+    source: Path | list[TraceJob]
+    if history is not None:
+        source = _history_jobs(history, prices, gpu_type)
+    else:
+        assert trace is not None
+        source = trace
     try:
         res = run_simulation(
-            trace,
+            source,
             policy=policy,
             prices=prices,
             gpu_type=gpu_type,
@@ -1029,3 +1043,37 @@ def simulate(
         typer.echo(json.dumps(res.figures()))
     else:
         typer.echo(summary_table(res))
+
+
+def _history_jobs(window: str, prices: Path | None, gpu_type: str) -> list[TraceJob]:
+    """The team's runs of the last `window` from the configured database, as a trace."""
+    from datetime import UTC, datetime
+
+    from bot.config import ConfigError, load_settings
+    from bot.durations import parse_duration
+    from bot.history_trace import history_trace
+    from db.migrate import upgrade
+    from db.session import make_engine
+
+    span = parse_duration(window)
+    if span is None:
+        raise _fail(f"--history wants a duration like 30d, not {window!r}")
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        raise _fail(exc.text) from None
+    engine = make_engine(settings.sqlalchemy_url)
+    upgrade(engine)
+    now = datetime.now(UTC)
+    text, skipped = history_trace(engine, now - span, now)
+    if skipped:
+        print(
+            f"gpubot simulate: {skipped} run(s) left out (no GPU model, or never ran)",
+            file=sys.stderr,
+        )
+    try:
+        catalog = Catalog.load(prices)
+        model = catalog.normalize_model(gpu_type) or gpu_type
+        return parse_trace(text.splitlines(), catalog, model, f"history {window}")
+    except (SimInputError, ValueError) as exc:
+        raise _fail(str(exc)) from None
