@@ -553,3 +553,18 @@ def test_the_team_trace_is_seeded_and_has_the_published_shape() -> None:
     assert sum(j.gpus == 1 for j in jobs) / len(jobs) > 0.75
     per_day = len(jobs) / TeamShape().days
     assert 150 <= per_day <= 400
+
+
+@pytest.mark.skipif(not DEV_TRACE.exists(), reason="shared trace not present")
+def test_dev_trace_without_an_oracle_beats_fifo() -> None:
+    """The honest world (no run times; half the jobs checkpoint every 30 minutes): fair's
+    average queue is at most a third of fifo's; with no job checkpointable fair is still
+    no worse than fifo on cost efficiency or queue. (Efficiency 0.85 is not reached yet:
+    the bench reports it.)"""
+    fifo = run_simulation(DEV_TRACE, policy="fifo", max_gpus=256)
+    half = run_simulation(DEV_TRACE, policy="fair", max_gpus=256, checkpointable_fraction=0.5)
+    none = run_simulation(DEV_TRACE, policy="fair", max_gpus=256)
+    assert half.avg_queue_s <= fifo.avg_queue_s / 3
+    assert half.cost_efficiency > 0.8
+    assert none.cost_efficiency >= fifo.cost_efficiency
+    assert none.avg_queue_s <= fifo.avg_queue_s

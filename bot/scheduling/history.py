@@ -22,26 +22,38 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 Key = tuple[str, int]  # (user, GPUs)
 
 
 @dataclass
 class _Samples:
-    """Sorted durations with suffix sums, for E[D - a | D > a] in O(log n)."""
+    """Sorted durations with prefix sums, for E[D - a | D > a] in O(log n).
+
+    New samples wait in `pending` until they are 1% of those visible (at once while
+    there are fewer than a hundred): a query stays a bisect, and the sort and the sums
+    are redone about a hundred times per tenfold growth, not on every finished run,
+    which would make a long trace quadratic. Deterministic, so the worker and the
+    simulator see the same predictions from the same history."""
 
     sorted_s: list[float] = field(default_factory=list)
-    total: float = 0.0
-    # prefix sums rebuilt lazily (adds are rare next to queries)
-    _prefix: list[float] | None = None
+    prefix: list[float] = field(default_factory=lambda: [0.0])
+    pending: list[float] = field(default_factory=list)
 
     def add(self, d: float) -> None:
-        bisect.insort(self.sorted_s, d)
-        self.total += d
-        self._prefix = None
+        self.pending.append(d)
+        if len(self.pending) >= max(1, len(self.sorted_s) // 100):
+            self.sorted_s.extend(self.pending)
+            self.sorted_s.sort()
+            self.pending.clear()
+            self.prefix = [0.0, *accumulate(self.sorted_s)]
 
     def __len__(self) -> int:
         return len(self.sorted_s)
+
+    def above(self, attained: float) -> int:
+        return len(self.sorted_s) - bisect.bisect_right(self.sorted_s, attained)
 
     def remaining(self, attained: float) -> float | None:
         """Mean of (D - attained) over samples longer than `attained`; None if none."""
@@ -50,13 +62,7 @@ class _Samples:
         n = len(xs) - i
         if n <= 0:
             return None
-        if self._prefix is None:
-            acc = [0.0]
-            for x in xs:
-                acc.append(acc[-1] + x)
-            self._prefix = acc
-        above = self._prefix[-1] - self._prefix[i]
-        return above / n - attained
+        return (self.prefix[-1] - self.prefix[i]) / n - attained
 
 
 @dataclass
@@ -80,12 +86,10 @@ class RunHistory:
         """E[D - a | D > a] from the run's own kind if enough outlived a, else everybody's;
         None when no run has finished yet (nothing to go on)."""
         mine = self.own.get((user, gpus))
-        if mine is not None:
-            i = bisect.bisect_right(mine.sorted_s, attained_s)
-            if len(mine) - i >= self.min_own:
-                r = mine.remaining(attained_s)
-                if r is not None:
-                    return min(r, self.cap_s)
+        if mine is not None and mine.above(attained_s) >= self.min_own:
+            r = mine.remaining(attained_s)
+            if r is not None:
+                return min(r, self.cap_s)
         r = self.all.remaining(attained_s)
         if r is None:
             if not len(self.all) or attained_s <= 0:
