@@ -745,7 +745,7 @@ class RunService:
                     # idle since its last GPU was let go (or since it came up)
                     idle_since_s=None
                     if by_holder
-                    else _ts_or(last_use.get(host.id), host.created_at).timestamp(),
+                    else _ts_or(last_use.get(host.id or -1), host.created_at).timestamp(),
                 )
             )
         return queue, fleet, hosts, self._usage(s, now)

@@ -790,7 +790,7 @@ def test_the_workers_scheduler_knobs_come_from_settings() -> None:
     from bot.runs import scheduler_config
     from bot.scheduling import LAS_AFTER_S
 
-    settings = Settings(idle_stop_after=timedelta(minutes=20), pool_max_instances=2)  # type: ignore[call-arg]
+    settings = Settings(idle_stop_after=timedelta(minutes=20), pool_max_instances=2)
     c = scheduler_config(settings, CAT)
     assert c.idle_stop_after() == 1200.0
     assert c.terminate_after(30.0) == settings.terminate_after.total_seconds()
