@@ -505,7 +505,9 @@ class _Loop:
             while heap and heap[0][0] == t:
                 _, kind, _, key = heapq.heappop(heap)
                 self.handle(kind, key, t)
-                dirty = dirty or kind != _START  # a start changes no decision's inputs
+                # a start changes no decision's inputs; a stepped prediction is seen by
+                # the next decision an event calls for (alone it would rarely change one)
+                dirty = dirty or (kind != _START and kind != _REEST)
             if dirty:
                 self.tick(t)
         end = self.cloud.now

@@ -111,6 +111,11 @@ class FleetInstance:
         return frozenset(a.run_id for a in self.allocations)
 
     @cached_property
+    def pinned(self) -> bool:
+        """Holds a run that cannot be moved, so consolidation can never empty it."""
+        return any(not a.preemptible for a in self.allocations)
+
+    @cached_property
     def preemptible_users(self) -> frozenset[str]:
         return frozenset(a.user for a in self.allocations if a.preemptible and not a.stopping)
 

@@ -51,7 +51,7 @@ class Slot:
         self.horizon = horizon  # latest expected end of what it holds
         self.placed: list[tuple[float, int]] = []  # (end, GPUs) placed in this decision
         # holds a run that cannot be moved, so consolidation can never empty it
-        self.pinned = inst is not None and any(not a.preemptible for a in inst.allocations)
+        self.pinned = inst is not None and inst.pinned
 
 
 def free_profile(
