@@ -48,6 +48,7 @@ from bot.scheduling import (
     Place,
     Preempt,
     QueuedRun,
+    RunHistory,
     SchedulerConfig,
     Start,
     decide,
@@ -637,6 +638,7 @@ class RunService:
         waiting_models = {
             r.gpu_model for r in s.exec(select(Reservation).where(Reservation.state == RES_WAITING))
         }
+        history = self._history(s, now)
         queue = []
         for run, user in s.exec(
             select(TrainingRun, User)
@@ -655,9 +657,13 @@ class RunService:
                     gpus=run.gpu_count,
                     gpu_model=run.gpu_model or "",
                     submit_s=run.submitted_at.timestamp(),
-                    est_duration_s=float(run.max_seconds) if run.max_seconds else None,
+                    # the user's --max, else what the team's finished runs predict
+                    est_duration_s=float(run.max_seconds)
+                    if run.max_seconds
+                    else history.predict_duration(user.key, run.gpu_count),
                     priority=run.priority,
                     spot=run.spot,
+                    preemptible=run.recipe is not None or run.spot or run.checkpoints,
                 )
             )
         hosts: dict[str, Host] = {}
@@ -716,6 +722,10 @@ class RunService:
                     )
                     limit = held_by.max_seconds if held_by is not None else None
                     key, end = f"{iv.run_id}", (started.timestamp() + limit) if limit else None
+                    if end is None and held_by is not None:
+                        end = history.predict_end(
+                            user.key, held_by.gpu_count, started.timestamp(), now_s
+                        )
                     if held_by is not None:
                         # Recipes checkpoint on SIGTERM (training.loop); a --spot or
                         # --checkpoints run's owner said it resumes. Nothing else moves.
@@ -749,6 +759,27 @@ class RunService:
                 )
             )
         return queue, fleet, hosts, self._usage(s, now)
+
+    def _history(self, s: Session, now: datetime) -> RunHistory:
+        """The run times of the runs that finished in the last 30 days, per user and
+        size: the same predictions the simulator makes under --estimates none."""
+        history = RunHistory()
+        since = now - timedelta(days=30)
+        for run, user in s.exec(
+            select(TrainingRun, User)
+            .join(User)
+            .where(
+                col(TrainingRun.state).in_((RUN_SUCCEEDED, RUN_FAILED)),
+                col(TrainingRun.finished_at).is_not(None),
+                col(TrainingRun.started_at).is_not(None),
+                TrainingRun.finished_at > since,  # type: ignore[operator]
+            )
+            .order_by(col(TrainingRun.finished_at), col(TrainingRun.id))
+        ):
+            if run.started_at is not None and run.finished_at is not None:
+                took = (run.finished_at - run.started_at).total_seconds()
+                history.add(user.key, run.gpu_count, took)
+        return history
 
     def _usage(self, s: Session, now: datetime) -> dict[str, float]:
         """Each user's GPU-seconds, decayed with the scheduler's half-life (Slurm's fair share)."""

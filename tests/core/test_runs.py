@@ -299,3 +299,49 @@ def test_a_run_whose_owner_says_it_checkpoints_is_preempted_and_requeued(
     )
     runs.cancel(alice, Cancel(hog))
     run_until(runs, lambda: state(engine, hog).state == "cancelled", timeout=60)
+
+
+def test_the_worker_predicts_run_times_from_the_teams_finished_runs(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """No --max: the scheduler's estimates come from finished runs of the same user and
+    size (`RunHistory`), as in `gpubot simulate --estimates none`, not from nothing."""
+    from datetime import timedelta
+
+    from db.session import transaction
+
+    engine = sqlite_engine
+    svc, clock = make_service(engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    alice = actor(svc, "alice")
+    with transaction(engine, write=False) as s:
+        queue, fleet, _, _ = runs._scheduler_inputs(s, clock.now())
+    assert queue == []
+    first = runs.submit(
+        alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
+    ).extra["run_id"]
+    run_until(runs, lambda: state(engine, first).state == "running")
+    clock.advance(timedelta(minutes=10))
+    runs.cancel(alice, Cancel(first))
+    run_until(runs, lambda: state(engine, first).state == "cancelled", timeout=60)
+    with Session(engine) as s:  # as if it had finished its work: 10 minutes
+        row = s.get(TrainingRun, first)
+        assert row is not None and row.started_at is not None
+        row.state = "succeeded"
+        row.finished_at = row.started_at + timedelta(minutes=10)
+        s.add(row)
+        s.commit()
+    busy = runs.submit(
+        alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
+    ).extra["run_id"]
+    run_until(runs, lambda: state(engine, busy).state == "running")
+    waiting = runs.submit(alice, Run(command=(sys.executable, "-c", "pass"))).extra["run_id"]
+    with transaction(engine, write=False) as s:
+        queue, fleet, _, _ = runs._scheduler_inputs(s, clock.now())
+    assert [(r.run_id, r.est_duration_s) for r in queue] == [(str(waiting), 600.0)]
+    held = [a for i in fleet for a in i.allocations if a.run_id == str(busy)]
+    started = state(engine, busy).started_at
+    assert started is not None
+    assert held and held[0].est_end_s == pytest.approx(started.timestamp() + 600.0)
+    runs.cancel(alice, Cancel(busy))
+    run_until(runs, lambda: state(engine, busy).state == "cancelled", timeout=60)
