@@ -1,15 +1,24 @@
-"""`make bench` part: the three policies on the real dev trace, judged, and simulator speed.
+"""`make bench` part: fair, fifo and per-job, judged, in two worlds side by side, and speed.
 
-Every policy's schedule is written out and handed to the independent checker
-(`tests/sim_checker.py`), and the checker's recomputed cost is reported next to the
-simulator's, so no figure here is better than a schedule that was actually feasible.
+Two traces: the real dev trace at --max-gpus 256, and a seeded synthetic small team
+(`bot.sim.tracegen`: mostly short one-GPU jobs, daily sweeps) at --max-gpus 16, two 8-GPU
+instances. Three worlds (the simulator's contract, README): ``honest`` — no run time
+known, half the jobs checkpointable every 30 minutes, preemption in the worker's steps
+(`--estimates none --checkpointable 0.5 --checkpoint-every 1800`); ``honest_none`` — the
+same with no job checkpointable; ``exact`` — the first simulator's world (exact run
+times, every job checkpointing on the signal, `--checkpointable 1 --checkpoint-every 0
+--stop-s 0`). Every schedule is handed to the independent checker
+(`tests/sim_checker.py`) with that world's rules, so no figure here is better than a
+schedule that was actually feasible.
 
 The speed run: a synthetic trace of 100,000 jobs with the dev trace's statistics —
 (user, duration, GPUs) drawn with replacement from its rows, Poisson arrivals at its
-rate — seeded, simulated once under `fair` with preemption (the default) and once with
-`--no-preempt` (one run each, since it is the slow part of the bench; wall and CPU time
-are both reported, CPU being what it costs on an idle machine). At --max-gpus 256 that load is about twice the quota, so its queue grows without
-bound: it measures the simulator (long queues are its worst case), not a policy.
+rate — seeded, simulated once under `fair` with `gpubot simulate`'s defaults (no run
+times, no job checkpointable; with half of them checkpointable, a queue that grows
+without bound makes fair-share preemption move long runs about twice per job, and the
+run takes minutes: an open problem, see the report of issue 17). At --max-gpus 256 that
+load is about twice the quota, so its queue grows without bound: it measures the
+simulator (long queues are its worst case), not a policy.
 """
 
 from __future__ import annotations
@@ -19,7 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bot.sim.simulate import TraceJob, load_trace, run_simulation, write_instances, write_schedule
+from bot.sim.simulate import (
+    TraceJob,
+    load_trace,
+    parse_trace,
+    run_simulation,
+    write_instances,
+    write_schedule,
+)
+from bot.sim.tracegen import small_team_trace
 from provisioning.catalog import Catalog
 from tests.sim_checker import check
 
@@ -28,6 +45,18 @@ MAX_GPUS = 256
 POLICIES = ("fair", "per-job", "fifo")
 SYNTH_JOBS = 100_000
 SYNTH_SEED = 20240601
+TEAM_SEED = 17
+TEAM_GPUS = 16
+WORLDS: dict[str, dict[str, object]] = {
+    "honest": {"estimates": "none", "checkpointable_fraction": 0.5, "checkpoint_every_s": 1800.0},
+    "honest_none": {"estimates": "none", "checkpointable_fraction": 0.0},
+    "exact": {
+        "estimates": "exact",
+        "checkpointable_fraction": 1.0,
+        "checkpoint_every_s": 0.0,
+        "stop_s": 0.0,
+    },
+}
 
 
 def synthetic_trace(base: list[TraceJob], n: int, seed: int) -> list[TraceJob]:
@@ -44,71 +73,110 @@ def synthetic_trace(base: list[TraceJob], n: int, seed: int) -> list[TraceJob]:
     return out
 
 
+def _judged(
+    trace: Path, jobs: list[TraceJob] | Path, max_gpus: int, world: dict[str, object], d: Path
+) -> dict[str, dict[str, object]]:
+    """Every policy on one trace in one world, each schedule checked by its rules."""
+    catalog = Catalog.load()
+    out: dict[str, dict[str, object]] = {}
+    rules = {
+        "checkpointable": world.get("checkpointable_fraction", 0.0),
+        "checkpoint_every_s": world.get("checkpoint_every_s", 1800.0),
+        "stop_s": world.get("stop_s", 30.0),
+    }
+    for policy in POLICIES:
+        res = run_simulation(
+            jobs,
+            policy=policy,
+            catalog=catalog,
+            max_gpus=max_gpus,
+            **world,  # type: ignore[arg-type]
+        )
+        sched, insts = d / f"{policy}-schedule.csv", d / f"{policy}-instances.csv"
+        write_schedule(sched, res.schedule)
+        write_instances(insts, res.instances)
+        verdict = check(
+            trace,
+            sched,
+            insts,
+            max_gpus=max_gpus,
+            claimed=res.figures(),
+            **rules,  # type: ignore[arg-type]
+        )
+        f = res.figures()
+        f.update(
+            {
+                "instances": len(res.instances),
+                "preemptions": res.preemptions,
+                "rejected": len(res.rejected),
+                "sim_wall_s": round(res.wall_s, 3),
+                "checker_ok": verdict.ok,
+                "checker_errors": verdict.errors[:5],
+                "checker_cost_efficiency": round(verdict.figures["cost_efficiency"], 6),
+            }
+        )
+        out[policy] = f
+    return out
+
+
 def run() -> dict[str, object]:
     trace = DEV_TRACE
     if not trace.exists():
         trace = Path("/work/shared/traces/trace_dev.csv")
     catalog = Catalog.load()
     out: dict[str, object] = {"trace": str(trace), "max_gpus": MAX_GPUS}
-    figures: dict[str, dict[str, object]] = {}
+    tables: dict[str, dict[str, dict[str, dict[str, object]]]] = {"dev": {}, "team": {}}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        for policy in POLICIES:
-            res = run_simulation(trace, policy=policy, catalog=catalog, max_gpus=MAX_GPUS)
-            sched, insts = d / f"{policy}-schedule.csv", d / f"{policy}-instances.csv"
-            write_schedule(sched, res.schedule)
-            write_instances(insts, res.instances)
-            verdict = check(trace, sched, insts, max_gpus=MAX_GPUS, claimed=res.figures())
-            f = res.figures()
-            f.update(
-                {
-                    "instances": len(res.instances),
-                    "rejected": len(res.rejected),
-                    "sim_wall_s": round(res.wall_s, 3),
-                    "checker_ok": verdict.ok,
-                    "checker_errors": verdict.errors[:5],
-                    "checker_total_cost_usd": round(verdict.figures["total_cost_usd"], 4),
-                    "checker_cost_efficiency": round(verdict.figures["cost_efficiency"], 6),
-                }
-            )
-            figures[policy] = f
-    out["policies"] = figures
-    fair, fifo = figures["fair"], figures["fifo"]
+        team_path = d / "team.csv"
+        team_path.write_text(small_team_trace(TEAM_SEED))
+        team = parse_trace(team_path.read_text().splitlines(), catalog, "A100")
+        for name, world in WORLDS.items():
+            tables["dev"][name] = _judged(trace, trace, MAX_GPUS, world, d)
+            tables["team"][name] = _judged(team_path, team, TEAM_GPUS, world, d)
+    out["dev_256"] = tables["dev"]
+    out["team_16"] = {"seed": TEAM_SEED, "jobs": len(team), **tables["team"]}
 
     base = load_trace(trace, catalog, "A100")
     jobs = synthetic_trace(base, SYNTH_JOBS, SYNTH_SEED)
-    runs: dict[str, dict[str, object]] = {}
-    wall = 0.0
-    for label, preempt in (("preempt", True), ("no_preempt", False)):
-        t0, c0 = time.perf_counter(), time.process_time()
-        big = run_simulation(
-            jobs, policy="fair", catalog=catalog, max_gpus=MAX_GPUS, preempt=preempt
-        )
-        w = time.perf_counter() - t0
-        wall = w if preempt else wall
-        runs[label] = {
-            "wall_s": round(w, 2),
-            "cpu_s": round(time.process_time() - c0, 2),  # cost on an idle machine
-            "preemptions": big.preemptions,
-            "cost_efficiency": big.cost_efficiency,
-            "avg_queue_s": big.avg_queue_s,
-        }
+    t0, c0 = time.perf_counter(), time.process_time()
+    # `gpubot simulate`'s defaults: the honest world with no job checkpointable
+    big = run_simulation(jobs, policy="fair", catalog=catalog, max_gpus=MAX_GPUS)
+    wall = time.perf_counter() - t0
     out["synthetic_100k"] = {
         "jobs": big.jobs,
         "policy": "fair",
+        "world": "defaults (--estimates none --checkpointable 0)",
         "seed": SYNTH_SEED,
         "runs": 1,
-        **runs,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(time.process_time() - c0, 2),  # cost on an idle machine
+        "preemptions": big.preemptions,
+        "cost_efficiency": big.cost_efficiency,
+        "avg_queue_s": big.avg_queue_s,
     }
 
     def num(x: object) -> float:
         return float(x) if isinstance(x, int | float) else float("nan")
 
+    def goals(t: dict[str, dict[str, dict[str, object]]], eff: float) -> dict[str, bool]:
+        fair, fifo = t["honest"]["fair"], t["honest"]["fifo"]
+        fair0, fifo0 = t["honest_none"]["fair"], t["honest_none"]["fifo"]
+        return {
+            f"fair_efficiency_ge_{eff}": num(fair["checker_cost_efficiency"]) >= eff,
+            "fair_queue_le_third_of_fifo": num(fair["avg_queue_s"]) <= num(fifo["avg_queue_s"]) / 3,
+            "none_checkpointable_no_worse_than_fifo": num(fair0["cost_efficiency"])
+            >= num(fifo0["cost_efficiency"])
+            and num(fair0["avg_queue_s"]) <= num(fifo0["avg_queue_s"]),
+        }
+
     out["goals"] = {
-        "all_schedules_feasible": all(bool(f["checker_ok"]) for f in figures.values()),
-        "fair_efficiency_ge_0_85": num(fair["checker_cost_efficiency"]) >= 0.85,
-        "fair_queue_le_third_of_fifo": num(fair["avg_queue_s"]) <= num(fifo["avg_queue_s"]) / 3,
-        "sim_100k_under_60s": wall < 60.0,  # the default: fair with preemption
+        "all_schedules_feasible": all(
+            bool(f["checker_ok"]) for t in tables.values() for w in t.values() for f in w.values()
+        ),
+        "dev_256": goals(tables["dev"], 0.85),
+        "team_16": goals(tables["team"], 0.75),
+        "sim_100k_under_60s": wall < 60.0,
     }
     return out
 

@@ -155,6 +155,8 @@ class TrainingRun(SQLModel, table=True):
     # auto, bf16, fp16, fp32 as asked; the runner reports what it chose in metrics.
     precision: str = Field(default="auto", max_length=8)
     spot: bool = False
+    # The owner's command checkpoints on SIGTERM and resumes (--checkpoints): movable.
+    checkpoints: bool = False
     max_seconds: int | None = None
     priority: int = 0
     # queued, starting, running, succeeded, failed, cancelled, interrupted.

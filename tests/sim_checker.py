@@ -8,14 +8,21 @@ wrote. Used by the tests and by `bench/simulate.py`; runnable as a script:
     python -m tests.sim_checker TRACE SCHEDULE INSTANCES [--max-gpus N] [--json FIGURES]
 
 A job preempted by the scheduler has one schedule row per segment: the segments must not
-overlap each other or start before the submission, and their lengths must add up to the
-job's duration plus --resume-s per resume (the checkpoint reload, run again).
+overlap each other or start before the submission. The contract's preemption rules:
+
+* only a checkpointable job has more than one segment: int(sha256(job_id)[:8], 16) <
+  --checkpointable * 2**32;
+* every segment after the first starts with --resume-s of overhead; a segment that was
+  preempted ends --stop-s after its signal (checkpoint, exit, the worker's poll), and
+  keeps only whole multiples of --checkpoint-every of the work between its overhead and
+  the signal (all of it at 0); the last segment does exactly the work left.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import sys
@@ -92,6 +99,9 @@ def check(
     ebs_usd_gb_month: float = 0.08,
     min_bill_s: float = 60.0,
     resume_s: float = 300.0,
+    checkpointable: float = 0.0,
+    checkpoint_every_s: float = 1800.0,
+    stop_s: float = 30.0,
     claimed: Mapping[str, object] | None = None,
 ) -> Verdict:
     v = Verdict()
@@ -235,10 +245,25 @@ def check(
                 if not any(a - EPS <= start and end <= b + EPS for a, b in usable[iid]):
                     v.fail(f"{jid}: runs {start}-{end} on {iid} outside its usable windows")
                 per_inst.setdefault(iid, []).extend([(start, per), (end, -per)])
-        # every resume re-runs resume_s on the job's GPUs; the work itself is done once
-        owed = dur + resume_s * (len(rows) - 1)
-        if abs(ran - owed) > 1e-6 * max(1.0, owed) + 1e-6 * len(rows):
-            v.fail(f"{jid}: ran {ran}s in {len(rows)} segment(s), not {owed}s")
+        if len(rows) > 1 and not _eligible(jid, checkpointable):
+            v.fail(f"{jid}: preempted, but it is not checkpointable at {checkpointable}")
+        # every resume re-runs resume_s on the job's GPUs; a preempted segment keeps whole
+        # checkpoint periods of its work and holds its GPUs stop_s after the signal
+        kept = 0.0
+        for idx, r in enumerate(rows[:-1]):
+            start, end = float(r["start_s"]), float(r["end_s"])
+            resume = resume_s if idx else 0.0
+            kept += _kept(end - stop_s - start - resume, checkpoint_every_s)
+        last = rows[-1]
+        last_work = (
+            float(last["end_s"]) - float(last["start_s"]) - (resume_s if len(rows) > 1 else 0.0)
+        )
+        owed = dur - kept
+        if abs(last_work - owed) > 1e-6 * max(1.0, dur) + 1e-6 * len(rows):
+            v.fail(
+                f"{jid}: its last segment did {last_work}s of work, not the {owed}s left "
+                f"after {len(rows) - 1} preemption(s)"
+            )
         queue.append(prev_end - submit - ran)
         jct.append(prev_end - submit)
         busy += gpus * dur
@@ -281,6 +306,15 @@ def check(
     return v
 
 
+def _eligible(job_id: str, fraction: float) -> bool:
+    return int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16) < fraction * 2**32
+
+
+def _kept(done_s: float, every_s: float) -> float:
+    done = max(0.0, done_s)
+    return done if every_s <= 0 else math.floor(done / every_s + 1e-9) * every_s
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.sim_checker")
     p.add_argument("trace", type=Path)
@@ -293,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ebs-gb", type=float, default=500.0)
     p.add_argument("--ebs-usd-gb-month", type=float, default=0.08)
     p.add_argument("--resume-s", type=float, default=300.0)
+    p.add_argument("--checkpointable", type=float, default=0.0)
+    p.add_argument("--checkpoint-every", type=float, default=1800.0)
+    p.add_argument("--stop-s", type=float, default=30.0)
     p.add_argument("--json", type=Path, help="figures the simulator claimed")
     a = p.parse_args(argv)
     claimed = json.loads(a.json.read_text()) if a.json else None
@@ -307,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         ebs_gb=a.ebs_gb,
         ebs_usd_gb_month=a.ebs_usd_gb_month,
         resume_s=a.resume_s,
+        checkpointable=a.checkpointable,
+        checkpoint_every_s=a.checkpoint_every,
+        stop_s=a.stop_s,
         claimed=claimed,
     )
     print(json.dumps({"ok": v.ok, "errors": v.errors, "figures": v.figures}, indent=2))

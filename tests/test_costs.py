@@ -13,7 +13,8 @@ import pytest
 
 from bot.app.config import Settings
 from bot.domain.scheduling import SchedulerConfig
-from bot.sim.simulate import run_simulation, simulate
+from bot.faces.simulate_cli import simulate
+from bot.sim.simulate import run_simulation
 from provisioning.catalog import Catalog
 from provisioning.costs import DEFAULT_COSTS, CloudCosts, gpu_share, storage_usd_per_hour
 from provisioning.simulated import SimulatedCloud

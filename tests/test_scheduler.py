@@ -683,3 +683,118 @@ def test_scheduling_modules_import_only_the_layers_before_them() -> None:
             if a.name.startswith("bot.domain.scheduling")
         }
         assert imported <= set(LAYERS[:rank]), (name, imported - set(LAYERS[:rank]))
+
+
+# ---------------------------------------------------------------- without an oracle
+
+
+def test_a_run_in_the_long_queue_makes_way_for_one_that_never_ran() -> None:
+    """Least attained service: one user's long-running checkpointing run yields to the
+    same user's new run (fair share alone would never move it), and only past
+    las_after_s; a run that resumed after such a move waits behind those that did not."""
+    long_runner = Allocation("old", "u", 8, None, preemptible=True, started_s=NOW - 7200)
+    fleet = [inst("i0", (long_runner,))]
+    waiting = run("new", "u", gpus=8, submit=NOW - 1000, dur=None)
+    on = cfg(max_gpus=8, las_after_s=3600.0)
+    actions = decide([waiting], fleet, NOW, catalog=CAT, config=on)
+    assert Preempt("old", "new") in actions and Place("new", ("i0",), 8) in actions
+    # off (the clairvoyant scheduler), or not run long enough: nothing moves
+    assert not decide([waiting], fleet, NOW, catalog=CAT, config=cfg(max_gpus=8))
+    assert not decide(
+        [waiting], fleet, NOW, catalog=CAT, config=cfg(max_gpus=8, las_after_s=3 * 3600.0)
+    )
+    # a resumed run (attained an hour) goes after its user's runs that never ran
+    resumed = QueuedRun("back", "u", 1, "A100", 0.0, None, attained_s=4000.0)
+    fresh = QueuedRun("fresh", "u", 1, "A100", 500.0, None)
+    assert [r.run_id for r in order_queue([resumed, fresh], NOW, {}, on)] == ["fresh", "back"]
+    assert [r.run_id for r in order_queue([resumed, fresh], NOW, {}, cfg())] == ["back", "fresh"]
+    # and it does not take GPUs back by the same rule
+    back8 = QueuedRun("back8", "u", 8, "A100", NOW - 1000, None, attained_s=4000.0)
+    assert not [
+        a for a in decide([back8], fleet, NOW, catalog=CAT, config=on) if isinstance(a, Preempt)
+    ]
+
+
+def test_a_run_that_cannot_move_joins_one_that_cannot_either() -> None:
+    """Pinning: a run without checkpoints goes beside another such run, leaving the
+    instance of movable runs free to be emptied by consolidation."""
+    movable = Allocation("m", "a", 4, None, preemptible=True, started_s=NOW - 100)
+    fixed = Allocation("f", "b", 4, None, preemptible=False, started_s=NOW - 100)
+    fleet = [inst("i0", (movable,)), inst("i1", (fixed,))]
+    pinned = QueuedRun("p", "c", 2, "A100", NOW, 3600.0, preemptible=False)
+    free = QueuedRun("q", "c", 2, "A100", NOW, 3600.0, preemptible=True)
+    got = decide([pinned], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16))
+    assert got == [Place("p", ("i1",), 2)]
+    off = decide([pinned], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16, pin_cost=0.0))
+    assert off == [Place("p", ("i0",), 2)]  # by name among equals, without the rule
+    assert decide([free], fleet, NOW, catalog=CAT, config=cfg(max_gpus=16)) == [
+        Place("q", ("i0",), 2)
+    ]
+
+
+# ---------------------------------------------------------------- the worker's world
+
+
+def test_a_booting_instance_is_waited_for_not_launched_again() -> None:
+    """Two runs queued while an instance boots: with the booting host in its view (as the
+    worker now passes it, `bot.app.runs.host_view`) the scheduler places the second run on it
+    instead of launching another instance."""
+    from bot.app.runs import host_view
+
+    config = cfg(max_gpus=64)
+    first = decide([run("1", dur=None)], [], NOW, catalog=CAT, config=config)
+    launch = next(a for a in first if isinstance(a, Launch))
+    assert launch.for_run == "1"
+    booting = host_view(
+        name="i-boot",
+        state="pending",
+        instance_type=launch.instance_type,
+        market="ondemand",
+        usd_hr=0.0,
+        created_s=NOW,
+        updated_s=NOW,
+        now=NOW + 60,
+        catalog=CAT,
+        config=config,
+    )
+    assert booting is not None and booting.state == "pending"
+    assert booting.ready_at_s == NOW + config.boot_s + config.setup_s
+    queue = [run("1", dur=None), run("3", dur=None, submit=NOW + 30)]
+    # what the worker used to pass: ready hosts only, so it launched a second instance
+    blind = decide(queue, [], NOW + 60, catalog=CAT, config=config)
+    assert any(isinstance(a, Launch) for a in blind)
+    seen = decide(queue, [booting], NOW + 60, catalog=CAT, config=config)
+    assert not any(isinstance(a, Launch) for a in seen)
+    assert {a.run_id for a in seen if isinstance(a, Place)} == {"1", "3"}
+    # a stopped host is restarted rather than a new one launched
+    stopped = host_view(
+        name="i-stop",
+        state="stopped",
+        instance_type=launch.instance_type,
+        market="ondemand",
+        usd_hr=0.0,
+        created_s=0.0,
+        updated_s=NOW - 600,
+        now=NOW,
+        catalog=CAT,
+        config=config,
+    )
+    assert stopped is not None
+    again = decide(queue, [stopped], NOW + 60, catalog=CAT, config=config)
+    assert any(isinstance(a, Start) for a in again)
+    assert not any(isinstance(a, Launch) for a in again)
+
+
+def test_the_workers_scheduler_knobs_come_from_settings() -> None:
+    from datetime import timedelta
+
+    from bot.app.config import Settings
+    from bot.app.runs import scheduler_config
+    from bot.domain.scheduling import LAS_AFTER_S
+
+    settings = Settings(idle_stop_after=timedelta(minutes=20), pool_max_instances=2)
+    c = scheduler_config(settings, CAT)
+    assert c.idle_stop_after() == 1200.0
+    assert c.terminate_after(30.0) == settings.terminate_after.total_seconds()
+    assert c.max_gpus == 2 * max(t.gpus for t in CAT.types)
+    assert c.las_after_s == LAS_AFTER_S

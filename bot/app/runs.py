@@ -28,12 +28,13 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, or_, update
+from sqlalchemy import and_, func, or_, update
 from sqlmodel import Session, col, select
 
 from bot.app import budgets, runwatch, sources
 from bot.app.access import RunGate, StaticMembership, audit
 from bot.app.agentwatch import requeue_resumable, resumable_stop, upload_checkpoints, watch_hosts
+from bot.app.config import Settings
 from bot.app.held import end_held, held_gpu_ids, who_holds
 from bot.app.outbox import enqueue
 from bot.app.ports import Actor, Core, HostAccess
@@ -43,12 +44,15 @@ from bot.domain.commands import Cancel, Logs, Queue, Run
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from bot.domain.scheduling import (
+    LAS_AFTER_S,
     Allocation,
     FleetInstance,
+    InstanceState,
     Launch,
     Place,
     Preempt,
     QueuedRun,
+    RunHistory,
     SchedulerConfig,
     Start,
     decide,
@@ -57,6 +61,7 @@ from bot.domain.scheduling import (
 from db.models import (
     HOST_PENDING,
     HOST_READY,
+    HOST_STOPPED,
     HOST_UNREACHABLE,
     RES_WAITING,
     RUN_CANCELLED,
@@ -119,6 +124,69 @@ def _hosts_with_gpus(s: Session, which: Any) -> list[tuple[Host, list[Gpu]]]:
     return [(h, by_host.get(h.id or -1, [])) for h in hosts]
 
 
+def scheduler_config(settings: Settings, catalog: Catalog) -> SchedulerConfig:
+    """The worker's scheduler knobs from Settings, so that `gpubot simulate` and the worker
+    can be run with the same ones: idle stop and terminate as the fleet applies them, the
+    stopped volume's price, and a quota no larger than the pools allow (each type's
+    instance cap times its GPUs, the largest; bot.app.fleet enforces the exact caps when it
+    buys). No run time is known here, so least attained service is on (LAS_AFTER_S)."""
+    biggest = max((t.gpus for t in catalog.types), default=8)
+    ebs_usd_s = settings.ebs_gb * settings.ebs_usd_gb_month / (730.0 * 3600.0)
+    return SchedulerConfig(
+        policy="fair",
+        max_gpus=max(1, settings.pool_max_instances * biggest),
+        idle_stop_s=settings.idle_stop_after.total_seconds(),
+        terminate_after_s=settings.terminate_after.total_seconds(),
+        ebs_usd_s=ebs_usd_s,
+        las_after_s=LAS_AFTER_S,
+    )
+
+
+def host_view(
+    *,
+    name: str,
+    state: str,
+    instance_type: str | None,
+    market: str,
+    usd_hr: float,
+    created_s: float,
+    updated_s: float,
+    now: float,
+    catalog: Catalog,
+    config: SchedulerConfig,
+) -> FleetInstance | None:
+    """A booting or stopped instance as the scheduler sees it, from its host row.
+
+    Why: a scheduler that sees only ready hosts launches again for every run queued while
+    the first instance boots (the simulator, which sees the booting one, waits for it).
+    A pending host is usable boot + setup after it was launched; a stopped one has been
+    stopped since its row last changed. Its GPUs come from the catalog (the host reports
+    them only once it is up); a type the catalog does not know is left out."""
+    t = catalog.get(instance_type) if instance_type else None
+    if t is None:
+        return None
+    st: InstanceState
+    if state == HOST_PENDING:
+        st = "pending"
+        ready = max(now, created_s + config.boot_s + config.setup_s)
+        stopped_since = None
+    elif state == HOST_STOPPED:
+        st, ready, stopped_since = "stopped", updated_s, updated_s
+    else:
+        return None
+    return FleetInstance(
+        instance_id=name,
+        instance_type=t.instance_type,
+        gpu_model=t.gpu_model,
+        gpus=t.gpus,
+        usd_hr=usd_hr or t.ondemand_usd_hr,
+        market="spot" if market == "spot" else "ondemand",
+        state=st,
+        ready_at_s=ready,
+        stopped_since_s=stopped_since,
+    )
+
+
 class RunService:
     def __init__(
         self, core: Core, access: HostAccess, catalog: Catalog, *, refusal: str | None = None
@@ -130,7 +198,7 @@ class RunService:
         # GPUBOT_RUN_AS), or None: submit says it, dispatch starts nothing, and what ran
         # already is still polled and shown.
         self.refusal = refusal
-        self.config = SchedulerConfig(policy="fair")
+        self.config = scheduler_config(core.settings, catalog)
         self._preempt_slot = -(2**62)  # the last preemption slot dispatch looked at
         # file:// git URLs: tests only (a bare repository in tmp); never in production.
         self.allow_file_git = False
@@ -197,6 +265,7 @@ class RunService:
                 gpu_model=model,
                 precision=cmd.precision,
                 spot=cmd.spot,
+                checkpoints=cmd.checkpoints,
                 max_seconds=int(cmd.max_duration.total_seconds()) if cmd.max_duration else None,
                 state=RUN_QUEUED,
                 submitted_at=self.core.clock.now(),
@@ -727,6 +796,7 @@ class RunService:
         waiting_models = {
             r.gpu_model for r in s.exec(select(Reservation).where(Reservation.state == RES_WAITING))
         }
+        history = self._history(s, now)
         queue = []
         for run, user in s.exec(
             select(TrainingRun, User)
@@ -745,13 +815,46 @@ class RunService:
                     gpus=run.gpu_count,
                     gpu_model=run.gpu_model or "",
                     submit_s=run.submitted_at.timestamp(),
-                    est_duration_s=float(run.max_seconds) if run.max_seconds else None,
+                    # the user's --max, else what the team's finished runs predict
+                    est_duration_s=float(run.max_seconds)
+                    if run.max_seconds
+                    else history.predict_duration(user.key, run.gpu_count),
                     priority=run.priority,
                     spot=run.spot,
+                    preemptible=run.recipe is not None or run.spot or run.checkpoints,
                 )
             )
         hosts: dict[str, Host] = {}
         fleet = []
+        now_s = now.timestamp()
+        # Booting and stopped instances too: the scheduler must see what is on its way.
+        for host in s.exec(
+            select(Host)
+            .where(col(Host.state).in_((HOST_PENDING, HOST_STOPPED)))
+            .order_by(col(Host.id))
+        ):
+            view = host_view(
+                name=host.name,
+                state=host.state,
+                instance_type=host.instance_type,
+                market=host.market,
+                usd_hr=host.hourly_usd,
+                created_s=host.created_at.timestamp(),
+                updated_s=host.updated_at.timestamp(),
+                now=now_s,
+                catalog=self.catalog,
+                config=self.config,
+            )
+            if view is not None:
+                fleet.append(view)
+        last_use = {
+            host_id: ended
+            for host_id, ended in s.exec(
+                select(UsageInterval.host_id, func.max(UsageInterval.ended_at)).group_by(
+                    col(UsageInterval.host_id)
+                )
+            )
+        }
         open_rows = who_holds(s)
         for host, gpus in _hosts_with_gpus(s, Host.state == HOST_READY):
             if not gpus:
@@ -774,12 +877,16 @@ class RunService:
                     )
                     limit = held_by.max_seconds if held_by is not None else None
                     key, end = f"{iv.run_id}", (started.timestamp() + limit) if limit else None
+                    if end is None and held_by is not None:
+                        end = history.predict_end(
+                            user.key, held_by.gpu_count, started.timestamp(), now_s
+                        )
                     if held_by is not None:
-                        # Recipes checkpoint on SIGTERM (training.loop); a --spot run's
-                        # owner said it resumes. Anything else is never preempted.
+                        # Recipes checkpoint on SIGTERM (training.loop); a --spot or
+                        # --checkpoints run's owner said it resumes. Nothing else moves.
                         flags[key] = (
                             held_by.state == RUN_RUNNING
-                            and (held_by.recipe is not None or held_by.spot),
+                            and (held_by.recipe is not None or held_by.spot or held_by.checkpoints),
                             held_by.state == RUN_CANCELLING or "interrupted" in held_by.placement,
                             started.timestamp(),
                         )
@@ -800,9 +907,34 @@ class RunService:
                         Allocation(k, u, n, e, *flags.get(k, (False, False, None)))
                         for k, (u, n, e) in by_holder.items()
                     ),
+                    # idle since its last GPU was let go (or since it came up)
+                    idle_since_s=None
+                    if by_holder
+                    else _ts_or(last_use.get(host.id or -1), host.created_at).timestamp(),
                 )
             )
         return queue, fleet, hosts, self._usage(s, now)
+
+    def _history(self, s: Session, now: datetime) -> RunHistory:
+        """The run times of the runs that finished in the last 30 days, per user and
+        size: the same predictions the simulator makes under --estimates none."""
+        history = RunHistory()
+        since = now - timedelta(days=30)
+        for run, user in s.exec(
+            select(TrainingRun, User)
+            .join(User)
+            .where(
+                col(TrainingRun.state).in_((RUN_SUCCEEDED, RUN_FAILED)),
+                col(TrainingRun.finished_at).is_not(None),
+                col(TrainingRun.started_at).is_not(None),
+                TrainingRun.finished_at > since,  # type: ignore[operator]
+            )
+            .order_by(col(TrainingRun.finished_at), col(TrainingRun.id))
+        ):
+            if run.started_at is not None and run.finished_at is not None:
+                took = (run.finished_at - run.started_at).total_seconds()
+                history.add(user.key, run.gpu_count, took)
+        return history
 
     def _usage(self, s: Session, now: datetime) -> dict[str, float]:
         """Each user's GPU-seconds, decayed with the scheduler's half-life (Slurm's fair
@@ -1377,3 +1509,11 @@ def _command_text(argv: tuple[str, ...] | list[str]) -> str:
         return shell.join(argv)
     except ValueError:
         raise UserError("A command cannot hold a NUL character.", USAGE_RUN) from None
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _ts_or(value: datetime | None, default: datetime) -> datetime:
+    return value if value is not None else default

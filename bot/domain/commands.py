@@ -67,7 +67,7 @@ VERBS: dict[str, VerbSpec] = {
     ),
     "run": VerbSpec(
         "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] "
-        "[--spot] [--git URL[@REF] | --path DIR] [--recipe NAME [--lr LR] [--batch-size N] "
+        "[--spot] [--checkpoints] [--git URL[@REF] | --path DIR] [--recipe NAME [--lr LR] [--batch-size N] "
         "[--epochs N] [--sweep lr=V1,V2,...]] -- COMMAND",
         "queue a training run on the team's GPUs",
         (
@@ -87,7 +87,10 @@ VERBS: dict[str, VerbSpec] = {
         "cost so far), and you get a DM when its loss goes NaN or diverges, its GPUs sit "
         "idle or full, or it stops reporting; your own script reports with "
         "`training.report(step=..., loss=...)`. `--sweep lr=1e-4,3e-4` runs one variant per "
-        "value and compares them in one table.",
+        "value and compares them in one table. `--checkpoints` says your "
+        "command saves a checkpoint in `$GPUBOT_CHECKPOINT_DIR` on SIGTERM, exits 75 and "
+        "resumes from it when run again (recipes do): such a run may be preempted for a "
+        "teammate's and resumed later.",
     ),
     "queue": VerbSpec(
         "/gpu queue [me]",
@@ -196,6 +199,9 @@ class Run:
     options: tuple[tuple[str, float], ...] = ()
     # `--sweep lr=1e-4,3e-4`: one variant per value of one recipe setting, run as a group.
     sweep: tuple[str, tuple[float, ...]] | None = None
+    # The command checkpoints: it saves to $GPUBOT_CHECKPOINT_DIR on SIGTERM, exits 75
+    # and resumes from there when started again, so the scheduler may move it.
+    checkpoints: bool = False
 
     @property
     def interactive(self) -> bool:
@@ -519,9 +525,11 @@ def _options(
     unknown: Callable[[str, str], str],
     *,
     command_follows: bool,
+    bare: Collection[str] = (),
 ) -> tuple[dict[str, str], bool, list[str]]:
-    """`--name value`, `--name=value` and the bare `--spot`, for every verb that takes
-    options: each at most once. With `command_follows`, `--` or the first word that is no
+    """`--name value`, `--name=value` and the bare `--spot` (and, for `bare`, those
+    flags too, returned in `opts` as "1"), for every verb that takes options: each at
+    most once. With `command_follows`, `--` or the first word that is no
     option starts the user's command, returned as the third item; otherwise every word
     must be an option (`unknown(name, token)` says what is wrong)."""
     opts: dict[str, str] = {}
@@ -539,6 +547,14 @@ def _options(
             if eq:
                 raise ctx.fail("`--spot` takes no value.")
             spot = True
+            i += 1
+            continue
+        if name in bare:
+            if eq:
+                raise ctx.fail(f"`{name}` takes no value.")
+            if name in opts:
+                raise ctx.fail(f"`{name}` is given twice.")
+            opts[name] = "1"
             i += 1
             continue
         if name not in with_value:
@@ -628,7 +644,9 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         _RUN_FLAGS_WITH_VALUE,
         lambda name, tok: f"Unknown option `{_clip(name)}`; put your own command after `--`.",
         command_follows=True,
+        bare=("--checkpoints",),
     )
+    checkpoints = opts.pop("--checkpoints", "") == "1"
     gpus = _int(opts["--gpus"], ctx, "--gpus", 1, MAX_GPUS_PER_REQUEST) if "--gpus" in opts else 1
     model = _model(opts["--gpu"], ctx) if "--gpu" in opts else None
     precision = opts.get("--precision", "auto").lower()
@@ -657,6 +675,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         source=source,
         options=options,
         sweep=sweep,
+        checkpoints=checkpoints,
     )
 
 

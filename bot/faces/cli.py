@@ -31,6 +31,7 @@ from bot.domain.clock import SystemClock
 from bot.domain.errors import UserError
 from bot.faces.doctor import doctor
 from bot.faces.runtime import build_runtime
+from bot.faces.simulate_cli import simulate
 from bot.faces.slack.cli import default_host as slack_default_host
 from bot.faces.slack.cli import manifest as slack_manifest
 from bot.faces.slack.cli import serve as slack_serve
@@ -38,7 +39,6 @@ from bot.faces.slack.notifier import from_settings as slack_notifier_from_settin
 from bot.faces.slack.server import HttpServer
 from bot.faces.terminal import Shell
 from bot.faces.worker import Worker
-from bot.sim.simulate import simulate
 
 app = typer.Typer(
     name="gpubot",

@@ -31,34 +31,31 @@ would change its duration and thus the figures.
 
 Preemption (``fair`` only, ``--no-preempt`` turns it off): the scheduler may stop a
 running job with a checkpoint and start it again later or elsewhere (fair-share
-preemption, defragmentation, consolidation; see `bot.domain.scheduling`). Philly's own jobs were
-restarted this way: the trace's duration is the sum of a job's attempts. Every job is
-taken to checkpoint on SIGTERM, as the bot's runner does. A preempted job keeps the work
-it did and owes ``--resume-s`` more on each resume (the checkpoint write and reload, run
-on its GPUs and billed like any other second). Its schedule has one row per segment, in
-time order, each on the instances it used then; the rows' lengths add up to its duration
-plus ``--resume-s`` per resume.
-
-The trace records each job's run time; the simulator hands it to the scheduler as the
-user's time limit (a perfect estimate), as trace-driven backfill studies do. Spot runs
-are not in the trace format, so every simulated job is on-demand.
+preemption, defragmentation, consolidation; see `bot.domain.scheduling`). What the scheduler
+knows and what a preemption costs is the simulator's contract (`World`, README):
+``--estimates none`` (default) hides every run time from it, as production knows none
+without a user's --max; ``--checkpointable F`` picks the jobs that may be preempted by
+a hash of their id; a preempted segment keeps whole multiples of ``--checkpoint-every``
+of its work, holds its GPUs ``--stop-s`` after the signal (the worker's SIGTERM,
+checkpoint, exit, poll), and the job owes ``--resume-s`` more on each resume. Its
+schedule has one row per segment, in time order, each on the instances it used then.
+Spot runs are not in the trace format, so every simulated job is on-demand.
 """
 
 from __future__ import annotations
 
 import bisect
 import csv
+import hashlib
 import heapq
 import math
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import typer
-
 from bot.domain.scheduling import (
+    LAS_AFTER_S,
     POLICIES,
     Action,
     Allocation,
@@ -67,6 +64,7 @@ from bot.domain.scheduling import (
     Place,
     Preempt,
     QueuedRun,
+    RunHistory,
     SchedulerConfig,
     Start,
     Stop,
@@ -106,6 +104,13 @@ FIGURE_KEYS = (
     "gpu_utilization",
     "makespan_s",
 )
+
+
+# From the signal to free GPUs in the worker: the run checkpoints and exits within a
+# tick, the next tick's poll requeues it, and that tick's dispatch places what waits.
+DEFAULT_STOP_S = 2 * 15.0  # two worker ticks (Settings.tick_seconds)
+
+DecisionHook = Callable[[float, list[Action]], None]
 
 
 class SimInputError(ValueError):
@@ -218,7 +223,22 @@ def parse_trace(
 
 # ---------------------------------------------------------------- the loop
 
-_ARRIVE, _READY, _START, _END, _WAKE = 0, 1, 2, 3, 4
+_ARRIVE, _READY, _START, _END, _WAKE, _RELEASE, _REEST = 0, 1, 2, 3, 4, 5, 6
+
+ESTIMATES = ("none", "exact")
+
+
+def checkpointable(job_id: str, fraction: float) -> bool:
+    """The contract's eligibility rule, exactly: anyone can recompute it from a job id."""
+    return int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16) < fraction * 2**32
+
+
+def kept_work(done_s: float, every_s: float) -> float:
+    """Work a preempted segment keeps: whole checkpoint periods, all of it at 0."""
+    done = max(0.0, done_s)
+    if every_s <= 0:
+        return done
+    return math.floor(done / every_s + 1e-9) * every_s
 
 
 @dataclass
@@ -274,11 +294,23 @@ def run_simulation(
     config: SchedulerConfig | None = None,
     preempt: bool | None = None,
     resume_s: float | None = None,
+    estimates: str = "none",
+    checkpointable_fraction: float = 0.0,
+    checkpoint_every_s: float = 1800.0,
+    stop_s: float = DEFAULT_STOP_S,
+    on_decision: DecisionHook | None = None,
 ) -> SimResult:
-    """Replays `trace` (a file or parsed jobs) under `policy`; raises SimInputError."""
+    """Replays `trace` (a file or parsed jobs) under `policy`; raises SimInputError.
+
+    `on_decision(now, actions)` sees every non-empty decision (tests of what the
+    scheduler knew when)."""
     t_wall = time.perf_counter()
     if policy not in POLICIES:
         raise SimInputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if estimates not in ESTIMATES:
+        raise SimInputError(f"--estimates must be one of {', '.join(ESTIMATES)}")
+    if not (math.isfinite(checkpointable_fraction) and 0.0 <= checkpointable_fraction <= 1.0):
+        raise SimInputError("--checkpointable must be a fraction between 0 and 1")
     if catalog is None:
         try:
             catalog = Catalog.load(prices)
@@ -296,6 +328,8 @@ def run_simulation(
         ("--ebs-gb", ebs_gb),
         ("--ebs-usd-gb-month", ebs_usd_gb_month),
         ("--resume-s", 0.0 if resume_s is None else resume_s),
+        ("--checkpoint-every", checkpoint_every_s),
+        ("--stop-s", stop_s),
     ):
         if not (math.isfinite(v) and v >= 0):
             raise SimInputError(f"{name} must be a number >= 0")
@@ -311,7 +345,9 @@ def run_simulation(
         ebs_gb=ebs_gb,
         ebs_usd_gb_month=ebs_usd_gb_month,
     )
-    base = config or SchedulerConfig()
+    # Without estimates the scheduler runs as the worker does: least attained service
+    # on (LAS_AFTER_S); with exact ones it is the first simulator's scheduler.
+    base = config or SchedulerConfig(las_after_s=LAS_AFTER_S if estimates == "none" else None)
     cfg = SchedulerConfig(
         **{
             **base.__dict__,
@@ -363,7 +399,13 @@ def run_simulation(
         else:
             runnable.append(j)
 
-    loop = _Loop(runnable, cloud, catalog, cfg)
+    world = World(
+        estimates=estimates,
+        checkpointable=checkpointable_fraction,
+        checkpoint_every_s=checkpoint_every_s,
+        stop_s=stop_s,
+    )
+    loop = _Loop(runnable, cloud, catalog, cfg, world, on_decision)
     loop.run()
     schedule = tuple(row for j in runnable for row in loop.schedule[j.job_id])
     records = tuple(cloud.records())
@@ -380,10 +422,47 @@ def run_simulation(
     )
 
 
+@dataclass(frozen=True)
+class World:
+    """What the scheduler may know and what a preemption costs: the simulator's contract.
+
+    `estimates`: "none" (the default: a job's run time is never shown to the scheduler,
+    as the worker knows none without a user's --max; the trace format has no limit
+    column) or "exact" (the trace's duration as the time limit: research only).
+    `checkpointable`: the fraction F of jobs that may be preempted, chosen by
+    `checkpointable(job_id, F)`. `checkpoint_every_s`: a preempted segment keeps only
+    whole multiples of it of the work done after its resume overhead (0: it
+    checkpoints on the signal). `stop_s`: from the signal until the GPUs are free again
+    (the checkpoint write, the exit, the worker's next poll and requeue); the victim
+    holds and pays for them meanwhile, and the run it makes way for is placed by a later
+    decision, as in the worker."""
+
+    estimates: str = "none"
+    checkpointable: float = 0.0
+    checkpoint_every_s: float = 1800.0
+    stop_s: float = 0.0
+
+
 class _Loop:
     def __init__(
-        self, jobs: list[TraceJob], cloud: SimulatedCloud, catalog: Catalog, cfg: SchedulerConfig
+        self,
+        jobs: list[TraceJob],
+        cloud: SimulatedCloud,
+        catalog: Catalog,
+        cfg: SchedulerConfig,
+        world: World | None = None,
+        on_decision: DecisionHook | None = None,
     ) -> None:
+        self.world = world or World()
+        self.exact = self.world.estimates == "exact"
+        self.eligible = {
+            j.job_id for j in jobs if checkpointable(j.job_id, self.world.checkpointable)
+        }
+        self.on_decision = on_decision
+        self.stopping: dict[str, float] = {}  # signalled job -> when its GPUs come back
+        # what the scheduler may know of run times without an oracle: finished jobs
+        self.history = RunHistory()
+        self.est_end: dict[str, float] = {}  # running job -> its predicted end (stepped)
         self.jobs = jobs
         self.cloud = cloud
         self.catalog = catalog
@@ -423,7 +502,9 @@ class _Loop:
             while heap and heap[0][0] == t:
                 _, kind, _, key = heapq.heappop(heap)
                 self.handle(kind, key, t)
-                dirty = dirty or kind != _START  # a start changes no decision's inputs
+                # a start changes no decision's inputs; a stepped prediction is seen by
+                # the next decision an event calls for (alone it would rarely change one)
+                dirty = dirty or (kind != _START and kind != _REEST)
             if dirty:
                 self.tick(t)
         end = self.cloud.now
@@ -451,7 +532,10 @@ class _Loop:
                     gpus=j.gpus,
                     gpu_model=j.gpu_model,
                     submit_s=j.submit_s,
-                    est_duration_s=j.duration_s,
+                    est_duration_s=j.duration_s
+                    if self.exact
+                    else self.history.predict_duration(j.user, j.gpus),
+                    preemptible=j.job_id in self.eligible,
                 )
             )
             self.queued += 1
@@ -465,14 +549,26 @@ class _Loop:
                 inst.snap = None
         elif kind == _START:
             j = self.by_id[key]
+            if not self.exact:
+                self.predict(key, t, t)
             self.running[j.user] = self.running.get(j.user, 0) + j.gpus
         elif kind == _END:
             seg = self.seg.get(key)
             if seg is None or seg[1] != t:
                 return  # the segment was preempted before this end
             del self.seg[key]
+            self.stopping.pop(key, None)  # it ended before its signal took effect
             self.left[key] = 0.0
             self.release(key, t)
+            j = self.by_id[key]
+            self.history.add(j.user, j.gpus, j.duration_s)  # known now that it ended
+        elif kind == _REEST:
+            if self.est_end.get(key) == t and key in self.seg:
+                self.predict(key, self.seg[key][0], t)
+        elif kind == _RELEASE:
+            if self.stopping.get(key) == t:
+                del self.stopping[key]
+                self.requeue(key, t)
         elif kind == _WAKE:
             self.wakes.discard(t)
 
@@ -511,6 +607,8 @@ class _Loop:
             preempt_due=due,
         )
         if actions:
+            if self.on_decision is not None:
+                self.on_decision(now, list(actions))
             self.apply(actions, now)
             fleet = [i.snapshot() for i in self.insts.values()]
             if any(isinstance(a, Preempt) for a in actions):
@@ -569,6 +667,25 @@ class _Loop:
                 cloud.terminate(a.instance_id)
                 del self.insts[a.instance_id]
 
+    def predict(self, job_id: str, start: float, now: float) -> None:
+        """Sets a running job's predicted end from the history (`RunHistory.predict_end`,
+        its work before a preemption counted as attained) and wakes at it to step on."""
+        j = self.by_id[job_id]
+        done = j.duration_s - self.left[job_id]  # work of earlier segments: known
+        resume = self.seg[job_id][2]
+        end = self.history.predict_end(j.user, j.gpus, start + resume - done, now)
+        self.est_end.pop(job_id, None)
+        if end is not None:
+            self.est_end[job_id] = end
+            self.push(end, _REEST, job_id)
+        for iid in self.placed_on[job_id]:
+            inst = self.insts[iid]
+            al = inst.allocs[job_id]
+            inst.allocs[job_id] = Allocation(
+                al.run_id, al.user, al.gpus, end, al.preemptible, al.stopping, al.started_s
+            )
+            inst.snap = None
+
     def release(self, job_id: str, t: float) -> None:
         """A job's GPUs go back (it ended or was preempted); emptied instances idle from t."""
         j = self.by_id[job_id]
@@ -581,21 +698,42 @@ class _Loop:
             inst.snap = None
 
     def preempt(self, job_id: str, now: float) -> None:
-        """Stops a running job with a checkpoint: the GPUs free at once, the work done
-        is kept, and the job goes back in line owing `resume_s` more on its next start."""
-        seg = self.seg.pop(job_id, None)
-        j = self.by_id[job_id]
-        if seg is None or seg[0] > now:
+        """Signals a running job to checkpoint and stop. Its GPUs stay held (and paid
+        for) `stop_s` longer, then it goes back in line keeping the work its checkpoints
+        saved (`kept_work`) and owing `resume_s` more on its next start."""
+        seg = self.seg.get(job_id)
+        if seg is None or seg[0] > now or job_id in self.stopping:
             raise RuntimeError(f"scheduler preempted {job_id}, which is not running")
-        start, _, resume = seg
-        self.left[job_id] -= max(0.0, now - start - resume)
+        if job_id not in self.eligible:
+            raise RuntimeError(f"scheduler preempted {job_id}, which does not checkpoint")
+        self.preemptions += 1
+        stop = self.world.stop_s
+        if stop <= 0:
+            self.requeue(job_id, now)
+            return
+        self.stopping[job_id] = now + stop
+        for iid in self.placed_on[job_id]:
+            inst = self.insts[iid]
+            al = inst.allocs[job_id]
+            inst.allocs[job_id] = Allocation(
+                al.run_id, al.user, al.gpus, al.est_end_s, al.preemptible, True, al.started_s
+            )
+            inst.snap = None
+        self.push(now + stop, _RELEASE, job_id)
+
+    def requeue(self, job_id: str, now: float) -> None:
+        """The preempted job's GPUs come back and it waits again in its place in line."""
+        start, _, resume = self.seg.pop(job_id)
+        j = self.by_id[job_id]
+        # the same arithmetic as the checker's, on the row's own numbers
+        w = self.world
+        self.left[job_id] -= kept_work(now - w.stop_s - start - resume, w.checkpoint_every_s)
         self.release(job_id, now)
         rows = self.schedule[job_id]
         last = rows[-1]
         rows[-1] = ScheduledJob(
             last.job_id, last.user, last.instance_ids, last.submit_s, last.start_s, now, last.gpus
         )
-        self.preemptions += 1
         # back in its place in line (by submission): the user's queue stays sorted, and
         # with an overloaded trace it is long, so insert rather than sort
         bisect.insort(
@@ -606,7 +744,13 @@ class _Loop:
                 gpus=j.gpus,
                 gpu_model=j.gpu_model,
                 submit_s=j.submit_s,
-                est_duration_s=self.left[job_id] + self.cfg.resume_s,
+                est_duration_s=self.left[job_id] + self.cfg.resume_s
+                if self.exact
+                else self.history.expected_remaining(
+                    j.user, j.gpus, j.duration_s - self.left[job_id]
+                ),
+                preemptible=True,
+                attained_s=j.duration_s - self.left[job_id],
             ),
             key=lambda r: (r.submit_s, r.run_id),
         )
@@ -618,18 +762,35 @@ class _Loop:
         insts = [self.insts[i] for i in iids]
         if a.gpus_per_instance * len(insts) != j.gpus:
             raise RuntimeError(f"scheduler split {j.job_id} wrongly")
+        if a.run_id in self.stopping:
+            return  # still checkpointing: the worker places it once poll has requeued it
+        if a.run_id in self.seg:
+            raise RuntimeError(f"scheduler placed {j.job_id}, which is running")
         start = max([now] + [i.ready_at for i in insts])
         resume = self.cfg.resume_s if j.job_id in self.schedule else 0.0
         end = start + self.left[j.job_id] + resume
         for inst in insts:
+            used = sum(x.gpus for x in inst.allocs.values())
+            if inst.gpus - used < a.gpus_per_instance and inst.state != "stopped":
+                held = sum(x.gpus for x in inst.allocs.values() if x.stopping)
+                if inst.gpus - used + held >= a.gpus_per_instance:
+                    # GPUs a preempted run still holds: the worker's claim fails the same
+                    # way and the run waits for a later tick
+                    return
             if (
                 inst.state == "stopped"
-                or inst.gpus - sum(x.gpus for x in inst.allocs.values()) < a.gpus_per_instance
+                or inst.gpus - used < a.gpus_per_instance
                 or inst.model != j.gpu_model
             ):
                 raise RuntimeError(f"scheduler over-committed {inst.iid} with {j.job_id}")
+        for inst in insts:
             inst.allocs[j.job_id] = Allocation(
-                j.job_id, j.user, a.gpus_per_instance, end, preemptible=True, started_s=start
+                j.job_id,
+                j.user,
+                a.gpus_per_instance,
+                end if self.exact else None,
+                preemptible=j.job_id in self.eligible,
+                started_s=start,
             )
             inst.idle_since = None
             inst.snap = None
@@ -648,6 +809,8 @@ class _Loop:
             self.push(start, _START, j.job_id)
         else:
             self.running[j.user] = self.running.get(j.user, 0) + j.gpus
+            if not self.exact:
+                self.predict(j.job_id, start, now)
         self.push(end, _END, j.job_id)
 
 
@@ -765,81 +928,3 @@ def summary_table(res: SimResult) -> str:
         f"preemptions      {res.preemptions}",
     ]
     return "\n".join(lines)
-
-
-def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"gpubot simulate: error: {msg}", err=True)
-    return typer.Exit(code=2)
-
-
-def simulate(
-    trace: Path = typer.Option(
-        ..., "--trace", help="job trace CSV: job_id,user,submit_time,duration_s,gpus,gpu_type"
-    ),
-    policy: str = typer.Option("fair", "--policy", help="fair | per-job | fifo"),
-    prices: Path | None = typer.Option(None, "--prices", help="prices CSV (default: shipped)"),
-    gpu_type: str = typer.Option("A100", "--gpu-type", help="model for rows without gpu_type"),
-    max_gpus: int = typer.Option(256, "--max-gpus", help="quota of GPUs running at once"),
-    schedule_out: Path | None = typer.Option(None, "--schedule-out", help="write the schedule"),
-    instances_out: Path | None = typer.Option(
-        None, "--instances-out", help="write the instances and their bills"
-    ),
-    json_out: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
-    boot_s: float = typer.Option(DEFAULT_COSTS.boot_s, "--boot-s", help="launch to SSH-ready, s"),
-    setup_s: float = typer.Option(
-        DEFAULT_COSTS.setup_s, "--setup-s", help="bootstrap of a fresh instance, s"
-    ),
-    start_s: float = typer.Option(
-        DEFAULT_COSTS.start_s, "--start-s", help="restart of a stopped instance, s"
-    ),
-    ebs_gb: float = typer.Option(
-        DEFAULT_COSTS.ebs_gb, "--ebs-gb", help="volume size billed while stopped"
-    ),
-    ebs_usd_gb_month: float = typer.Option(
-        DEFAULT_COSTS.ebs_usd_gb_month, "--ebs-usd-gb-month", help="volume price, USD per GB-month"
-    ),
-    preempt: bool = typer.Option(
-        True,
-        "--preempt/--no-preempt",
-        help="fair: checkpoint-and-move runs (fair-share preemption, defragmentation, "
-        "consolidation); a moved job has a schedule row per segment",
-    ),
-    resume_s: float = typer.Option(
-        300.0, "--resume-s", help="what each preemption costs the job: checkpoint + reload, s"
-    ),
-) -> None:
-    """Replay a job trace through the scheduler on a simulated cloud and report its cost."""
-    import json
-
-    try:
-        res = run_simulation(
-            trace,
-            policy=policy,
-            prices=prices,
-            gpu_type=gpu_type,
-            max_gpus=max_gpus,
-            boot_s=boot_s,
-            setup_s=setup_s,
-            start_s=start_s,
-            ebs_gb=ebs_gb,
-            ebs_usd_gb_month=ebs_usd_gb_month,
-            preempt=preempt,
-            resume_s=resume_s,
-        )
-    except SimInputError as exc:
-        raise _fail(str(exc)) from None
-    try:
-        if schedule_out is not None:
-            write_schedule(schedule_out, res.schedule)
-        if instances_out is not None:
-            write_instances(instances_out, res.instances)
-    except OSError as exc:
-        raise _fail(f"cannot write output: {exc.strerror or exc}") from None
-    if res.rejected:
-        first = res.rejected[0]
-        more = f" and {len(res.rejected) - 1} more" if len(res.rejected) > 1 else ""
-        print(f"gpubot simulate: rejected {first[0]} ({first[1]}){more}", file=sys.stderr)
-    if json_out:
-        typer.echo(json.dumps(res.figures()))
-    else:
-        typer.echo(summary_table(res))

@@ -94,6 +94,10 @@ H = timedelta(hours=1)
             ),
         ),
         ("run --gpus=2 python train.py", Run(command=("python", "train.py"), gpus=2)),
+        (
+            "run --checkpoints -- python train.py",
+            Run(command=("python", "train.py"), checkpoints=True),
+        ),
         ("run", Run()),
         (
             "run --recipe digits --lr 100000 --epochs 2",
@@ -113,6 +117,8 @@ def test_forms_people_type(text: str, expected: object) -> None:
     ("text", "reason", "verb"),
     [
         ("reserve 2 potato", "I don't know the GPU model `potato`", "reserve"),
+        ("run --checkpoints=yes -- x", "`--checkpoints` takes no value", "run"),
+        ("run --checkpoints --checkpoints -- x", "given twice", "run"),
         ("reserve 0", "1 to 64 GPUs", "reserve"),
         ("reserve 2 3", "count once", "reserve"),
         ("reserve for", "`for` needs a duration", "reserve"),

@@ -266,3 +266,82 @@ def test_runs_that_cannot_resume_are_never_preempted(sqlite_engine: Engine, tmp_
     assert state(sqlite_engine, late).state == "queued"
     runs.cancel(alice, Cancel(hog))
     run_until(runs, lambda: state(sqlite_engine, hog).state == "cancelled", timeout=60)
+
+
+def test_a_run_whose_owner_says_it_checkpoints_is_preempted_and_requeued(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """`--checkpoints`: a user's own command that saves on SIGTERM is movable like a
+    recipe; it is requeued to resume, not failed."""
+    from datetime import timedelta
+
+    engine = sqlite_engine
+    svc, clock = make_service(engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    alice, bob = actor(svc, "alice"), actor(svc, "bob")
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+        "time.sleep(600)\n"
+    )
+    hog = runs.submit(alice, Run(command=(sys.executable, "-c", script), checkpoints=True)).extra[
+        "run_id"
+    ]
+    run_until(runs, lambda: state(engine, hog).state == "running")
+    late = runs.submit(bob, Run(command=(sys.executable, "-c", "pass"))).extra["run_id"]
+    clock.advance(timedelta(hours=1))
+    run_until(runs, lambda: state(engine, late).state == "succeeded", timeout=60)
+    assert (
+        state(engine, hog)
+        .placement.get("resume_from", {})
+        .get("reason", "")
+        .startswith(f"preempted for run #{late} of bob")
+    )
+    runs.cancel(alice, Cancel(hog))
+    run_until(runs, lambda: state(engine, hog).state == "cancelled", timeout=60)
+
+
+def test_the_worker_predicts_run_times_from_the_teams_finished_runs(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """No --max: the scheduler's estimates come from finished runs of the same user and
+    size (`RunHistory`), as in `gpubot simulate --estimates none`, not from nothing."""
+    from datetime import timedelta
+
+    from db.session import transaction
+
+    engine = sqlite_engine
+    svc, clock = make_service(engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    alice = actor(svc, "alice")
+    with transaction(engine, write=False) as s:
+        queue, fleet, _, _ = runs._scheduler_inputs(s, clock.now())
+    assert queue == []
+    first = runs.submit(
+        alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
+    ).extra["run_id"]
+    run_until(runs, lambda: state(engine, first).state == "running")
+    clock.advance(timedelta(minutes=10))
+    runs.cancel(alice, Cancel(first))
+    run_until(runs, lambda: state(engine, first).state == "cancelled", timeout=60)
+    with Session(engine) as s:  # as if it had finished its work: 10 minutes
+        row = s.get(TrainingRun, first)
+        assert row is not None and row.started_at is not None
+        row.state = "succeeded"
+        row.finished_at = row.started_at + timedelta(minutes=10)
+        s.add(row)
+        s.commit()
+    busy = runs.submit(
+        alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
+    ).extra["run_id"]
+    run_until(runs, lambda: state(engine, busy).state == "running")
+    waiting = runs.submit(alice, Run(command=(sys.executable, "-c", "pass"))).extra["run_id"]
+    with transaction(engine, write=False) as s:
+        queue, fleet, _, _ = runs._scheduler_inputs(s, clock.now())
+    assert [(r.run_id, r.est_duration_s) for r in queue] == [(str(waiting), 600.0)]
+    held = [a for i in fleet for a in i.allocations if a.run_id == str(busy)]
+    started = state(engine, busy).started_at
+    assert started is not None
+    assert held and held[0].est_end_s == pytest.approx(started.timestamp() + 600.0)
+    runs.cancel(alice, Cancel(busy))
+    run_until(runs, lambda: state(engine, busy).state == "cancelled", timeout=60)

@@ -69,8 +69,10 @@ from __future__ import annotations
 
 from bot.domain.scheduling.baselines import fifo_fleet
 from bot.domain.scheduling.decision import decide, next_wakeup, preempt_slot
+from bot.domain.scheduling.history import RunHistory
 from bot.domain.scheduling.model import (
     DAY_S,
+    LAS_AFTER_S,
     POLICIES,
     Action,
     Allocation,
@@ -92,6 +94,7 @@ from bot.domain.scheduling.order import decay_usage, fairshare_factors, iter_ord
 from bot.domain.scheduling.preemption import PreemptionPlanner, fair_shares
 
 LAYERS: tuple[str, ...] = (
+    "history",
     "model",
     "order",
     "slots",
@@ -104,6 +107,7 @@ LAYERS: tuple[str, ...] = (
 
 __all__ = [
     "DAY_S",
+    "LAS_AFTER_S",
     "LAYERS",
     "POLICIES",
     "Action",
@@ -116,6 +120,7 @@ __all__ = [
     "Preempt",
     "PreemptionPlanner",
     "QueuedRun",
+    "RunHistory",
     "SchedulerConfig",
     "Start",
     "Stop",

@@ -39,6 +39,8 @@ class QueuedRun:
     est_duration_s: float | None = None  # the user's time limit / estimate, None = unknown
     priority: int = 0  # explicit nudge, higher first (like a Slurm QOS)
     spot: bool = False  # may run on spot capacity (it checkpoints and resumes)
+    preemptible: bool = False  # it checkpoints on SIGTERM, so it may be moved once running
+    attained_s: float = 0.0  # how long it has run already (resumed after a preemption)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,11 @@ class FleetInstance:
     @cached_property
     def run_ids(self) -> frozenset[str]:
         return frozenset(a.run_id for a in self.allocations)
+
+    @cached_property
+    def pinned(self) -> bool:
+        """Holds a run that cannot be moved, so consolidation can never empty it."""
+        return any(not a.preemptible for a in self.allocations)
 
     @cached_property
     def preemptible_users(self) -> frozenset[str]:
@@ -203,6 +210,12 @@ class SchedulerConfig:
     # runs is a slow decision (runs wait preempt_after() first, and stay put for
     # preempt_exempt()), so a look every 5 minutes loses little and costs little
     preempt_group: int = 16  # claimants per user and shape considered per decision
+    las_after_s: float | None = None  # runs that ran this long may be preempted for any
+    # run that waits (least attained service, see preemption); None: off, as where run
+    # times are known (`--estimates exact`); without them, LAS_AFTER_S
+    pin_cost: float = 1.0  # weight of the instance-time a run that cannot be moved pins
+    # on an instance of movable runs (0: ignored); in a world where every run
+    # checkpoints nothing pins, so it changes nothing there
     resume_s: float = 300.0  # what a preemption costs the preempted run: the checkpoint
     # write on SIGTERM, a process start and the reload on resume, on its GPUs (5 min is
     # generous for one GPU's state; the simulator charges it on every resume)
@@ -244,6 +257,12 @@ class SchedulerConfig:
         extra = max(0.0, self.boot_s + self.setup_s - self.start_s)
         saved_usd = (1.0 + self.wait_value) * extra * usd_hr / 3600.0
         return saved_usd / self.ebs_usd_s if self.ebs_usd_s > 0 else math.inf
+
+
+# Without known run times, a run that has run an hour goes to the long queue of least
+# attained service: past a small team's 90th percentile of run times (about 75 minutes),
+# and two checkpoint periods of the usual half hour, so a move loses at most one.
+LAS_AFTER_S = 3600.0
 
 
 def run_shape(catalog: Catalog, model: str, gpus: int) -> tuple[InstanceType, int, int] | None:

@@ -83,14 +83,21 @@ class Ordering:
         self.by_user = {u: list(g) for u, g in groupby(sorted(queue, key=_user_key), key=_user_key)}
         self.factors = fairshare_factors(self.by_user, usage)
         self.usage = usage
+        las = config.las_after_s
+        demoted = False
         for runs in self.by_user.values():
             runs.sort(key=submit_key)
+            if las is not None and any(r.attained_s >= las for r in runs):
+                # the long queue of least-attained-service: a run that has already run
+                # that long goes after its user's runs that have not (see preemption)
+                runs.sort(key=lambda r: r.attained_s >= las)
+                demoted = True
             runs.sort(key=_priority_key, reverse=True)
             del runs[config.scan_limit :]
         prios = {r.priority for r in queue}
         # With one priority level the merge is a plain sort by `key` (score falls with
         # submit time within a user), so a subset can be ordered directly.
-        self.uniform = len(prios) <= 1
+        self.uniform = len(prios) <= 1 and not demoted
         self.now = now
         self.config = config
 

@@ -169,6 +169,7 @@ def place_fair(
                 s.free -= per
                 s.horizon = max(s.horizon, start + pdur)
                 s.placed.append((start + pdur, per))
+                s.pinned = s.pinned or not pick.preemptible
                 if have_head and s.ref in head_extra and start + pdur > head_t:
                     head_extra[s.ref] -= per
             actions.append(Place(pick.run_id, tuple(s.ref for s in hosts), per))
@@ -298,11 +299,18 @@ def _best_fit(
             return True
         return s.ready + dur <= head_t or head_extra[s.ref] >= per
 
+    pin = not run.preemptible
+
     def cost(s: Slot) -> tuple[float, int, str]:
         # Paid instance-time the run adds, plus its wait valued like GPU time; then best
-        # fit (fewest GPUs left over), so whole instances stay free for big runs.
+        # fit (fewest GPUs left over), so whole instances stay free for big runs. A run
+        # that cannot be moved pins its instance until it ends: it joins another pinned
+        # one where it can, and leaves instances of movable runs free to be emptied by
+        # consolidation (priced as the instance-time pinned, as the run is predicted).
         end = s.ready + dur
         added = s.gpus * max(0.0, end - s.horizon)
+        if pin and not s.pinned and config.pin_cost:
+            added = max(added, s.gpus * (end - max(now, s.ready)) * config.pin_cost)
         delay = config.wait_value * per * (s.ready - now)
         return ((added + delay) * s.usd_hr / s.gpus, s.free - per, s.ref)
 

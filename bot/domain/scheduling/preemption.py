@@ -228,12 +228,15 @@ class PreemptionPlanner:
         if not self._survey():
             return  # nothing may be moved and nothing is being freed
         self._share(queue, usage)
-        claimants = self._promising(claimants)
+        las = self._long_runners()
+        las_after = self.config.las_after_s or 0.0
+        claimants = self._promising(claimants) if not las else claimants
         if not claimants:
             return
         order = self._rank(claimants, usage)
         if (
-            not self.over
+            not las
+            and not self.over
             and not self.any_freed
             and not any(v > 0 and self.by_iid[k].preemptible_users for k, v in self.idle.items())
         ):
@@ -245,7 +248,10 @@ class PreemptionPlanner:
             group = self.pool.get(pkey, [])
             if self.defragment(run, group):
                 continue
+            version = self.version
             self.take_fair_share(run, group, asked)
+            if las and self.version == version and run.attained_s < las_after:
+                self.take_by_service(run, group, las)
             if self.scan_over:
                 break  # like Slurm's bf_max_job_test: a long queue is not searched to the end
 
@@ -521,6 +527,64 @@ class PreemptionPlanner:
             return
         _, inst, picks = best
         self._take(run, inst, picks)
+
+    # ------------------------------------------------------------ least attained service
+
+    def _long_runners(self) -> dict[str, list[Allocation]]:
+        """Per usable instance, its movable runs that have run `las_after_s` or more since
+        they (re)started, the longest-running first; empty when the step is off.
+
+        Tiresias' two-dimensional least-attained-service, discretized into two queues:
+        run times are unknown, and in a heavy-tailed workload a run that has gone on for
+        a while is likely to go on much longer, while a run that never ran is likely
+        short. So a run that waited may take the GPUs of one in the long queue, which
+        resumes from its checkpoint later; `preempt_exempt()` keeps each such run at least
+        that long on its GPUs between moves."""
+        after = self.config.las_after_s
+        if after is None:
+            return {}
+        now, out = self.now, {}
+        for inst in self.usable_fleet:
+            longs = [
+                al
+                for al in self.movable_on(inst.instance_id)
+                if al.started_s is not None
+                and now - al.started_s >= after
+                and al.run_id not in self.multi
+            ]
+            if longs:
+                longs.sort(key=lambda al: (al.started_s, al.run_id))
+                out[inst.instance_id] = longs
+        return out
+
+    def take_by_service(
+        self, run: QueuedRun, group: list[FleetInstance], las: dict[str, list[Allocation]]
+    ) -> None:
+        """Places a waiting run on GPUs of runs in the long queue (`_long_runners`): on the
+        instance needing the fewest preemptions, then the longest-running victims."""
+        freed, gone = self.freed, self.gone
+        best: tuple[tuple[int, float, str], FleetInstance, list[Allocation]] | None = None
+        for inst in group:
+            if inst.gpus < run.gpus:
+                continue
+            need = run.gpus - freed.get(inst.instance_id, 0)
+            picks: list[Allocation] = []
+            for al in las.get(inst.instance_id, ()):
+                if need <= 0:
+                    break
+                if al.run_id in gone:
+                    continue
+                picks.append(al)
+                need -= al.gpus
+            if need > 0:
+                continue
+            oldest = min((al.started_s or 0.0 for al in picks), default=self.now)
+            score = (len(picks), oldest, inst.instance_id)
+            if best is None or score < best[0]:
+                best = (score, inst, picks)
+        if best is not None:
+            _, inst, picks = best
+            self._take(run, inst, picks)
 
     def _takable(self, user: str) -> set[str]:
         """The users a claimant of `user` may take from: above their share, and having

@@ -17,7 +17,18 @@ from bot.domain.scheduling.model import FleetInstance, QueuedRun, SchedulerConfi
 class Slot:
     """Mutable view of one instance during a decision."""
 
-    __slots__ = ("free", "gpus", "horizon", "inst", "placed", "ready", "ref", "type_name", "usd_hr")
+    __slots__ = (
+        "free",
+        "gpus",
+        "horizon",
+        "inst",
+        "pinned",
+        "placed",
+        "ready",
+        "ref",
+        "type_name",
+        "usd_hr",
+    )
 
     def __init__(
         self,
@@ -39,6 +50,8 @@ class Slot:
         self.free = free
         self.horizon = horizon  # latest expected end of what it holds
         self.placed: list[tuple[float, int]] = []  # (end, GPUs) placed in this decision
+        # holds a run that cannot be moved, so consolidation can never empty it
+        self.pinned = inst is not None and inst.pinned
 
 
 def free_profile(
