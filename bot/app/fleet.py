@@ -27,7 +27,6 @@ provisioning takes minutes. One lock per fleet keeps its steps from overlapping.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -44,7 +43,7 @@ from bot.app.access import audit
 from bot.app.billing import note_host_state
 from bot.app.budgets import check_budget
 from bot.app.held import end_held, held_gpu_ids
-from bot.app.ports import HostAccess
+from bot.app.ports import HostAccess, HostSeat, Interpreter
 from bot.app.service import Actor, GpuService
 from bot.domain import views
 from bot.domain.best_fit import best_fit
@@ -76,7 +75,6 @@ from db.models import (
     User,
 )
 from db.session import lock_pool, locked_rows, retrying, transaction
-from provisioning import shell
 from provisioning.base import Compute, Instance, ProvisioningError
 from provisioning.bootstrap import AgentInstall, bootstrap
 from provisioning.catalog import Catalog, InstanceType
@@ -84,11 +82,9 @@ from provisioning.compute import LaunchSpec, RentingCompute
 from provisioning.costs import gpu_share, storage_usd_per_hour
 from provisioning.ssh import (
     Resolver,
-    RunResult,
     SshError,
     SshRunner,
     SshTarget,
-    UploadReport,
 )
 
 log = logging.getLogger(__name__)
@@ -121,6 +117,10 @@ class PreparedHost:
     root: str
     python: str
     code_dir: str | None = None
+
+    def interpreter(self) -> Interpreter:
+        """What starts `python -m training.…` there (bot.app.ports.HostSeat hands it out)."""
+        return Interpreter(self.python, self.code_dir)
 
 
 # (runner, target) -> the prepared host; raises ProvisioningError when it cannot be.
@@ -163,118 +163,6 @@ def home_prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
     if not result.ok or not home.startswith("/"):
         raise SshError(f"cannot read the home directory on {target.label}")
     return PreparedHost(root=f"{home}/.gpubot", python=sys.executable)
-
-
-class _HostRunner:
-    """The shared runner, speaking for one prepared host: `bot.app.runs` builds the runner's
-    command line with the bot's own interpreter; on a remote host it must be the host's
-    (the bootstrap venv) with the uploaded package on PYTHONPATH."""
-
-    # The runner's interpreter and module as `bot.app.runs._runner_command` puts them first.
-    _RUNNER = (sys.executable, "-m", "training.runner")
-    # The probes (inventory, telemetry, agent) as callers spell them: the bot's own
-    # interpreter or a bare `python3` (bot.app.utilization.default_python). On a prepared
-    # host either one is the wrong interpreter: the host's venv runs them, from its code.
-    _HOST_PROBES = ("training.telemetry", "training.inventory", "training.agent")
-
-    def __init__(self, inner: SshRunner, host: PreparedHost) -> None:
-        self.inner = inner
-        self.host = host
-
-    def run(
-        self,
-        target: SshTarget,
-        command: str,
-        timeout: float | None = None,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> RunResult:
-        command, env = self._own_python(command, env)
-        return self.inner.run(target, command, timeout, cwd=cwd, env=env)
-
-    def _own_python(
-        self, command: str, env: Mapping[str, str] | None
-    ) -> tuple[str, Mapping[str, str] | None]:
-        """`python3 -m training.telemetry …` → the host's venv python, its code on the path."""
-        if not self.host.python:
-            return command, env  # not prepared yet (RunAccountRunner prepares on first use)
-        for module in self._HOST_PROBES:
-            for python in (sys.executable, "python3"):
-                old = (python, "-m", module)
-                swapped = shell.replace_program(command, old, (self.host.python, "-m", module))
-                if swapped is not None:
-                    if self.host.code_dir:
-                        env = {**(env or {}), "PYTHONPATH": self.host.code_dir}
-                    return swapped, env
-        return command, env
-
-    def upload_dir(
-        self,
-        target: SshTarget,
-        local_dir: str | os.PathLike[str],
-        remote_dir: str,
-        *,
-        exclude: Sequence[str] = (),
-    ) -> UploadReport:
-        return self.inner.upload_dir(target, local_dir, remote_dir, exclude=exclude)
-
-    def put_file(
-        self,
-        target: SshTarget,
-        local_path: str | os.PathLike[str],
-        remote_path: str,
-        *,
-        mode: int | None = None,
-    ) -> None:
-        self.inner.put_file(target, local_path, remote_path, mode=mode)
-
-    def write_file(
-        self, target: SshTarget, remote_path: str, data: bytes, *, mode: int = 0o644
-    ) -> None:
-        self.inner.write_file(target, remote_path, data, mode=mode)
-
-    def read_file(
-        self, target: SshTarget, path: str, *, max_bytes: int | None = None
-    ) -> bytes | None:
-        return self.inner.read_file(target, path, max_bytes=max_bytes)
-
-    def tail(self, target: SshTarget, path: str, lines: int = 50) -> str:
-        return self.inner.tail(target, path, lines)
-
-    def kill_group(self, target: SshTarget, pgid: int, signal: str = "TERM") -> bool:
-        return self.inner.kill_group(target, pgid, signal)
-
-    def is_alive(self, target: SshTarget, pid: int) -> bool:
-        return self.inner.is_alive(target, pid)
-
-    def close(self, target: SshTarget | None = None) -> None:
-        self.inner.close(target)
-
-    def start_detached(
-        self,
-        target: SshTarget,
-        command: str,
-        log_path: str,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> int:
-        extra = dict(env or {})
-        # Whole words are swapped (provisioning.shell), never spliced into the text.
-        swapped = shell.replace_program(
-            command, self._RUNNER, (self.host.python, *self._RUNNER[1:])
-        )
-        if swapped is not None:
-            command = swapped
-            if self.host.code_dir:
-                extra["PYTHONPATH"] = self.host.code_dir
-        return self.inner.start_detached(target, command, log_path, cwd=cwd, env=extra or None)
-
-
-def host_runner(inner: SshRunner, host: PreparedHost) -> SshRunner:
-    """`inner` speaking for a prepared host: runs and probes use the host's own venv."""
-    return _HostRunner(inner, host)
 
 
 # --- reaching hosts ---------------------------------------------------------------------
@@ -349,7 +237,7 @@ class RemoteAccess:
             return False
         return self._prepare(instance.name, target) is not None
 
-    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
+    def runner_for(self, host_name: str) -> HostSeat | None:
         if self.local is not None:
             found = self.local.runner_for(host_name)
             if found is not None:
@@ -365,7 +253,7 @@ class RemoteAccess:
         prepared = self._prepare(host_name, target)
         if prepared is None:
             return None
-        return _HostRunner(self.runner, prepared), target, Path(prepared.root) / "runs"
+        return HostSeat(self.runner, target, Path(prepared.root) / "runs", prepared.interpreter)
 
     def prepared(self, host_name: str) -> PreparedHost | None:
         """The host as this process prepared it, without dialling; None if not yet."""
