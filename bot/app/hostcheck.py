@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 from sqlmodel import Session, col, select
 
 from bot.app.billing import note_host_state
-from bot.app.fleet import RemoteAccess
+from bot.app.remote import RemoteAccess
 from bot.app.service import GpuService
 from bot.domain import views
 from db.models import (

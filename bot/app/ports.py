@@ -9,7 +9,7 @@ agentwatch` cycle. `Actor`, the value every use case takes, lives here for the s
 reason (bot.app.access and bot.app.budgets need it and sit below the service).
 
 Sync code, no I/O here; the implementations are the real classes (GpuService, Fleet,
-LocalAccess, bot.app.fleet.RemoteAccess), whose tests use them directly.
+LocalAccess, bot.app.remote.RemoteAccess), whose tests use them directly.
 """
 
 from __future__ import annotations

@@ -41,17 +41,10 @@ from sqlmodel import select
 from bot.adapters.leader import Leadership, leadership_for
 from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
-from bot.app.fleet import (
-    CatalogSupply,
-    Fleet,
-    Prepare,
-    PreparedHost,
-    RemoteAccess,
-    attach,
-    bootstrap_prepare,
-)
+from bot.app.fleet import CatalogSupply, Fleet, attach
 from bot.app.hostcheck import HostChecker
 from bot.app.ports import FIXED_POOL, Interpreter
+from bot.app.remote import Prepare, PreparedHost, RemoteAccess, bootstrap_prepare
 from bot.app.rollups import backfill_rollups
 from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService

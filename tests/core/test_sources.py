@@ -519,7 +519,7 @@ def test_staged_and_git_runs_on_a_static_ssh_host(
     import time
 
     from bot.app.config import load_settings
-    from bot.app.fleet import PreparedHost
+    from bot.app.remote import PreparedHost
     from bot.faces.runtime import build_runtime
 
     host = lab.hosts["gpu-b"]

@@ -20,8 +20,8 @@ import pytest
 from sqlmodel import Session, select
 
 from bot.app.config import load_settings
-from bot.app.fleet import PreparedHost, bootstrap_prepare
 from bot.app.hostcheck import BACKOFF_FIRST, CHECK_EVERY, HostChecker, backoff, checker_for
+from bot.app.remote import PreparedHost, bootstrap_prepare
 from bot.app.utilization import probe
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Queue, Release, Reserve, Run, Status

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from bot.app import sources
-from bot.app.fleet import PreparedHost
+from bot.app.remote import PreparedHost
 from bot.app.runs import _command_text, _runner_command
 from bot.domain import code_sources
 from db.models import TrainingRun
