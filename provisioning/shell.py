@@ -104,4 +104,3 @@ def env_prefix(env: Mapping[str, str] | None) -> str:
     if not env:
         return ""
     return "env " + " ".join(assignments(env)) + " "
-
