@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -104,15 +104,3 @@ def env_prefix(env: Mapping[str, str] | None) -> str:
     if not env:
         return ""
     return "env " + " ".join(assignments(env)) + " "
-
-
-def replace_program(line: str, old: Sequence[str], new: Sequence[str]) -> str | None:
-    """`line` with its leading words `old` replaced by `new`, or None when it does not
-    start with exactly those words. Both prefixes are quoted here, so the match is on
-    whole words (``/usr/bin/python3 -m x`` never matches ``/usr/bin/python3.1 -m x``)."""
-    head = join(old)
-    if line == head:
-        return join(new)
-    if line.startswith(head + " "):
-        return join(new) + line[len(head) :]
-    return None

@@ -137,10 +137,10 @@ def watch_hosts(runs: WatchedRuns) -> WatchReport:
 def _watch_host(
     runs: WatchedRuns, host_id: int, name: str, now: datetime, report: WatchReport
 ) -> None:
-    found = runs.access.runner_for(name)
-    if found is None:
+    seat = runs.access.runner_for(name)
+    if seat is None:
         return
-    runner, target, runs_dir = found
+    runner, target, runs_dir = seat.runner, seat.target, seat.runs_dir
     agent_dir = str(runs_dir.parent / "agent")  # bootstrap puts both under one root
     with transaction(runs.engine, write=False) as s:
         holds = host_holds(s, host_id)

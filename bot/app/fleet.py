@@ -27,14 +27,11 @@ provisioning takes minutes. One lock per fleet keeps its steps from overlapping.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
@@ -44,7 +41,7 @@ from bot.app.access import audit
 from bot.app.billing import note_host_state
 from bot.app.budgets import check_budget
 from bot.app.held import end_held, held_gpu_ids
-from bot.app.ports import HostAccess
+from bot.app.remote import RemoteAccess
 from bot.app.service import Actor, GpuService
 from bot.domain import views
 from bot.domain.best_fit import best_fit
@@ -76,20 +73,10 @@ from db.models import (
     User,
 )
 from db.session import lock_pool, locked_rows, retrying, transaction
-from provisioning import shell
 from provisioning.base import Compute, Instance, ProvisioningError
-from provisioning.bootstrap import AgentInstall, bootstrap
 from provisioning.catalog import Catalog, InstanceType
 from provisioning.compute import LaunchSpec, RentingCompute
 from provisioning.costs import gpu_share, storage_usd_per_hour
-from provisioning.ssh import (
-    Resolver,
-    RunResult,
-    SshError,
-    SshRunner,
-    SshTarget,
-    UploadReport,
-)
 
 log = logging.getLogger(__name__)
 
@@ -111,303 +98,6 @@ PENDING_GRACE = timedelta(minutes=5)
 LAUNCH_READY_MIN = 7
 START_READY_MIN = 2
 POOL_USAGE = "/gpu pool  |  /gpu pool set TYPE max=N spend=USD"
-
-
-@dataclass(frozen=True)
-class PreparedHost:
-    """Where gpubot lives on a host once it is ready: runs go under `root`/runs, and
-    `python -m training.…` runs with `python` from `code_dir` (on PYTHONPATH)."""
-
-    root: str
-    python: str
-    code_dir: str | None = None
-
-
-# (runner, target) -> the prepared host; raises ProvisioningError when it cannot be.
-Prepare = Callable[[SshRunner, SshTarget], PreparedHost]
-
-
-def bootstrap_prepare(
-    runner: SshRunner,
-    target: SshTarget,
-    *,
-    cloud: bool | None = None,
-    env: Mapping[str, str] | None = None,
-) -> PreparedHost:
-    """The production preparation: the idempotent bootstrap (a marker read when current),
-    with the host agent (training.agent; bot.app.agentwatch reads it). On an EC2 instance it
-    guards the budget: it stops the instance when the bot is gone and nothing runs, and
-    watches for spot notices. On a static host (someone else's machine) it only watches:
-    no stop, no metadata service. `cloud` None: an EC2 host is one named by its instance
-    id (the EC2 fleet's host names); static hosts carry the names the team gave them.
-    The agent's runs dir is the bootstrap root's ``runs``, where `RemoteAccess` puts runs.
-    `env` goes to the bootstrap's commands: a pip index, proxy or wheel directory."""
-    if cloud is None:
-        ident = target.name.removeprefix("i-")
-        cloud = target.name.startswith("i-") and len(ident) in (8, 17)
-        cloud = cloud and all(c in "0123456789abcdef" for c in ident)
-    if cloud:  # EC2: `shutdown -h` stops (not terminates); a non-root login needs sudo
-        stop = "shutdown -h now" if target.user == "root" else "sudo -n shutdown -h now"
-        agent = AgentInstall(stop_command=stop)
-    else:
-        agent = AgentInstall(stop_command=None, imds_endpoint=None)
-    report = bootstrap(runner, target, remote_root="~/.gpubot", agent=agent, env=env)
-    return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
-
-
-def home_prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
-    """No bootstrap: `~/.gpubot` on a host where the bot's own interpreter and training
-    package already are (a shared file system, a hand-made image; tests' loopback hosts)."""
-    result = runner.run(target, 'printf %s "$HOME"', timeout=15)
-    home = result.stdout.strip()
-    if not result.ok or not home.startswith("/"):
-        raise SshError(f"cannot read the home directory on {target.label}")
-    return PreparedHost(root=f"{home}/.gpubot", python=sys.executable)
-
-
-class _HostRunner:
-    """The shared runner, speaking for one prepared host: `bot.app.runs` builds the runner's
-    command line with the bot's own interpreter; on a remote host it must be the host's
-    (the bootstrap venv) with the uploaded package on PYTHONPATH."""
-
-    # The runner's interpreter and module as `bot.app.runs._runner_command` puts them first.
-    _RUNNER = (sys.executable, "-m", "training.runner")
-    # The probes (inventory, telemetry, agent) as callers spell them: the bot's own
-    # interpreter or a bare `python3` (bot.app.utilization.default_python). On a prepared
-    # host either one is the wrong interpreter: the host's venv runs them, from its code.
-    _HOST_PROBES = ("training.telemetry", "training.inventory", "training.agent")
-
-    def __init__(self, inner: SshRunner, host: PreparedHost) -> None:
-        self.inner = inner
-        self.host = host
-
-    def run(
-        self,
-        target: SshTarget,
-        command: str,
-        timeout: float | None = None,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> RunResult:
-        command, env = self._own_python(command, env)
-        return self.inner.run(target, command, timeout, cwd=cwd, env=env)
-
-    def _own_python(
-        self, command: str, env: Mapping[str, str] | None
-    ) -> tuple[str, Mapping[str, str] | None]:
-        """`python3 -m training.telemetry …` → the host's venv python, its code on the path."""
-        if not self.host.python:
-            return command, env  # not prepared yet (RunAccountRunner prepares on first use)
-        for module in self._HOST_PROBES:
-            for python in (sys.executable, "python3"):
-                old = (python, "-m", module)
-                swapped = shell.replace_program(command, old, (self.host.python, "-m", module))
-                if swapped is not None:
-                    if self.host.code_dir:
-                        env = {**(env or {}), "PYTHONPATH": self.host.code_dir}
-                    return swapped, env
-        return command, env
-
-    def upload_dir(
-        self,
-        target: SshTarget,
-        local_dir: str | os.PathLike[str],
-        remote_dir: str,
-        *,
-        exclude: Sequence[str] = (),
-    ) -> UploadReport:
-        return self.inner.upload_dir(target, local_dir, remote_dir, exclude=exclude)
-
-    def put_file(
-        self,
-        target: SshTarget,
-        local_path: str | os.PathLike[str],
-        remote_path: str,
-        *,
-        mode: int | None = None,
-    ) -> None:
-        self.inner.put_file(target, local_path, remote_path, mode=mode)
-
-    def write_file(
-        self, target: SshTarget, remote_path: str, data: bytes, *, mode: int = 0o644
-    ) -> None:
-        self.inner.write_file(target, remote_path, data, mode=mode)
-
-    def read_file(
-        self, target: SshTarget, path: str, *, max_bytes: int | None = None
-    ) -> bytes | None:
-        return self.inner.read_file(target, path, max_bytes=max_bytes)
-
-    def tail(self, target: SshTarget, path: str, lines: int = 50) -> str:
-        return self.inner.tail(target, path, lines)
-
-    def kill_group(self, target: SshTarget, pgid: int, signal: str = "TERM") -> bool:
-        return self.inner.kill_group(target, pgid, signal)
-
-    def is_alive(self, target: SshTarget, pid: int) -> bool:
-        return self.inner.is_alive(target, pid)
-
-    def close(self, target: SshTarget | None = None) -> None:
-        self.inner.close(target)
-
-    def start_detached(
-        self,
-        target: SshTarget,
-        command: str,
-        log_path: str,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> int:
-        extra = dict(env or {})
-        # Whole words are swapped (provisioning.shell), never spliced into the text.
-        swapped = shell.replace_program(
-            command, self._RUNNER, (self.host.python, *self._RUNNER[1:])
-        )
-        if swapped is not None:
-            command = swapped
-            if self.host.code_dir:
-                extra["PYTHONPATH"] = self.host.code_dir
-        return self.inner.start_detached(target, command, log_path, cwd=cwd, env=extra or None)
-
-
-def host_runner(inner: SshRunner, host: PreparedHost) -> SshRunner:
-    """`inner` speaking for a prepared host: runs and probes use the host's own venv."""
-    return _HostRunner(inner, host)
-
-
-# --- reaching hosts ---------------------------------------------------------------------
-
-
-class PrepareInProgress(ProvisioningError):
-    """Another thread is bootstrapping this host now; asked not to wait for it."""
-
-
-class RemoteAccess:
-    """`HostAccess` for hosts reached over SSH (static hosts and cloud instances).
-
-    Every host shares one `SshRunner` (one `SshClient`, its connections cached); the
-    resolver says where to dial, so tests map cloud instances onto loopback sshd hosts
-    and the addresses a fake cloud invents are never dialed. A host is prepared
-    (bootstrapped) on its first use by this process; the result is remembered.
-    """
-
-    def __init__(
-        self,
-        engine: Any,
-        runner: SshRunner,
-        resolver: Resolver,
-        *,
-        prepare: Prepare | None = bootstrap_prepare,
-        local: HostAccess | None = None,
-        wait_for_prepare: bool = True,
-    ) -> None:
-        self.engine = engine
-        self.runner = runner
-        self.resolver = resolver
-        self.prepare = prepare or home_prepare
-        self.local = local
-        # False where another thread prepares hosts (bot.app.hostcheck): a caller that finds a
-        # bootstrap in progress gets None ("not ready yet") instead of waiting minutes.
-        self.wait_for_prepare = wait_for_prepare
-        self._prepared: dict[str, PreparedHost] = {}
-        self._lock = threading.Lock()
-        self._host_locks: dict[str, threading.Lock] = {}
-
-    def instance_of(self, host_name: str) -> Instance | None:
-        with transaction(self.engine, write=False) as s:
-            host = s.exec(select(Host).where(Host.name == host_name)).first()
-        if host is None or host.state in (HOST_TERMINATED, HOST_STOPPED):
-            return None
-        return Instance(
-            name=host.name,
-            provider=host.provider,
-            state=host.state,
-            gpus=(),
-            instance_id=host.instance_id,
-            instance_type=host.instance_type,
-            market=host.market,
-            address=host.address,
-            ssh_user=host.ssh_user,
-            ssh_port=host.ssh_port,
-        )
-
-    def target_for(self, instance: Instance) -> SshTarget:
-        return self.resolver.resolve(instance)
-
-    def reachable(self, instance: Instance) -> bool:
-        """True when a login and `true` work and the host is prepared (bootstrapped): the
-        cloud's "running" is not a usable host, and a reservation's holder expects the
-        runner's environment there."""
-        try:
-            target = self.resolver.resolve(instance)
-            if not self.runner.run(target, "true", timeout=15).ok:
-                return False
-        except SshError as exc:
-            log.info("%s is not reachable yet: %s", instance.name, exc)
-            return False
-        return self._prepare(instance.name, target) is not None
-
-    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
-        if self.local is not None:
-            found = self.local.runner_for(host_name)
-            if found is not None:
-                return found
-        inst = self.instance_of(host_name)
-        if inst is None:
-            return None
-        try:
-            target = self.resolver.resolve(inst)
-        except SshError as exc:
-            log.warning("no SSH target for %s: %s", host_name, exc)
-            return None
-        prepared = self._prepare(host_name, target)
-        if prepared is None:
-            return None
-        return _HostRunner(self.runner, prepared), target, Path(prepared.root) / "runs"
-
-    def prepared(self, host_name: str) -> PreparedHost | None:
-        """The host as this process prepared it, without dialling; None if not yet."""
-        with self._lock:
-            return self._prepared.get(host_name)
-
-    def prepare_now(self, host_name: str, target: SshTarget, *, wait: bool = True) -> PreparedHost:
-        """Prepares (bootstraps) the host unless this process did; raises
-        ProvisioningError saying why it cannot be (bot.app.hostcheck runs it off the tick).
-        `wait=False`: PrepareInProgress when another thread is preparing it right now."""
-        with self._lock:
-            if host_name in self._prepared:
-                return self._prepared[host_name]
-            host_lock = self._host_locks.setdefault(host_name, threading.Lock())
-        if not host_lock.acquire(blocking=wait):
-            raise PrepareInProgress(f"{host_name} is being prepared")
-        try:
-            with self._lock:
-                if host_name in self._prepared:
-                    return self._prepared[host_name]
-            prepared = self.prepare(self.runner, target)
-            with self._lock:
-                self._prepared[host_name] = prepared
-            log.info("host %s prepared (root %s)", host_name, prepared.root)
-            return prepared
-        finally:
-            host_lock.release()
-
-    def forget(self, host_name: str) -> None:
-        """Drops what this process knew of the host (`gpubot hosts forget`)."""
-        with self._lock:
-            self._prepared.pop(host_name, None)
-
-    def _prepare(self, host_name: str, target: SshTarget) -> PreparedHost | None:
-        try:
-            return self.prepare_now(host_name, target, wait=self.wait_for_prepare)
-        except PrepareInProgress:
-            log.info("%s is being prepared on another thread; not ready yet", host_name)
-            return None
-        except ProvisioningError as exc:
-            log.warning("preparing %s failed: %s", host_name, exc)
-            return None
 
 
 # --- the fleet ------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 from sqlmodel import Session, col, select
 
 from bot.app.billing import note_host_state
-from bot.app.fleet import RemoteAccess, host_runner
+from bot.app.remote import RemoteAccess
 from bot.app.service import GpuService
 from bot.domain import views
 from db.models import (
@@ -48,7 +48,6 @@ from db.models import (
     User,
 )
 from db.session import transaction
-from provisioning import shell
 from provisioning.base import GpuDevice, Instance, ProvisioningError
 from provisioning.hosts import StaticHost, parse_inventory
 from provisioning.ssh import SshError
@@ -181,10 +180,10 @@ class HostChecker:
             return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
         if static.gpus:
             return CheckResult(name, ok=True, gpus=static.gpus)
-        # The host's own interpreter and code: host_runner swaps `python3 -m training.…`.
-        command = shell.join(["python3", "-m", "training.inventory", "--json"])
+        python = prepared.interpreter()  # the host's own venv and code
+        command = python.module("training.inventory", "--json")
         try:
-            found = host_runner(runner, prepared).run(target, command, INVENTORY_TIMEOUT_S)
+            found = runner.run(target, command, INVENTORY_TIMEOUT_S, env=python.env() or None)
         except SshError as exc:
             return CheckResult(name, ok=False, reason=f"unreachable: {exc}")
         if not found.ok:

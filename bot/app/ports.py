@@ -9,17 +9,22 @@ agentwatch` cycle. `Actor`, the value every use case takes, lives here for the s
 reason (bot.app.access and bot.app.budgets need it and sit below the service).
 
 Sync code, no I/O here; the implementations are the real classes (GpuService, Fleet,
-LocalAccess, bot.app.fleet.RemoteAccess), whose tests use them directly.
+LocalAccess, bot.app.remote.RemoteAccess), whose tests use them directly.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from provisioning import shell
+
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from sqlalchemy.engine import Engine
     from sqlmodel import Session
 
@@ -39,11 +44,49 @@ class Actor:
     admin: bool = False
 
 
+@dataclass(frozen=True)
+class Interpreter:
+    """The python that runs `training` on a host, and the directory holding that code when
+    the python does not have it installed (the bootstrap's uploaded copy). Every command
+    line that starts `python -m training.…` is built from it, so a host's interpreter is
+    data handed out by the place that prepared the host, never a rewrite of a line."""
+
+    python: str
+    code_dir: str | None = None
+
+    def module(self, module: str, *args: str) -> str:
+        """`python -m module args` as one shell line (provisioning.shell quotes each word)."""
+        return shell.join([self.python, "-m", module, *args])
+
+    def env(self) -> dict[str, str]:
+        """What the line needs in its environment: the code directory on PYTHONPATH."""
+        return {"PYTHONPATH": self.code_dir} if self.code_dir else {}
+
+
+def bot_python() -> Interpreter:
+    """This machine as the bot runs it: the bot's own interpreter, `training` beside it."""
+    return Interpreter(sys.executable)
+
+
+@dataclass(frozen=True)
+class HostSeat:
+    """One host as the use cases reach it: the runner and its target, the directory where
+    runs live there, and the interpreter for `training`. The interpreter is a function
+    because preparing it may wait for first use (the local run account: a failure then
+    fails that run or probe with the reason, and a log read never prepares anything);
+    it may raise SshError saying why."""
+
+    runner: SshRunner
+    target: SshTarget
+    runs_dir: Path
+    interpreter: Callable[[], Interpreter] = bot_python
+
+
 class HostAccess(Protocol):
     """How to reach a host's shell: the local runner for this machine, SSH for the rest."""
 
-    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
-        """The runner, its target, and the directory where runs live on that host."""
+    def runner_for(self, host_name: str) -> HostSeat | None:
+        """The host's seat; None when it cannot be reached (or is not prepared) now."""
         ...
 
 

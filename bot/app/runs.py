@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -37,7 +37,7 @@ from bot.app.agentwatch import requeue_resumable, resumable_stop, upload_checkpo
 from bot.app.config import Settings
 from bot.app.held import end_held, held_gpu_ids, who_holds
 from bot.app.outbox import enqueue
-from bot.app.ports import Actor, Core, HostAccess
+from bot.app.ports import Actor, Core, HostAccess, HostSeat, Interpreter, bot_python
 from bot.app.rollups import fair_share_usage
 from bot.domain import code_sources, estimates, views
 from bot.domain.commands import Cancel, Logs, Queue, Run
@@ -97,14 +97,19 @@ USAGE_RUN = "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32]
 
 @dataclass
 class LocalAccess:
-    """This machine only: runs live under $GPUBOT_HOME/runs."""
+    """This machine only: runs live under $GPUBOT_HOME/runs (or the run account's home),
+    started with the bot's interpreter unless `interpreter` names another (the run
+    account's, bot.faces.runtime, prepared on first use)."""
 
     runner: SshRunner
     target: SshTarget
     runs_dir: Path
+    interpreter: Callable[[], Interpreter] = bot_python
 
-    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
-        return (self.runner, self.target, self.runs_dir) if host_name == "local" else None
+    def runner_for(self, host_name: str) -> HostSeat | None:
+        if host_name != "local":
+            return None
+        return HostSeat(self.runner, self.target, self.runs_dir, self.interpreter)
 
 
 def _hosts_with_gpus(s: Session, which: Any) -> list[tuple[Host, list[Gpu]]]:
@@ -650,12 +655,12 @@ class RunService:
                 RUN_CANCELLED: "was cancelled before it started",
             }.get(run_state, f"is {run_state} and never started")
             return views.message(f"Run #{cmd.run_id} {why}, so it has no log.")
-        access = self.access.runner_for(placement["host"])
-        if access is None:
+        seat = self.access.runner_for(placement["host"])
+        if seat is None:
             raise UserError(
                 f"Host {placement['host']} is not reachable from here.", "/gpu logs ID [LINES]"
             )
-        runner, target, _ = access
+        runner, target = seat.runner, seat.target
         try:
             text = runner.tail(target, placement["log"], cmd.lines)
         except SshError as exc:
@@ -753,11 +758,11 @@ class RunService:
             }
             run.placement = placement
             s.add(run)
-        access = self.access.runner_for(placement["host"])
-        if access is None:
+        seat = self.access.runner_for(placement["host"])
+        if seat is None:
             log.warning("preempt: host %s of run %s is not reachable", placement["host"], run_id)
             return
-        runner, target, _ = access
+        runner, target = seat.runner, seat.target
         try:
             runner.kill_group(target, int(placement["pgid"]), "TERM")
             self._update_placement(run_id, term_sent=True)
@@ -962,15 +967,15 @@ class RunService:
 
     def _start(self, run_id: int, host_name: str, gpus: int) -> bool:
         """Claims GPUs and the run in one transaction, then starts the process."""
-        access = self.access.runner_for(host_name)
-        if access is None:
+        seat = self.access.runner_for(host_name)
+        if seat is None:
             log.warning("no way to reach host %s; run %s stays queued", host_name, run_id)
             return False
-        runner, target, runs_dir = access
+        runner, target, runs_dir = seat.runner, seat.target, seat.runs_dir
         claimed = self._claim(run_id, host_name, gpus, runs_dir)
         if claimed is None:
             return False
-        placement, command = claimed
+        placement, run = claimed
         run_dir = runs_dir / str(run_id)
         env = {
             "CUDA_VISIBLE_DEVICES": ""
@@ -986,8 +991,14 @@ class RunService:
                 )
             # Code source (bot.app.sources): clone / check / upload, before the runner starts.
             self._prepare_code(run_id, runner, target, str(run_dir), str(placement["log"]))
+            # The host's interpreter last: the run account's is prepared here on first use.
+            python = seat.interpreter()
             pgid = runner.start_detached(
-                target, command, str(placement["log"]), cwd=str(run_dir), env=env
+                target,
+                _runner_command(run, placement, python.python),
+                str(placement["log"]),
+                cwd=str(run_dir),
+                env={**env, **python.env()},
             )
         except SshError as exc:
             self._finish(
@@ -1000,10 +1011,10 @@ class RunService:
     @retrying
     def _claim(
         self, run_id: int, host_name: str, gpus: int, runs_dir: Path
-    ) -> tuple[dict[str, Any], str] | None:
+    ) -> tuple[dict[str, Any], TrainingRun] | None:
         """The run and its GPUs in one transaction: the pool first (db.session's lock
         order), then the run, claimed only while it is still queued (a cancel or another
-        worker that got there first wins). Returns its placement and command line."""
+        worker that got there first wins). Returns its placement and the run as claimed."""
         now = self.core.clock.now()
         with transaction(self.engine) as s:
             lock_pool(s)
@@ -1068,7 +1079,7 @@ class RunService:
             run.host_id = host.id
             run.started_at = now
             s.add(run)
-            return placement, _runner_command(run, placement)
+            return placement, run
 
     @retrying
     def _mark_started(
@@ -1165,10 +1176,10 @@ class RunService:
                 if run.started_at is not None and now - run.started_at > STARTING_GRACE:
                     self._requeue_orphan(run.id)
                 continue
-            access = self.access.runner_for(placement["host"])
-            if access is None:
+            seat = self.access.runner_for(placement["host"])
+            if seat is None:
                 continue
-            runner, target, _ = access
+            runner, target = seat.runner, seat.target
             try:
                 if run.state == RUN_CANCELLING and not placement.get("term_sent"):
                     runner.kill_group(target, int(placement["pgid"]), "TERM")
@@ -1316,10 +1327,10 @@ class RunService:
         """The group id the runner wrote when the worker that claimed the run died after
         launching it; None when it never launched; False when the host cannot say now."""
         path = placement.get("pgid_file")
-        access = self.access.runner_for(str(placement.get("host", "")))
-        if not path or access is None:
+        seat = self.access.runner_for(str(placement.get("host", "")))
+        if not path or seat is None:
             return None
-        runner, target, _ = access
+        runner, target = seat.runner, seat.target
         try:
             raw = runner.read_file(target, str(path), max_bytes=64)
         except SshError as exc:
@@ -1457,10 +1468,11 @@ def _oom_batch(run: TrainingRun) -> tuple[int | None, bool]:
     return (size if isinstance(size, int) and size > 0 else None), True
 
 
-def _runner_command(run: TrainingRun, placement: dict[str, Any]) -> str:
+def _runner_command(run: TrainingRun, placement: dict[str, Any], python: str) -> str:
+    """The runner's line, started with `python`: the host's interpreter (HostSeat)."""
     batch, retried = _oom_batch(run)
     parts = [
-        sys.executable,
+        python,
         "-m",
         "training.runner",
         "--precision",

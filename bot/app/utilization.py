@@ -1,7 +1,8 @@
 """GPU utilization: sampling busy hosts, the rolling history, `/gpu util`, channel posts.
 
-Sampling runs the host's own probe (`python -m training.telemetry --json`) through the
-host's `SshRunner` — `LocalRunner` here, `SshClient` elsewhere — so the bot never needs
+Sampling runs the host's own probe (`python -m training.telemetry --json`, with the host's
+interpreter from its `HostSeat`) through the host's `SshRunner` — `LocalRunner` here,
+`SshClient` elsewhere — so the bot never needs
 pynvml itself and a remote host is read exactly like this one. Only busy hosts (a GPU
 held or a run running) are sampled: an idle host's numbers are not worth an SSH round
 trip every minute, and nobody is charged for them.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime, timedelta
@@ -27,6 +27,7 @@ from sqlalchemy import delete, func, insert
 from sqlmodel import Session, col, select
 
 from bot.app.held import held_host_ids, who_holds
+from bot.app.ports import HostSeat
 from bot.app.service import Actor, GpuService
 from bot.domain import timefmt, views
 from bot.domain.commands import VERBS
@@ -41,8 +42,7 @@ from db.models import (
     TrainingRun,
 )
 from db.session import transaction
-from provisioning import shell
-from provisioning.ssh import SshError, SshRunner, SshTarget
+from provisioning.ssh import SshError
 from training.telemetry import NO_DRIVER, HostSnapshot, parse_snapshot
 
 if TYPE_CHECKING:
@@ -61,29 +61,21 @@ CHART_WINDOW = timedelta(hours=6)
 # --- where the probe runs ---------------------------------------------------------------
 
 
-PythonFor = Callable[[str], str]
-
-
-def default_python(host_name: str) -> str:
-    """The interpreter that runs the probe on a host. This machine: the bot's own, which
-    has `training` installed beside it. Elsewhere: `python3` as a name only: the prepared
-    host's runner (`bot.app.fleet.host_runner`) runs it as the host's bootstrapped venv with
-    the uploaded code on its path, since the system python3 has neither torch nor
-    `training`. A parameter everywhere it is used, for other layouts."""
-    return sys.executable if host_name == "local" else "python3"
-
-
 class ProbeFailed(Exception):
     """The host did not give a snapshot (unreachable, timed out, an unreadable answer)."""
 
 
-def probe(
-    runner: SshRunner, target: SshTarget, python: str, timeout: float = PROBE_TIMEOUT_S
-) -> HostSnapshot:
-    """One snapshot from the host, or ProbeFailed saying why in words."""
+def probe(seat: HostSeat, timeout: float = PROBE_TIMEOUT_S) -> HostSnapshot:
+    """One snapshot from the host, or ProbeFailed saying why in words. It runs with the
+    host's interpreter (the bootstrapped venv and its code, on a remote host: the system
+    python3 there has neither torch nor `training`)."""
     try:
-        result = runner.run(
-            target, shell.join([python, "-m", "training.telemetry", "--json"]), timeout=timeout
+        python = seat.interpreter()
+        result = seat.runner.run(
+            seat.target,
+            python.module("training.telemetry", "--json"),
+            timeout=timeout,
+            env=python.env() or None,
         )
     except SshError as exc:
         raise ProbeFailed(str(exc)) from exc
@@ -182,12 +174,7 @@ def samples_from(
     return out
 
 
-def collect(
-    service: GpuService,
-    *,
-    python_for: PythonFor = default_python,
-    timeout: float = PROBE_TIMEOUT_S,
-) -> CollectReport:
+def collect(service: GpuService, *, timeout: float = PROBE_TIMEOUT_S) -> CollectReport:
     """Samples every busy host once. A host that fails is logged and skipped."""
     access = service.runs.access if service.runs is not None else None
     with transaction(service.engine, write=False) as s:
@@ -200,13 +187,12 @@ def collect(
     no_driver: list[str] = []
     for host in hosts:
         assert host.id is not None
-        reach = access.runner_for(host.name)
-        if reach is None:
+        seat = access.runner_for(host.name)
+        if seat is None:
             failed.append(f"{host.name}: no way to reach it")
             continue
-        runner, target, _runs_dir = reach
         try:
-            snap = probe(runner, target, python_for(host.name), timeout)
+            snap = probe(seat, timeout)
         except ProbeFailed as exc:
             log.warning("utilization: host %s did not answer: %s", host.name, exc)
             failed.append(f"{host.name}: {exc}")
@@ -605,8 +591,6 @@ def util_reply(
     actor: Actor,
     host: str | None,
     request_key: str | None = None,
-    *,
-    python_for: PythonFor = default_python,
 ) -> views.Reply:
     """`/gpu util [HOST]`: the latest samples as a table; the chart follows in a DM
     (a slash command's reply cannot carry a file). With no sample yet, say why."""
@@ -624,7 +608,7 @@ def util_reply(
             service.settings.timezone,
         )
     if not latest:
-        return views.message(_why_nothing(service, hosts, busy, python_for))
+        return views.message(_why_nothing(service, hosts, busy))
     note = "The chart of the last 6 h follows in a DM." if chart else None
     view = util_view(latest, now, note, service.settings.timezone)
     if chart is not None:
@@ -647,9 +631,7 @@ def util_reply(
     return views.Reply(view)
 
 
-def _why_nothing(
-    service: GpuService, hosts: Sequence[Host], busy: set[str], python_for: PythonFor
-) -> str:
+def _why_nothing(service: GpuService, hosts: Sequence[Host], busy: set[str]) -> str:
     """No sample at all: ask the hosts now, so the answer names the real reason (nothing
     busy yet, no driver, unreachable) rather than guessing."""
     if not hosts:
@@ -664,12 +646,11 @@ def _why_nothing(
     if access is None:
         return lines[0]
     for h in hosts[:8]:
-        reach = access.runner_for(h.name)
-        if reach is None:
+        seat = access.runner_for(h.name)
+        if seat is None:
             continue
-        runner, target, _ = reach
         try:
-            snap = probe(runner, target, python_for(h.name), timeout=15)
+            snap = probe(seat, timeout=15)
         except ProbeFailed as exc:
             lines.append(f"{h.name}: did not answer ({exc}).")
             continue

@@ -32,7 +32,6 @@ import site
 import stat
 import sys
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,18 +41,10 @@ from sqlmodel import select
 from bot.adapters.leader import Leadership, leadership_for
 from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
-from bot.app.fleet import (
-    CatalogSupply,
-    Fleet,
-    Prepare,
-    PreparedHost,
-    RemoteAccess,
-    _HostRunner,
-    attach,
-    bootstrap_prepare,
-)
+from bot.app.fleet import CatalogSupply, Fleet, attach
 from bot.app.hostcheck import HostChecker
-from bot.app.ports import FIXED_POOL
+from bot.app.ports import FIXED_POOL, Interpreter
+from bot.app.remote import Prepare, PreparedHost, RemoteAccess, bootstrap_prepare
 from bot.app.rollups import backfill_rollups
 from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
@@ -71,11 +62,9 @@ from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.ssh import (
     InstanceResolver,
     Resolver,
-    RunResult,
     SshClient,
     SshError,
     SshRunner,
-    SshTarget,
     StaticResolver,
 )
 
@@ -268,58 +257,21 @@ def _lend_bot_packages(runner: LocalRunner, python: str) -> str | None:
     return ask("import torch; print(torch.__version__)")
 
 
-class RunAccountRunner(_HostRunner):
-    """The LocalRunner as the run account, with `training` prepared for that account on
-    first use (`prepare_run_account`): a failure then fails the run with the reason,
-    instead of the bot refusing to start."""
+class RunAccount:
+    """The run account's interpreter, prepared on first use (`prepare_run_account`) when a
+    run starts or a probe runs there: a failure then fails that run or probe with the
+    reason (SshError), instead of the bot refusing to start, and the next use tries again."""
 
-    _PROBES = ("training.telemetry", "training.inventory")
-
-    def __init__(self, inner: LocalRunner) -> None:
-        super().__init__(inner, PreparedHost(root=f"{inner.account.home}/.gpubot", python=""))
-        self.local = inner
-        self._ready = False
+    def __init__(self, runner: LocalRunner) -> None:
+        self.runner = runner
+        self._found: Interpreter | None = None
         self._lock = threading.Lock()
 
-    def prepared(self) -> PreparedHost:
+    def interpreter(self) -> Interpreter:
         with self._lock:
-            if not self._ready:
-                self.host = prepare_run_account(self.local)
-                self._ready = True
-            return self.host
-
-    def run(
-        self,
-        target: SshTarget,
-        command: str,
-        timeout: float | None = None,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> RunResult:
-        # The utilization probe runs `python -m training.telemetry` with the bot's
-        # interpreter too; it gets the prepared one, as the runner does.
-        for module in self._PROBES:
-            old = (sys.executable, "-m", module)
-            if shell.replace_program(command, old, old) is not None:
-                host = self.prepared()
-                command = shell.replace_program(command, old, (host.python, *old[1:])) or command
-                if host.code_dir:
-                    env = {**(env or {}), "PYTHONPATH": host.code_dir}
-                break
-        return super().run(target, command, timeout, cwd=cwd, env=env)
-
-    def start_detached(
-        self,
-        target: SshTarget,
-        command: str,
-        log_path: str,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> int:
-        self.prepared()
-        return super().start_detached(target, command, log_path, cwd=cwd, env=env)
+            if self._found is None:
+                self._found = prepare_run_account(self.runner).interpreter()
+            return self._found
 
 
 def local_access(settings: Settings) -> LocalAccess:
@@ -331,7 +283,7 @@ def local_access(settings: Settings) -> LocalAccess:
         except SshError as exc:
             raise ConfigError(str(exc)) from None
         runs_dir = Path(runner.account.home) / ".gpubot" / "runs"
-        return LocalAccess(RunAccountRunner(runner), LOCAL_TARGET, runs_dir)
+        return LocalAccess(runner, LOCAL_TARGET, runs_dir, RunAccount(runner).interpreter)
     log.warning(
         "GPUBOT_RUN_AS is not set: runs on this machine run as the bot's own user (fine "
         "for gpubot shell; set it wherever a worker starts runs that Slack users submit)"

@@ -16,13 +16,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.config import Settings
-from bot.app.fleet import (
-    CatalogSupply,
-    Fleet,
-    PreparedHost,
-    RemoteAccess,
-    attach,
-)
+from bot.app.fleet import CatalogSupply, Fleet, attach
+from bot.app.remote import PreparedHost, RemoteAccess
 from bot.app.runs import RunService
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock

@@ -26,8 +26,8 @@ from sqlmodel import Session, col, select
 
 from bot.app import agentwatch
 from bot.app.config import load_settings
-from bot.app.fleet import PreparedHost
 from bot.app.hostagent import host_holds
+from bot.app.remote import PreparedHost
 from bot.domain.commands import Reserve, Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import Host, Notification, TrainingRun, UsageInterval

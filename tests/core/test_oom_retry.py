@@ -97,11 +97,13 @@ def test_a_retry_passes_the_halved_batch_to_the_runner() -> None:
         )
 
     recipe = run("digits")
-    assert "--batch-size" not in _runner_command(recipe, placement)
+    assert "--batch-size" not in _runner_command(recipe, placement, sys.executable)
     recipe.metrics = {"oom_retry": {"from_batch": 256, "batch_size": 128}}
-    assert _runner_command(recipe, placement).endswith("--recipe digits --batch-size 128")
+    assert _runner_command(recipe, placement, sys.executable).endswith(
+        "--recipe digits --batch-size 128"
+    )
     unknown = run(metrics={"oom_retry": {"batch_size": None}})
-    line = _runner_command(unknown, placement)
+    line = _runner_command(unknown, placement, sys.executable)
     assert line.endswith("-- env GPUBOT_OOM_RETRY=1 GPUBOT_BATCH_SCALE=0.5 python t.py")
     first = run()
-    assert _runner_command(first, placement).endswith(" -- python t.py")
+    assert _runner_command(first, placement, sys.executable).endswith(" -- python t.py")

@@ -496,14 +496,16 @@ def test_the_runner_stays_in_the_run_dir_and_the_command_moves_to_its_code() -> 
         source="path:/data/my proj",
         submitted_at=datetime.now(UTC),
     )
-    line = _runner_command(run, placement)
+    line = _runner_command(run, placement, sys.executable)
     assert line.endswith(
         "-- sh -c 'cd \"$0\" && exec \"$@\"' '/data/my proj' python train.py --lr 3e-4"
     )
     run.source = "staged:proj-0123"
-    assert 'exec "$@"\' /h/runs/7/code python train.py' in _runner_command(run, placement)
+    assert 'exec "$@"\' /h/runs/7/code python train.py' in _runner_command(
+        run, placement, sys.executable
+    )
     run.source = ""
-    assert _runner_command(run, placement).endswith(" -- python train.py --lr 3e-4")
+    assert _runner_command(run, placement, sys.executable).endswith(" -- python train.py --lr 3e-4")
 
 
 def test_staged_and_git_runs_on_a_static_ssh_host(
@@ -517,7 +519,7 @@ def test_staged_and_git_runs_on_a_static_ssh_host(
     import time
 
     from bot.app.config import load_settings
-    from bot.app.fleet import PreparedHost
+    from bot.app.remote import PreparedHost
     from bot.faces.runtime import build_runtime
 
     host = lab.hosts["gpu-b"]

@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from bot.app.ports import HostSeat, Interpreter, bot_python
 from bot.app.runs import RunService
 from bot.app.service import GpuService
 from bot.app.utilization import (
@@ -145,14 +146,18 @@ class RecordedRunner(LocalRunner):
 
 @dataclass
 class MapAccess:
-    """`HostAccess` over a fixed map: host name → runner and target."""
+    """`HostAccess` over a fixed map: host name → runner and target; every host's
+    interpreter is `python` (the bot's own unless a test names another)."""
 
     runners: dict[str, tuple[SshRunner, SshTarget]] = field(default_factory=dict)
     runs_dir: Path = Path("/tmp/gpubot-runs")
+    python: Interpreter = field(default_factory=bot_python)
 
-    def runner_for(self, host_name: str) -> tuple[SshRunner, SshTarget, Path] | None:
+    def runner_for(self, host_name: str) -> HostSeat | None:
         got = self.runners.get(host_name)
-        return None if got is None else (got[0], got[1], self.runs_dir)
+        if got is None:
+            return None
+        return HostSeat(got[0], got[1], self.runs_dir, lambda: self.python)
 
 
 def with_access(svc: GpuService, **runners: SshRunner | tuple[SshRunner, SshTarget]) -> MapAccess:
@@ -335,15 +340,17 @@ def test_collection_over_real_ssh(sqlite_engine: Engine, lab: SshLab) -> None:
         client.write_file(target, fake_python, script.encode(), mode=0o755)
         assert os.stat(fake_python).st_mode & stat.S_IXUSR
         svc, _ = make_service(sqlite_engine, [gpu_a()])
-        with_access(svc, gpu_a=(client, target))
+        access = with_access(svc, gpu_a=(client, target))
+        access.python = Interpreter(fake_python)
         svc.reserve(actor(svc, "alice"), Reserve(count=8))
-        report = collect(svc, python_for=lambda name: fake_python)
+        report = collect(svc)
         assert report.samples == 8 and not report.failed, report
         got = rows(sqlite_engine)
         assert [r.util_pct for r in got] == [0, 0, 97, 96, 98, 95, 41, 0]
         assert all(r.reservation_id == 1 for r in got)
         # and a host whose interpreter is missing is a failure in words, not a crash
-        report = collect(svc, python_for=lambda name: str(h.root / "nope"))
+        access.python = Interpreter(str(h.root / "nope"))
+        report = collect(svc)
         assert report.samples == 0 and "telemetry exited 127" in report.failed[0]
     finally:
         client.close()

@@ -20,9 +20,9 @@ import pytest
 from sqlmodel import Session, select
 
 from bot.app.config import load_settings
-from bot.app.fleet import PreparedHost, bootstrap_prepare
 from bot.app.hostcheck import BACKOFF_FIRST, CHECK_EVERY, HostChecker, backoff, checker_for
-from bot.app.utilization import default_python, probe
+from bot.app.remote import PreparedHost, bootstrap_prepare
+from bot.app.utilization import probe
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Queue, Release, Reserve, Run, Status
 from bot.faces.runtime import Runtime, build_runtime
@@ -262,12 +262,11 @@ def test_a_host_without_a_gpu_list_is_probed_after_its_bootstrap_with_its_own_py
     status = rt.service.status(rt.service.actor("dave"), Status()).view
     assert any("CPU only: no NVIDIA GPU found" in str(b) for b in status.blocks)
 
-    # Telemetry as bot.app.utilization asks for it ("python3 -m training.telemetry") runs
-    # with the host's venv and code, not the bare system python3.
+    # Telemetry as bot.app.utilization asks for it runs with the interpreter the host's
+    # seat hands out: its venv and code, not the bare system python3.
     assert rt.service.runs is not None
-    found = rt.service.runs.access.runner_for("lab-a")
-    assert found is not None
-    runner, target, _runs = found
-    snap = probe(runner, target, default_python("lab-a"))
+    seat = rt.service.runs.access.runner_for("lab-a")
+    assert seat is not None
+    snap = probe(seat)
     assert snap.gpus == () and snap.error
     rt.engine.dispose()

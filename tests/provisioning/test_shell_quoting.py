@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,7 +30,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from bot.app import sources
-from bot.app.fleet import PreparedHost, _HostRunner
+from bot.app.remote import PreparedHost
 from bot.app.runs import _command_text, _runner_command
 from bot.domain import code_sources
 from db.models import TrainingRun
@@ -350,15 +349,6 @@ def test_cd_to_a_directory_named_dash_is_not_the_previous_one(
         assert [r.pwd for r in box.records()] == [str(target)]
 
 
-@EXAMPLES
-@given(old=st.lists(ANY_WORD, min_size=1, max_size=3), rest=st.lists(ANY_WORD, max_size=3))
-def test_replace_program_swaps_whole_words_only(old: list[str], rest: list[str]) -> None:
-    new = ["/opt/venv/bin/python", "-m"]
-    assert shell.replace_program(shell.join([*old, *rest]), old, new) == shell.join([*new, *rest])
-    longer = [old[0] + "x", *old[1:]]
-    assert shell.replace_program(shell.join([*longer, *rest]), old, new) is None
-
-
 # --- provisioning.ssh: what both runners send --------------------------------------------------
 
 
@@ -561,15 +551,6 @@ def test_copy_listed_line_keeps_each_path_whole(
 # --- bot.app.runs: the runner's command line, as the runner then starts it ------------------------
 
 
-def _runner_words(line: str) -> str:
-    """The line with the bot's interpreter swapped for the probe (as _HostRunner swaps it)."""
-    swapped = shell.replace_program(
-        line, (sys.executable, "-m", "training.runner"), ("runnerprobe", "-m", "training.runner")
-    )
-    assert swapped is not None
-    return swapped
-
-
 @pytest.mark.parametrize("sh", SHELLS)
 @EXAMPLES
 @given(
@@ -611,7 +592,7 @@ def test_the_runner_line_and_the_users_command_arrive_word_for_word(
     else:
         code_dir = box.work
     placement = {"dir": run_dir, "status": status, "checkpoints": ckpt}
-    line = _runner_words(_runner_command(run, placement))
+    line = _runner_command(run, placement, "runnerprobe")
     names = ["GPUBOT_OOM_RETRY", "GPUBOT_BATCH_SCALE", "GPUBOT_BATCH_SIZE"]
     proc = box.run(sh, line, names)
     assert proc.returncode == 0, proc.stderr
@@ -635,20 +616,20 @@ def test_the_runner_line_and_the_users_command_arrive_word_for_word(
 
 @EXAMPLES
 @given(python=NAME, code_dir=ANY_WORD.filter(bool), argv=st.lists(ANY_WORD, max_size=3))
-def test_host_runner_swaps_the_interpreter_by_whole_words(
+def test_a_prepared_hosts_interpreter_starts_the_module_word_for_word(
     boxes: Iterator[Box], python: str, code_dir: str, argv: list[str]
 ) -> None:
-    """Through the real LocalRunner: the host's interpreter (a probe at a hostile path)
-    gets the runner's words, with PYTHONPATH set to the host's code directory."""
+    """Through the real LocalRunner: the prepared host's interpreter (a probe at a hostile
+    path) gets the module's words, with PYTHONPATH set to the host's code directory."""
     box = next(boxes)
     interpreter = box.dir("bin") / python
     interpreter.symlink_to(box.probes / "probe")
-    host = _HostRunner(
-        LocalRunner(), PreparedHost(root="/r", python=str(interpreter), code_dir=code_dir)
+    host = PreparedHost(root="/r", python=str(interpreter), code_dir=code_dir).interpreter()
+    line = host.module("training.runner", "--run-id", "3", "--", *argv)
+    env = {"PROBE_LOG": str(box.log), "PROBE_VARS": "PYTHONPATH", **host.env()}
+    LocalRunner().start_detached(
+        LOCAL_TARGET, line, str(box.work / "run.log"), cwd=str(box.work), env=env
     )
-    line = shell.join([sys.executable, "-m", "training.runner", "--run-id", "3", "--", *argv])
-    env = {"PROBE_LOG": str(box.log), "PROBE_VARS": "PYTHONPATH"}
-    host.start_detached(LOCAL_TARGET, line, str(box.work / "run.log"), cwd=str(box.work), env=env)
     [rec] = box.wait_records(1, ["PYTHONPATH"])
     assert rec.name == python
     assert rec.args == ["-m", "training.runner", "--run-id", "3", "--", *argv]

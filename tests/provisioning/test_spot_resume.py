@@ -38,7 +38,7 @@ from sqlmodel import Session, col, select
 
 from bot.app.billing import note_host_state
 from bot.app.config import load_settings
-from bot.app.fleet import PreparedHost
+from bot.app.remote import PreparedHost
 from bot.domain.commands import Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import HOST_STOPPED, HOST_UNREACHABLE, Host, Notification, TrainingRun

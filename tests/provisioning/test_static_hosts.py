@@ -17,7 +17,7 @@ import pytest
 from sqlmodel import Session, select
 
 from bot.app.config import ConfigError, load_settings
-from bot.app.fleet import PreparedHost, home_prepare
+from bot.app.remote import PreparedHost, home_prepare
 from bot.domain.commands import Logs, Reserve, Run, Status
 from bot.faces.runtime import build_runtime
 from db.models import Gpu, Host, TrainingRun
@@ -119,9 +119,9 @@ def test_static_hosts_are_listed_synced_and_reachable(env: Path, client: SshClie
 
     # Through the HostAccess the runs use: a command, a file written and read back.
     assert rt.service.runs is not None
-    found = rt.service.runs.access.runner_for("gpu-a")
-    assert found is not None
-    runner, target, runs_dir = found
+    seat = rt.service.runs.access.runner_for("gpu-a")
+    assert seat is not None
+    runner, target, runs_dir = seat.runner, seat.target, seat.runs_dir
     assert target.host == "127.0.0.2" and target.name == "gpu-a"
     assert runner.run(target, "true", timeout=20).ok
     path = str(runs_dir / "probe.txt")

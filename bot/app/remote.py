@@ -1,0 +1,217 @@
+"""Reaching hosts over SSH: preparing one on first use, and handing out its seat.
+
+`RemoteAccess` is the `HostAccess` (bot.app.ports) of static hosts and cloud instances.
+It prepares a host once per process (`bootstrap_prepare`: the idempotent bootstrap and
+the host agent; `home_prepare` where the bot's interpreter is already there), remembers
+the result (`PreparedHost`: where runs live, which python runs `training` and from which
+code directory), and hands out a `HostSeat` built from it, so every command line that
+starts `python -m training.…` there is built with the host's own interpreter. The fleet
+(bot.app.fleet) and the host checks (bot.app.hostcheck) use it; neither is needed here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlmodel import select
+
+from bot.app.ports import HostAccess, HostSeat, Interpreter
+from db.models import HOST_STOPPED, HOST_TERMINATED, Host
+from db.session import transaction
+from provisioning.base import Instance, ProvisioningError
+from provisioning.bootstrap import AgentInstall, bootstrap
+from provisioning.ssh import Resolver, SshError, SshRunner, SshTarget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedHost:
+    """Where gpubot lives on a host once it is ready: runs go under `root`/runs, and
+    `python -m training.…` runs with `python` from `code_dir` (on PYTHONPATH)."""
+
+    root: str
+    python: str
+    code_dir: str | None = None
+
+    def interpreter(self) -> Interpreter:
+        """What starts `python -m training.…` there (bot.app.ports.HostSeat hands it out)."""
+        return Interpreter(self.python, self.code_dir)
+
+
+# (runner, target) -> the prepared host; raises ProvisioningError when it cannot be.
+Prepare = Callable[[SshRunner, SshTarget], PreparedHost]
+
+
+def bootstrap_prepare(
+    runner: SshRunner,
+    target: SshTarget,
+    *,
+    cloud: bool | None = None,
+    env: Mapping[str, str] | None = None,
+) -> PreparedHost:
+    """The production preparation: the idempotent bootstrap (a marker read when current),
+    with the host agent (training.agent; bot.app.agentwatch reads it). On an EC2 instance it
+    guards the budget: it stops the instance when the bot is gone and nothing runs, and
+    watches for spot notices. On a static host (someone else's machine) it only watches:
+    no stop, no metadata service. `cloud` None: an EC2 host is one named by its instance
+    id (the EC2 fleet's host names); static hosts carry the names the team gave them.
+    The agent's runs dir is the bootstrap root's ``runs``, where `RemoteAccess` puts runs.
+    `env` goes to the bootstrap's commands: a pip index, proxy or wheel directory."""
+    if cloud is None:
+        ident = target.name.removeprefix("i-")
+        cloud = target.name.startswith("i-") and len(ident) in (8, 17)
+        cloud = cloud and all(c in "0123456789abcdef" for c in ident)
+    if cloud:  # EC2: `shutdown -h` stops (not terminates); a non-root login needs sudo
+        stop = "shutdown -h now" if target.user == "root" else "sudo -n shutdown -h now"
+        agent = AgentInstall(stop_command=stop)
+    else:
+        agent = AgentInstall(stop_command=None, imds_endpoint=None)
+    report = bootstrap(runner, target, remote_root="~/.gpubot", agent=agent, env=env)
+    return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
+
+
+def home_prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    """No bootstrap: `~/.gpubot` on a host where the bot's own interpreter and training
+    package already are (a shared file system, a hand-made image; tests' loopback hosts)."""
+    result = runner.run(target, 'printf %s "$HOME"', timeout=15)
+    home = result.stdout.strip()
+    if not result.ok or not home.startswith("/"):
+        raise SshError(f"cannot read the home directory on {target.label}")
+    return PreparedHost(root=f"{home}/.gpubot", python=sys.executable)
+
+
+class PrepareInProgress(ProvisioningError):
+    """Another thread is bootstrapping this host now; asked not to wait for it."""
+
+
+class RemoteAccess:
+    """`HostAccess` for hosts reached over SSH (static hosts and cloud instances).
+
+    Every host shares one `SshRunner` (one `SshClient`, its connections cached); the
+    resolver says where to dial, so tests map cloud instances onto loopback sshd hosts
+    and the addresses a fake cloud invents are never dialed. A host is prepared
+    (bootstrapped) on its first use by this process; the result is remembered.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        runner: SshRunner,
+        resolver: Resolver,
+        *,
+        prepare: Prepare | None = bootstrap_prepare,
+        local: HostAccess | None = None,
+        wait_for_prepare: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.runner = runner
+        self.resolver = resolver
+        self.prepare = prepare or home_prepare
+        self.local = local
+        # False where another thread prepares hosts (bot.app.hostcheck): a caller that finds a
+        # bootstrap in progress gets None ("not ready yet") instead of waiting minutes.
+        self.wait_for_prepare = wait_for_prepare
+        self._prepared: dict[str, PreparedHost] = {}
+        self._lock = threading.Lock()
+        self._host_locks: dict[str, threading.Lock] = {}
+
+    def instance_of(self, host_name: str) -> Instance | None:
+        with transaction(self.engine, write=False) as s:
+            host = s.exec(select(Host).where(Host.name == host_name)).first()
+        if host is None or host.state in (HOST_TERMINATED, HOST_STOPPED):
+            return None
+        return Instance(
+            name=host.name,
+            provider=host.provider,
+            state=host.state,
+            gpus=(),
+            instance_id=host.instance_id,
+            instance_type=host.instance_type,
+            market=host.market,
+            address=host.address,
+            ssh_user=host.ssh_user,
+            ssh_port=host.ssh_port,
+        )
+
+    def target_for(self, instance: Instance) -> SshTarget:
+        return self.resolver.resolve(instance)
+
+    def reachable(self, instance: Instance) -> bool:
+        """True when a login and `true` work and the host is prepared (bootstrapped): the
+        cloud's "running" is not a usable host, and a reservation's holder expects the
+        runner's environment there."""
+        try:
+            target = self.resolver.resolve(instance)
+            if not self.runner.run(target, "true", timeout=15).ok:
+                return False
+        except SshError as exc:
+            log.info("%s is not reachable yet: %s", instance.name, exc)
+            return False
+        return self._prepare(instance.name, target) is not None
+
+    def runner_for(self, host_name: str) -> HostSeat | None:
+        if self.local is not None:
+            found = self.local.runner_for(host_name)
+            if found is not None:
+                return found
+        inst = self.instance_of(host_name)
+        if inst is None:
+            return None
+        try:
+            target = self.resolver.resolve(inst)
+        except SshError as exc:
+            log.warning("no SSH target for %s: %s", host_name, exc)
+            return None
+        prepared = self._prepare(host_name, target)
+        if prepared is None:
+            return None
+        return HostSeat(self.runner, target, Path(prepared.root) / "runs", prepared.interpreter)
+
+    def prepared(self, host_name: str) -> PreparedHost | None:
+        """The host as this process prepared it, without dialling; None if not yet."""
+        with self._lock:
+            return self._prepared.get(host_name)
+
+    def prepare_now(self, host_name: str, target: SshTarget, *, wait: bool = True) -> PreparedHost:
+        """Prepares (bootstraps) the host unless this process did; raises
+        ProvisioningError saying why it cannot be (bot.app.hostcheck runs it off the tick).
+        `wait=False`: PrepareInProgress when another thread is preparing it right now."""
+        with self._lock:
+            if host_name in self._prepared:
+                return self._prepared[host_name]
+            host_lock = self._host_locks.setdefault(host_name, threading.Lock())
+        if not host_lock.acquire(blocking=wait):
+            raise PrepareInProgress(f"{host_name} is being prepared")
+        try:
+            with self._lock:
+                if host_name in self._prepared:
+                    return self._prepared[host_name]
+            prepared = self.prepare(self.runner, target)
+            with self._lock:
+                self._prepared[host_name] = prepared
+            log.info("host %s prepared (root %s)", host_name, prepared.root)
+            return prepared
+        finally:
+            host_lock.release()
+
+    def forget(self, host_name: str) -> None:
+        """Drops what this process knew of the host (`gpubot hosts forget`)."""
+        with self._lock:
+            self._prepared.pop(host_name, None)
+
+    def _prepare(self, host_name: str, target: SshTarget) -> PreparedHost | None:
+        try:
+            return self.prepare_now(host_name, target, wait=self.wait_for_prepare)
+        except PrepareInProgress:
+            log.info("%s is being prepared on another thread; not ready yet", host_name)
+            return None
+        except ProvisioningError as exc:
+            log.warning("preparing %s failed: %s", host_name, exc)
+            return None
