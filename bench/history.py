@@ -11,7 +11,8 @@ peak over one call of each, after the build.
 
 Sizes: 1k, 10k, 100k intervals at 100 hosts (and 1 and 10 hosts at 1k for the views),
 on SQLite and on PostgreSQL when it is reachable. 1M intervals only with
-GPUBOT_BENCH_HISTORY_1M=1 (its build alone takes minutes on a shared 2-core machine).
+GPUBOT_BENCH_HISTORY_1M=1 (its build alone takes minutes on a shared 2-core machine);
+GPUBOT_BENCH_HISTORY_SIZES=1000,100000 measures only those sizes.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ REPEATS = int(os.environ.get("GPUBOT_BENCH_HISTORY_REPEATS", "7"))
 SIZES = [1_000, 10_000, 100_000] + (
     [1_000_000] if os.environ.get("GPUBOT_BENCH_HISTORY_1M") == "1" else []
 )
+if os.environ.get("GPUBOT_BENCH_HISTORY_SIZES"):  # e.g. "1000,100000": a quicker look
+    SIZES = [int(n) for n in os.environ["GPUBOT_BENCH_HISTORY_SIZES"].split(",")]
 GOALS_MS = {
     "idle_tick": 20,
     "cost_team_month": 50,

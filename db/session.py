@@ -161,14 +161,26 @@ def transaction(engine: Engine, write: bool = True) -> Iterator[Session]:
 M = TypeVar("M", bound=SQLModel)
 
 
+_POOL_LOCK = "gpubot.pool_lock"  # Session.info key: where lock_pool took the pool
+
+
 def lock_pool(s: Session) -> None:
     """Takes the pool: every GPU row, by id, until the transaction ends (lock order, 1).
 
     Call it first, before reading what the transaction will change. Taking it again
-    in the same transaction is harmless. On SQLite the write transaction is the lock.
+    in the same transaction is harmless and costs nothing: a second call in the same
+    transaction (and savepoint) returns at once, since locking every GPU row again was
+    a second pass over the fleet in each reserve and tick. On SQLite the write
+    transaction is the lock.
     """
     if _on_postgres(s):
+        # The (transaction, savepoint) the lock was taken in: a commit, a rollback or
+        # another savepoint gives another pair, so the lock is taken again there.
+        taken = (s.get_transaction(), s.get_nested_transaction())
+        if taken[0] is not None and s.info.get(_POOL_LOCK) == taken:
+            return
         s.exec(select(Gpu.id).order_by(col(Gpu.id)).with_for_update(key_share=True)).all()
+        s.info[_POOL_LOCK] = (s.get_transaction(), s.get_nested_transaction())
 
 
 def locked(s: Session, model: type[M], row_id: int | None) -> M | None:

@@ -129,6 +129,66 @@ def _hosts_with_gpus(s: Session, which: Any) -> list[tuple[Host, list[Gpu]]]:
     return [(h, by_host.get(h.id or -1, [])) for h in hosts]
 
 
+@dataclass(frozen=True)
+class _FleetHost:
+    """What the queue needs of a host that is not terminated: plain columns and its
+    present GPUs counted by model, not ORM objects (the queue and App Home read the
+    whole fleet on every call; building a Host and eight Gpu objects per host was most
+    of their time at a hundred hosts)."""
+
+    id: int
+    name: str
+    state: str
+    hourly_usd: float
+    created_at: datetime | None
+    down_since: datetime | None
+    down_reason: str | None
+    models: dict[str, int]  # present GPUs by model, models sorted
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.models.values())
+
+
+def _fleet(s: Session) -> list[_FleetHost]:
+    """Every host not terminated, by name (the database's collation, as the down hosts
+    are listed), with its present GPUs by model: two queries of plain columns whatever
+    the size of the fleet."""
+    host_columns: tuple[Any, ...] = (
+        Host.id,
+        Host.name,
+        Host.state,
+        Host.hourly_usd,
+        Host.created_at,
+        Host.down_since,
+        Host.down_reason,
+    )
+    hosts = s.exec(
+        select(*host_columns).where(Host.state != "terminated").order_by(col(Host.name))
+    ).all()
+    counts: dict[int, dict[str, int]] = {}
+    gpu_columns: tuple[Any, ...] = (Gpu.host_id, Gpu.model, func.count())
+    for host_id, model, n in s.exec(
+        select(*gpu_columns)
+        .where(col(Gpu.present).is_(True))
+        .group_by(col(Gpu.host_id), col(Gpu.model))
+    ):
+        counts.setdefault(host_id, {})[model] = int(n)
+    return [
+        _FleetHost(
+            id=hid,
+            name=name,
+            state=state,
+            hourly_usd=hourly,
+            created_at=created,
+            down_since=down_since,
+            down_reason=reason,
+            models=dict(sorted(counts.get(hid, {}).items())),
+        )
+        for hid, name, state, hourly, created, down_since, reason in hosts
+    ]
+
+
 def scheduler_config(settings: Settings, catalog: Catalog) -> SchedulerConfig:
     """The worker's scheduler knobs from Settings, so that `gpubot simulate` and the worker
     can be run with the same ones: idle stop and terminate as the fleet applies them, the
@@ -348,11 +408,8 @@ class RunService:
         """A run needs one GPU model: the asked one, else the configured default, else
         the one model the pool has. Refuses what no host could ever run."""
         counts: dict[str, int] = {}
-        for _, gpus_there in _hosts_with_gpus(s, Host.state != "terminated"):
-            per_model: dict[str, int] = {}
-            for g in gpus_there:
-                per_model[g.model] = per_model.get(g.model, 0) + 1
-            for m, n in per_model.items():
+        for host in _fleet(s):
+            for m, n in host.models.items():
                 counts[m] = max(counts.get(m, 0), n)
         wanted = model or self.core.settings.default_gpu
         if wanted is not None and self.core.supply.can_have(wanted, gpus):
@@ -420,9 +477,10 @@ class RunService:
                     .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
                 )
             )
-            prices = self._per_gpu_prices(s)
-            ahead = self._estimates(s, now, [run for run, _ in rows])  # bot.domain.estimates
-            down, ready_models = self._down_hosts(s)
+            fleet = _fleet(s)
+            prices = self._per_gpu_prices(fleet)
+            ahead = self._estimates(s, now, [run for run, _ in rows], fleet)  # bot.domain.estimates
+            down, ready_models = self._down_hosts(fleet)
             table = []
             waiting = 0  # the line position: counts everyone's queued runs
             shown_waiting = 0  # the summary counts only the rows shown (`queue me`)
@@ -509,18 +567,16 @@ class RunService:
             )
         return views.Reply(views.View(text=summary, blocks=blocks))
 
-    def _down_hosts(self, s: Session) -> tuple[list[tuple[Host, set[str]]], set[str]]:
+    @staticmethod
+    def _down_hosts(
+        fleet: list[_FleetHost],
+    ) -> tuple[list[tuple[_FleetHost, set[str]]], set[str]]:
         """Hosts marked down (bot.app.hostcheck) with their GPU models, and the models some
         ready host offers: a run waits on a down host when only that host has its model."""
-        down: list[tuple[Host, set[str]]] = []
+        down: list[tuple[_FleetHost, set[str]]] = []
         ready: set[str] = set()
-        for host in s.exec(select(Host).order_by(col(Host.name))):
-            models = {
-                g.model
-                for g in s.exec(
-                    select(Gpu).where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
-                )
-            }
+        for host in fleet:
+            models = set(host.models)
             if host.state == HOST_UNREACHABLE and host.down_since is not None:
                 down.append((host, models))
             elif host.state == HOST_READY:
@@ -528,7 +584,7 @@ class RunService:
         return down, ready
 
     def _estimates(
-        self, s: Session, now: datetime, runs: list[TrainingRun]
+        self, s: Session, now: datetime, runs: list[TrainingRun], fleet: list[_FleetHost]
     ) -> dict[int, estimates.Estimate]:
         """The queue as `bot.domain.estimates` sees it: who holds which host's GPUs until when
         (a run's ETA from its status, else its --max; a reservation's end), and the
@@ -549,14 +605,20 @@ class RunService:
                     until = held_by.started_at.timestamp() + held_by.max_seconds
             n, _ = holds.get(key, (0, until))
             holds[key] = (n + 1, until)
+        # Each host's holds, in the order first seen, so a picture is built without
+        # walking every hold of the fleet.
+        host_holds: dict[int, list[estimates.Hold]] = {}
+        for (hid, _), (n, until) in holds.items():
+            host_holds.setdefault(hid, []).append(estimates.Hold(n, until))
         pictures = []
         # A booting instance is part of the picture: its GPUs are taken until it should be
         # ready (launch + boot + setup), so a run of its model gets a start and a price.
         boot = timedelta(seconds=self.config.boot_s + self.config.setup_s)
-        for host, gpus in _hosts_with_gpus(s, col(Host.state).in_((HOST_READY, HOST_PENDING))):
-            per_gpu = gpu_share(host.hourly_usd, len(gpus))
-            for model in sorted({g.model for g in gpus}):
-                count = sum(1 for g in gpus if g.model == model)
+        for host in sorted(fleet, key=lambda h: h.id):
+            if host.state not in (HOST_READY, HOST_PENDING):
+                continue
+            per_gpu = gpu_share(host.hourly_usd, host.gpus)
+            for model, count in host.models.items():
                 booting: tuple[estimates.Hold, ...] = ()
                 if host.state == HOST_PENDING:
                     since = host.created_at or now
@@ -567,12 +629,7 @@ class RunService:
                         gpu_model=model,
                         gpus=count,
                         usd_per_gpu_hour=per_gpu,
-                        holds=booting
-                        + tuple(
-                            estimates.Hold(n, until)
-                            for (hid, _), (n, until) in holds.items()
-                            if hid == host.id
-                        ),
+                        holds=booting + tuple(host_holds.get(host.id, ())),
                     )
                 )
         # Waiting reservations are granted before runs are placed: they go first.
@@ -594,12 +651,14 @@ class RunService:
         found = estimates.estimate_queue(waiting, pictures, now.timestamp())
         return {e.run_id: e for e in found if isinstance(e.run_id, int)}
 
-    def _per_gpu_prices(self, s: Session) -> dict[str, float]:
+    @staticmethod
+    def _per_gpu_prices(fleet: list[_FleetHost]) -> dict[str, float]:
         """Per-GPU hourly price of each model on the hosts we have (0 for owned hosts)."""
         out: dict[str, float] = {}
-        for host, gpus in _hosts_with_gpus(s, Host.state != "terminated"):
-            for g in gpus:
-                out[g.model] = max(out.get(g.model, 0.0), gpu_share(host.hourly_usd, len(gpus)))
+        for host in fleet:
+            share = gpu_share(host.hourly_usd, host.gpus)
+            for model in host.models:
+                out[model] = max(out.get(model, 0.0), share)
         return out
 
     @retrying

@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, text, update
+from sqlalchemy import and_, func, or_, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -108,6 +108,14 @@ class OutboxItem:
 
 # pg_advisory_xact_lock key for host syncs ("gpubsync" in ASCII, far from the leader's).
 _SYNC_LOCK_KEY = 0x6770756273796E63
+
+
+@dataclass(frozen=True)
+class _FreeGpu:
+    """A free GPU as the grant pass weighs it: its id and model, read as plain columns."""
+
+    id: int
+    model: str
 
 
 class GpuService:
@@ -355,21 +363,27 @@ class GpuService:
         anyone = s.exec(select(Reservation.id).where(Reservation.state == RES_WAITING).limit(1))
         if anyone.first() is None:
             return 0
+        # Every ready host's present GPUs in one query of plain columns: the tick and each
+        # reserve stay flat as the fleet grows, and no ORM object is built for the GPUs
+        # of a hundred hosts when one host is chosen (that was most of a reserve's time).
         hosts = [
-            h for h in s.exec(select(Host).where(Host.state == HOST_READY).order_by(col(Host.id)))
+            h
+            for h in s.exec(select(Host.id).where(Host.state == HOST_READY).order_by(col(Host.id)))
+            if h is not None
         ]
         held = held_gpu_ids(s)
-        # Every ready host's GPUs in one query: the tick and each reserve stay flat as
-        # the fleet grows.
-        free: dict[int, list[Gpu]] = {h.id: [] for h in hosts if h.id is not None}
+        free: dict[int, list[_FreeGpu]] = {h: [] for h in hosts}
+        present: dict[int, int] = {h: 0 for h in hosts}  # a host's price is shared by these
         if free:
-            for g in s.exec(
-                select(Gpu)
-                .where(col(Gpu.host_id).in_(list(free)), col(Gpu.present).is_(True))
+            columns: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.model)
+            for gpu_id, host_id, gpu_model in s.exec(
+                select(*columns)
+                .where(col(Gpu.host_id).in_(hosts), col(Gpu.present).is_(True))
                 .order_by(col(Gpu.host_id), col(Gpu.index))
             ):
-                if g.id not in held:
-                    free[g.host_id].append(g)
+                present[host_id] += 1
+                if gpu_id not in held:
+                    free[host_id].append(_FreeGpu(gpu_id, gpu_model))
         # Each waiting row is read under its lock (ids in order) before it is granted:
         # an extend or a cancel that committed meanwhile is seen, not written over.
         waiting = sorted(
@@ -394,11 +408,12 @@ class GpuService:
             if choice is None:
                 blocked_models.add(res.gpu_model)
                 continue
-            host, gpus = choice
+            host_id, picked = choice
+            host = s.get(Host, host_id)
+            assert host is not None
             # Budget (bot.app.budgets): a grant that would go over is cancelled, with a DM.
-            assert host.id is not None
-            rate = Decimal(str(gpu_share(host.hourly_usd, self.gpu_count(s, host.id))))
-            refusal = budgets.grant_refusal(s, res, rate * len(gpus), now, self.settings)
+            rate = Decimal(str(gpu_share(host.hourly_usd, present[host_id])))
+            refusal = budgets.grant_refusal(s, res, rate * len(picked), now, self.settings)
             if refusal is not None:
                 if res.id == quiet_id:
                     raise UserError(refusal)
@@ -413,9 +428,15 @@ class GpuService:
                     dedupe=f"budget-cancel:{res.id}",
                 )
                 continue
+            gpus = list(
+                s.exec(
+                    select(Gpu)
+                    .where(col(Gpu.id).in_([g.id for g in picked]))
+                    .order_by(col(Gpu.index))
+                )
+            )
             self._grant(s, res, host, gpus, now)
-            assert host.id is not None
-            free[host.id] = [g for g in free[host.id] if g not in gpus]
+            free[host_id] = [g for g in free[host_id] if g not in picked]
             granted += 1
             if res.id != quiet_id:
                 info = self._info(s, res)
@@ -430,15 +451,15 @@ class GpuService:
 
     @staticmethod
     def _pick(
-        hosts: list[Host], free: dict[int, list[Gpu]], model: str | None, count: int
-    ) -> tuple[Host, list[Gpu]] | None:
-        """The host and its first `count` free GPUs of one model, by best fit (bot.domain.best_fit):
-        a request for no model in particular may take any one model, never a mix."""
-        options: list[tuple[tuple[Host, list[Gpu]], int]] = []
+        hosts: list[int], free: dict[int, list[_FreeGpu]], model: str | None, count: int
+    ) -> tuple[int, list[_FreeGpu]] | None:
+        """The host (its id) and its first `count` free GPUs of one model, by best fit
+        (bot.domain.best_fit): a request for no model in particular may take any one model,
+        never a mix."""
+        options: list[tuple[tuple[int, list[_FreeGpu]], int]] = []
         for h in hosts:
-            assert h.id is not None
-            by_model: dict[str, list[Gpu]] = {}
-            for g in free[h.id]:
+            by_model: dict[str, list[_FreeGpu]] = {}
+            for g in free[h]:
                 by_model.setdefault(g.model, []).append(g)
             options += [((h, gs), len(gs)) for m, gs in by_model.items() if model in (None, m)]
         choice = best_fit(options, count)
@@ -840,7 +861,37 @@ class GpuService:
 
     @retrying
     def tick(self) -> TickReport:
-        """Ends what is due, warns what is near, grants what became free. Idempotent."""
+        """Ends what is due, warns what is near, grants what became free. Idempotent.
+
+        Most ticks have nothing to do: one indexed read says so without the write
+        transaction and the pool lock (on PostgreSQL a lock on every GPU row). What
+        becomes due after that read is done by the next tick, as it would be had this
+        tick run a moment earlier; a request that starts waiting runs its own grant pass.
+        """
+        now = self.clock.now()
+        lead = self.settings.expiry_warning
+        with transaction(self.engine, write=False) as s:
+            due = s.exec(
+                select(Reservation.id)
+                .where(
+                    or_(
+                        col(Reservation.state) == RES_WAITING,
+                        and_(
+                            col(Reservation.state) == RES_ACTIVE,
+                            or_(
+                                col(Reservation.ends_at) <= now,
+                                and_(
+                                    col(Reservation.warned_at).is_(None),
+                                    col(Reservation.ends_at) <= now + lead,
+                                ),
+                            ),
+                        ),
+                    )
+                )
+                .limit(1)
+            ).first()
+        if due is None:
+            return TickReport(expired=0, warned=0, granted=0)
         with transaction(self.engine) as s:
             lock_pool(s)  # expiry frees GPUs: the pool first (db.session's lock order)
             now = self.clock.now()
