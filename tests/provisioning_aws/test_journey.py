@@ -54,6 +54,7 @@ from tests.core.fleet_helpers import LoopbackResolver, notes
 from tests.isolated_hosts import Bootstrapped
 from tests.provisioning_aws.conftest import AwsLab
 from tests.ssh_hosts import pip_env
+from training.telemetry import NO_DRIVER
 
 pytestmark = [
     pytest.mark.journey,
@@ -167,6 +168,11 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     assert any(r.no_driver == (iid,) for r in util_reports)
     with Session(engine) as s:
         assert s.exec(select(GpuSample)).all() == []
+    # What the team is told instead, in words; and the run's own telemetry, read from its
+    # status file on the host, is kept with the run.
+    util = handle_text(svc, svc.actor("alice"), f"/gpu util {iid}")
+    assert f"{iid}: {NO_DRIVER} on {iid}, so there is nothing to sample" in util.view.text
+    assert float(run.metrics["samples_per_s"]) > 0 and run.metrics["precision"] == "fp32"
 
     # 6. The result DM: the accuracy the host measured and what the run cost.
     dms = notes(engine, "dm", "alice")
