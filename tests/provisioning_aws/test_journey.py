@@ -1,0 +1,218 @@
+"""The whole journey in one test (the long one): `/gpu run --recipe digits` on an empty EC2
+pool, to the bill.
+
+EC2 is a moto server on 127.0.0.1 (`server_lab`: boto3 reaches it over a socket through
+AWS_ENDPOINT_URL, as the bot's own process would); the instance it launches is reached on
+lab-a, an isolated sshd host (its own unix account, only the system python3 before the
+session's bootstrap). The host is prepared by the production preparation
+(`bootstrap_prepare`, offline from the shared wheel cache). The suite pays for one
+bootstrap from nothing: the session's `bootstrapped` fixture does it on this account, and
+the fleet's preparation here is the same idempotent bootstrap finding its marker (plus the
+host agent); `tests/provisioning/test_isolated_hosts.py` checks what the first one left.
+
+Time is the virtual clock: the run takes wall time on the host, the clock is advanced by
+the test, and nothing is asserted about how long anything took.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from bot.app.billing import team_bill
+from bot.app.config import Settings
+from bot.app.fleet import CatalogSupply, Fleet, RemoteAccess, attach, bootstrap_prepare
+from bot.app.runs import RunService
+from bot.app.service import GpuService
+from bot.app.utilization import CollectReport, collect
+from bot.domain.clock import VirtualClock
+from bot.domain.metering import Window, to_cents
+from bot.faces.dispatch import handle_text
+from db.models import (
+    HOST_READY,
+    HOST_STOPPED,
+    HOST_TERMINATED,
+    GpuSample,
+    Host,
+    HostPeriod,
+    LaunchRequest,
+    TrainingRun,
+)
+from provisioning.bootstrap import agent_supervisor_alive
+from provisioning.ssh import SshClient
+from tests.core.fleet_helpers import LoopbackResolver, notes
+from tests.isolated_hosts import Bootstrapped
+from tests.provisioning_aws.conftest import AwsLab
+from tests.ssh_hosts import pip_env
+from training.telemetry import NO_DRIVER
+
+pytestmark = [
+    pytest.mark.journey,
+    pytest.mark.skipif(sys.platform != "linux", reason="isolated hosts are Linux accounts"),
+]
+
+
+def _managed(lab: AwsLab) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    resp = lab.ec2().describe_instances(
+        Filters=[{"Name": "tag:gpubot:managed", "Values": ["true"]}]
+    )
+    for r in resp["Reservations"]:
+        out.extend(r["Instances"])
+    return out
+
+
+def _host(engine: Engine, name: str) -> Host:
+    with Session(engine) as s:
+        return s.exec(select(Host).where(Host.name == name)).one()
+
+
+@pytest.fixture
+def client() -> Iterator[SshClient]:
+    c = SshClient(connect_timeout=5, command_timeout=120)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
+    server_lab: AwsLab,
+    bootstrapped: Bootstrapped,
+    sqlite_engine: Engine,
+    client: SshClient,
+) -> None:
+    engine = sqlite_engine
+    compute = server_lab.compute()
+    clock = VirtualClock()
+    svc = GpuService(engine, Settings(admins=("root",)), clock, CatalogSupply(compute.catalog))
+    # Not an EC2 machine: no metadata service to watch, no `shutdown` to call (cloud=False);
+    # everything else is what production prepares.
+    prepare = functools.partial(bootstrap_prepare, cloud=False, env=pip_env())
+    access = RemoteAccess(engine, client, LoopbackResolver(bootstrapped.target), prepare=prepare)
+    fleet = Fleet(svc, compute, access, catalog=compute.catalog)
+    attach(svc, fleet)
+    svc.runs = runs = RunService(svc, access, compute.catalog)
+    assert _managed(server_lab) == []
+    started_at = clock.now()
+
+    # 1. The command. An empty cloud pool has no model to default to, and says so.
+    bare = handle_text(svc, svc.actor("alice"), "/gpu run --recipe digits")
+    assert bare.error and "Say which GPU model to run on (`--gpu MODEL`)" in str(bare.view)
+    reply = handle_text(svc, svc.actor("alice"), "/gpu run --recipe digits --gpu T4")
+    assert not reply.error, reply.view
+    with Session(engine) as s:
+        run = s.exec(select(TrainingRun)).one()
+    rid = run.id
+    assert rid is not None
+
+    # 2. The scheduler asks for a launch; the fleet makes it, tagged, on the moto server.
+    runs.dispatch()
+    with Session(engine) as s:
+        (req,) = s.exec(select(LaunchRequest)).all()
+    assert req.run_id == rid and req.instance_id is not None
+    iid = req.instance_id
+    (inst,) = _managed(server_lab)
+    tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+    assert inst["InstanceId"] == iid
+    assert tags["gpubot:managed"] == "true"
+    assert tags["gpubot:owner"] == "alice" and tags["gpubot:job"] == str(rid)
+
+    # 3. Ready once SSH answers and the host is prepared: the bootstrap's venv and code.
+    fleet.refresh()
+    assert _host(engine, iid).state == HOST_READY
+    prepared = access.prepared(iid)
+    assert prepared is not None
+    assert prepared.python == bootstrapped.report.venv_python
+    assert prepared.python.startswith(str(bootstrapped.lab.hosts["lab-a"].root))
+    assert prepared.code_dir == bootstrapped.report.code_dir
+    # The fleet's preparation is the production one: it left the host agent running, which
+    # the session's bootstrap from nothing does not install.
+    assert agent_supervisor_alive(client, bootstrapped.target, prepared.root)
+
+    # 4. Placed and run there; telemetry asked for while it runs.
+    util_reports: list[CollectReport] = []
+    deadline = time.monotonic() + 600  # a guard against a hang, not a speed goal
+    while True:
+        runs.poll()
+        runs.dispatch()
+        with Session(engine) as s:
+            got = s.get(TrainingRun, rid)
+            assert got is not None
+            run = got
+            if run.state == "running":
+                util_reports.append(collect(svc))
+            if run.state in ("succeeded", "failed", "cancelled"):
+                break
+        assert time.monotonic() < deadline, "the run did not finish"
+        clock.advance(timedelta(seconds=30))
+        time.sleep(0.5)
+    assert run.state == "succeeded", run.metrics
+    assert run.placement is not None and run.placement["host"] == iid
+
+    # 5. Telemetry: the host was asked with its own interpreter and answered; lab-a is a
+    # CPU machine, so the probe reports no NVIDIA driver and no GpuSample row is stored (a
+    # missing reading is never stored as an idle GPU).
+    assert util_reports, "the run was never seen running"
+    assert all(r.failed == () for r in util_reports)
+    assert any(r.no_driver == (iid,) for r in util_reports)
+    with Session(engine) as s:
+        assert s.exec(select(GpuSample)).all() == []
+    # What the team is told instead, in words; and the run's own telemetry, read from its
+    # status file on the host, is kept with the run.
+    util = handle_text(svc, svc.actor("alice"), f"/gpu util {iid}")
+    assert f"{iid}: {NO_DRIVER} on {iid}, so there is nothing to sample" in util.view.text
+    assert float(run.metrics["samples_per_s"]) > 0 and run.metrics["precision"] == "fp32"
+
+    # 6. The result DM: the accuracy the host measured and what the run cost.
+    dms = notes(engine, "dm", "alice")
+    assert any("launching g4dn.xlarge" in dm and iid in dm for dm in dms), dms
+    final = next(dm for dm in dms if dm.startswith(f"Run #{rid} (recipe digits) finished"))
+    accuracy = re.search(r"test_accuracy (\d+\.\d+)%", final)
+    assert accuracy is not None and float(accuracy.group(1)) >= 90.0, final
+    dm_cost = re.search(r"cost \$(\d+\.\d\d)\.", final)
+    assert dm_cost is not None and Decimal(dm_cost.group(1)) > 0, final
+
+    # 7. Idle: stopped after idle_stop_after, terminated after idle_terminate_after.
+    assert fleet.idle() == []
+    clock.advance(svc.settings.idle_stop_after)
+    assert fleet.idle() == [f"stopped {iid}"]
+    assert _host(engine, iid).state == HOST_STOPPED
+    clock.advance(timedelta(days=3, hours=1))
+    assert fleet.idle() == [f"terminated {iid}"]
+    assert _host(engine, iid).state == HOST_TERMINATED
+    (inst,) = _managed(server_lab)
+    assert inst["State"]["Name"] in ("shutting-down", "terminated")
+
+    # 8. The bill: what alice held plus what nobody held is what the instance cost.
+    clock.advance(timedelta(hours=1))
+    with Session(engine) as s:
+        periods = s.exec(select(HostPeriod).order_by(col(HostPeriod.id))).all()
+        assert [p.state for p in periods][-1] == "stopped" and periods[-1].ended_at is not None
+        bill = team_bill(s, Window(started_at - timedelta(hours=1), clock.now()), clock.now())
+    assert bill.instances > 0 and bill.idle > 0
+    assert set(bill.users) == {"alice"}
+    # Exactly, in micro-dollars; and alice's share is what her DM said.
+    assert bill.held + bill.idle == bill.instances
+    assert to_cents(bill.users["alice"]) == Decimal(dm_cost.group(1))
+
+    # And as the team reads it: the rows add up to the instances' bill to the cent.
+    shown = handle_text(svc, svc.actor("root"), "/gpu cost team month")
+    words = re.search(
+        r"the instances cost \$([\d.]+): \$([\d.]+) held by 1 person \+ \$([\d.]+) idle",
+        shown.view.text,
+    )
+    assert words is not None, shown.view.text
+    total, held, idle = (Decimal(g) for g in words.groups())
+    assert total == to_cents(bill.instances) and held + idle == total
+    assert held == Decimal(dm_cost.group(1))
