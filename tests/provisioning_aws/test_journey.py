@@ -31,7 +31,8 @@ from sqlmodel import Session, col, select
 
 from bot.app.billing import team_bill
 from bot.app.config import Settings
-from bot.app.fleet import CatalogSupply, Fleet, RemoteAccess, attach, bootstrap_prepare
+from bot.app.fleet import CatalogSupply, Fleet, attach
+from bot.app.remote import RemoteAccess, bootstrap_prepare
 from bot.app.runs import RunService
 from bot.app.service import GpuService
 from bot.app.utilization import CollectReport, collect

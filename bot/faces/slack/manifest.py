@@ -17,6 +17,8 @@ from bot.domain.commands import VERBS
 METHOD_SCOPES: dict[str, tuple[str, ...]] = {
     "auth.test": (),
     "chat.postMessage": ("chat:write",),
+    # A run's live message, edited in place (bot.app.runwatch).
+    "chat.update": ("chat:write",),
     "conversations.open": ("im:write",),
     # The duplicate check before resending a maybe-sent notification: DMs and the team channel.
     "conversations.history": ("im:history", "channels:history"),
