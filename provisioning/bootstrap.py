@@ -814,11 +814,17 @@ def remove_agent(
         steps.append(f"host agent: systemd unit {AGENT_UNIT} stopped, disabled and removed")
     pid = _live_supervisor(runner, target, root)
     if pid is not None:
+
+        def group_alive() -> bool:
+            # The whole group: the agent under the supervisor finishes its SIGTERM after
+            # the loop that started it is gone, and must not outlive the removal.
+            return sh(shell.join(["kill", "-0", "--", f"-{pid}"])).ok
+
         runner.kill_group(target, pid, "TERM")
         deadline = time.monotonic() + 10
-        while runner.is_alive(target, pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if runner.is_alive(target, pid):
+        while group_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if group_alive():
             runner.kill_group(target, pid, "KILL")
         steps.append(f"host agent: supervised process group {pid} stopped")
     keep_others = shell.join(["grep", "-vF", "--", AGENT_CRON_TAG])
