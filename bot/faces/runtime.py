@@ -220,7 +220,10 @@ def prepare_run_account(runner: LocalRunner) -> PreparedHost:
             f"({default_package_dir()}) into {root} failed: {exc}. Make the bot's "
             f"virtualenv and code readable by {account.name}, or give it a python3."
         ) from None
-    torch = report.torch or _lend_bot_packages(runner, report.venv_python)
+    # Lent again on every preparation, not only the first: the marker remembers a torch
+    # that came from a lent path, and a bot venv that moved or was rebuilt since would
+    # leave the account's venv pointing at nothing. The venv's own packages come first.
+    torch = _lend_bot_packages(runner, report.venv_python) or report.torch
     log.info(
         "run account %s cannot use %s (%s); staged the training package into %s (torch: %s)",
         account.name,

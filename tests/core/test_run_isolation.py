@@ -20,6 +20,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -36,9 +37,11 @@ from bot.app.runs import RunService
 from bot.domain.commands import Logs, Release, Reserve, Run
 from bot.domain.errors import UserError
 from bot.faces.dispatch import execute
-from bot.faces.runtime import Runtime, build_runtime
+from bot.faces.runtime import Runtime, build_runtime, prepare_run_account
 from bot.faces.terminal import render
 from db.models import Notification, Reservation, TrainingRun, User
+from provisioning import shell
+from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from tests.core.helpers import make_service
 from tests.provisioning.conftest import RUN_ACCOUNT, run_account_missing
 
@@ -258,3 +261,25 @@ def test_a_role_admin_row_makes_nobody_an_admin(engine: Engine) -> None:
     root = svc.actor("root")
     assert root.admin
     svc.release(root, Release(res_id))
+
+
+def test_a_stale_lent_path_is_lent_again_when_the_run_account_is_prepared() -> None:
+    """The run account's staged venv borrows the bot's site-packages through a .pth; a
+    bot venv that moved since (another checkout, a rebuild) must not leave it without
+    torch for good because the bootstrap marker remembers torch from the first time."""
+    reason = run_account_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    runner = LocalRunner(run_as=RUN_ACCOUNT)
+    first = prepare_run_account(runner)
+    if first.python == sys.executable:
+        pytest.skip("the run account runs the bot's own interpreter: nothing is lent")
+    ask = shell.join([first.python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
+    purelib = runner.run(LOCAL_TARGET, ask, timeout=60).stdout.strip()
+    pth = f"{purelib}/_gpubot_bot_packages.pth"
+    runner.write_file(LOCAL_TARGET, pth, b"/nonexistent/gpubot/site-packages\n")
+    again = prepare_run_account(runner)
+    probe = shell.join([again.python, "-c", "import torch; print(torch.__version__)"])
+    result = runner.run(LOCAL_TARGET, probe, timeout=120)
+    assert result.ok, result.stderr
+    assert "/nonexistent/" not in (runner.read_file(LOCAL_TARGET, pth) or b"").decode()
