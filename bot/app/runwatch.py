@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any, Final
 
 from sqlmodel import Session, col, select
@@ -29,6 +30,7 @@ from sqlmodel import Session, col, select
 from bot.app.outbox import enqueue, enqueue_edit
 from bot.domain import charts, health, views
 from bot.domain.durations import format_duration
+from bot.domain.metering import metered_micro, to_cents
 from db.models import GpuSample, TrainingRun, UsageInterval, User
 from training.exitcodes import EXIT_TIME_LIMIT, describe_exit
 from training.status import RunStatus
@@ -53,13 +55,15 @@ def _run_samples(s: Session, run_id: int) -> list[GpuSample]:
 def cost_so_far(s: Session, run_id: int, now: datetime) -> tuple[float, float]:
     """(USD, GPU-hours) of the run's usage intervals up to `now`: the same intervals the
     bill is made of, so the live figure and the final one agree."""
-    usd = hours = 0.0
+    # Metered exactly as `/gpu cost` and the bill meter it, and rounded to the cent as
+    # they show it: a float sum rounded its own way could show a cent less in the DM.
+    micro, hours = 0, 0.0
     for iv in s.exec(select(UsageInterval).where(UsageInterval.run_id == run_id)):
         end = iv.ended_at or now
-        h = max(0.0, (end - iv.started_at).total_seconds() / 3600)
-        hours += h
-        usd += iv.usd_per_hour * h
-    return usd, hours
+        if end > iv.started_at:
+            micro += metered_micro(Decimal(str(iv.usd_per_hour)), iv.started_at, end)
+            hours += (end - iv.started_at).total_seconds() / 3600
+    return float(to_cents(Decimal(micro) / 1_000_000)), hours
 
 
 def observations(
