@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import delete, func
 from sqlalchemy.engine import Engine
@@ -156,29 +156,35 @@ def _periods_for(s: Session, ivs: Sequence[UsageInterval]) -> dict[int, list[Hos
     return out
 
 
-def _add_rows(s: Session, sums: dict[RollupKey, Sums]) -> None:
-    """Adds to existing rows or makes new ones. The caller holds the pool
-    (db.session.lock_pool), so nobody else adds to the same rows meanwhile."""
+# The key columns of each rollup table, in the order of RollupKey and DayKey.
+_HOUR_KEY = ("hour", "user_id", "host_id", "market", "run_id")
+_DAY_KEY = ("day", "user_id", "market", "instance_type", "run_id")
+Rollup = UsageRollup | UsageRollupDay
+
+
+def _add_rows(
+    s: Session, table: type[Rollup], fields: tuple[str, ...], sums: Mapping[tuple[Any, ...], Sums]
+) -> None:
+    """Adds to existing rows or makes new ones, hourly or daily alike: `fields` name the
+    key's columns in order (the time bucket first, then the user). The caller holds the
+    pool (db.session.lock_pool), so nobody else adds to the same rows meanwhile."""
     if not sums:
         return
-    hours = [k[0] for k in sums]
-    existing = {
-        (r.hour, r.user_id, r.host_id, r.market, r.run_id): r
-        for r in s.exec(
-            select(UsageRollup).where(
-                col(UsageRollup.hour) >= min(hours),
-                col(UsageRollup.hour) <= max(hours),
-                col(UsageRollup.user_id).in_({k[1] for k in sums}),
-            )
-        ).all()
-    }
+    bucket = col(getattr(table, fields[0]))
+    buckets = [k[0] for k in sums]
+    found = s.exec(
+        select(table).where(
+            bucket >= min(buckets),
+            bucket <= max(buckets),
+            col(table.user_id).in_({k[1] for k in sums}),
+        )
+    ).all()
+    # select() over a union of tables is typed as SQLModel; the rows are `table`'s.
+    existing = {tuple(getattr(r, f) for f in fields): cast(Rollup, r) for r in found}
     for key, add in sums.items():
         row = existing.get(key)
         if row is None:
-            hour, user_id, host_id, market, run_id = key
-            row = UsageRollup(
-                hour=hour, user_id=user_id, host_id=host_id, market=market, run_id=run_id
-            )
+            row = table(**dict(zip(fields, key, strict=True)))
         row.micro_usd += add.micro_usd
         row.held_us += add.held_us
         row.covered_micro += add.covered_micro
@@ -197,34 +203,6 @@ def day_sums(s: Session, hourly: dict[RollupKey, Sums]) -> dict[DayKey, Sums]:
     for (hour, user_id, host_id, market, run_id), v in hourly.items():
         out[(floor_day(hour), user_id, market, itype.get(host_id, ""), run_id)].add(v)
     return dict(out)
-
-
-def _add_day_rows(s: Session, sums: dict[DayKey, Sums]) -> None:
-    """As `_add_rows`, for the daily rows."""
-    if not sums:
-        return
-    days = [k[0] for k in sums]
-    existing = {
-        (r.day, r.user_id, r.market, r.instance_type, r.run_id): r
-        for r in s.exec(
-            select(UsageRollupDay).where(
-                col(UsageRollupDay.day) >= min(days),
-                col(UsageRollupDay.day) <= max(days),
-                col(UsageRollupDay.user_id).in_({k[1] for k in sums}),
-            )
-        ).all()
-    }
-    for key, add in sums.items():
-        row = existing.get(key)
-        if row is None:
-            day, user_id, market, instance_type, run_id = key
-            row = UsageRollupDay(
-                day=day, user_id=user_id, market=market, instance_type=instance_type, run_id=run_id
-            )
-        row.micro_usd += add.micro_usd
-        row.held_us += add.held_us
-        row.covered_micro += add.covered_micro
-        s.add(row)
 
 
 def _sums(
@@ -284,8 +262,8 @@ def on_closed(s: Session, ivs: Sequence[UsageInterval]) -> None:
     if not closed:
         return
     hourly = _sums(closed, _periods_for(s, closed))
-    _add_rows(s, hourly)
-    _add_day_rows(s, day_sums(s, hourly))
+    _add_rows(s, UsageRollup, _HOUR_KEY, hourly)
+    _add_rows(s, UsageRollupDay, _DAY_KEY, day_sums(s, hourly))
     _add_fair_share(s, closed)
 
 
