@@ -172,6 +172,13 @@ class Buyer:
         # A run larger than one instance gets several of one type (torchrun spans them):
         # up to that many requests live at once, each one instance.
         split = instances_for(self.ctx.catalog, run.gpu_model, run.gpu_count, instance_type)
+        if split is not None and split[0] > 1 and split[2] == instance_type:
+            # The scheduler prices types but not the pool's cap per type: where its pick
+            # needs more instances than the cap allows, the fewest (the largest type).
+            with transaction(self.ctx.engine, write=False) as s:
+                cap = self.limits(s, str(instance_type)).max_instances
+            if cap is not None and split[0] > cap:
+                split = instances_for(self.ctx.catalog, run.gpu_model, run.gpu_count)
         if split is None:
             return None
         count, per, instance_type = split
