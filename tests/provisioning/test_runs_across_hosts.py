@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,10 @@ from sqlmodel import Session, col, select
 
 from bot.app.config import load_settings
 from bot.app.remote import PreparedHost
+from bot.app.runs import RunService
+from bot.app.runs.context import STARTING_GRACE
 from bot.domain.commands import Run
-from bot.faces.runtime import build_runtime
+from bot.faces.runtime import Runtime, build_runtime
 from db.models import Host, Notification, TrainingRun, UsageInterval
 from provisioning import shell
 from provisioning.bootstrap import UP_TO_DATE, bootstrap
@@ -128,7 +131,9 @@ NODE_1_FAILS = (
 HOURLY_USD = 3.6  # each host's price, as an owned host has none: $0.001 a second
 
 
-def _bot(ssh_lab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: SshClient):  # type: ignore[no-untyped-def]
+def _bot(
+    ssh_lab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: SshClient
+) -> Runtime:
     monkeypatch.setenv("GPUBOT_PROVIDER", "ssh")
     monkeypatch.setenv("GPUBOT_HOME", str(tmp_path))
     monkeypatch.delenv("DATABASE_URL", raising=False)
@@ -152,8 +157,13 @@ def _bot(ssh_lab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clien
     return rt
 
 
-def _run_to_the_end(rt, rid: int, limit_s: float = 180) -> TrainingRun:  # type: ignore[no-untyped-def]
-    runs = rt.service.runs
+def _runs(rt: Runtime) -> RunService:
+    assert rt.service.runs is not None
+    return rt.service.runs
+
+
+def _run_to_the_end(rt: Runtime, rid: int, limit_s: float = 180) -> TrainingRun:
+    runs = _runs(rt)
     deadline = time.monotonic() + limit_s
     while True:
         runs.poll()
@@ -167,7 +177,7 @@ def _run_to_the_end(rt, rid: int, limit_s: float = 180) -> TrainingRun:  # type:
         time.sleep(0.3)
 
 
-def _result_dms(rt, rid: int) -> list[Notification]:  # type: ignore[no-untyped-def]
+def _result_dms(rt: Runtime, rid: int) -> list[Notification]:
     with Session(rt.engine) as s:
         return list(
             s.exec(select(Notification).where(Notification.dedupe_key == f"run-finished:{rid}"))
@@ -182,9 +192,7 @@ def test_a_run_larger_than_any_host_runs_once_across_two(
     script.write_text(ALL_REDUCE)
     alice = rt.service.actor("alice")
     # Two CPU slots where each host has one: no longer refused, placed on both.
-    reply = rt.service.runs.submit(
-        alice, Run(command=(sys.executable, str(script)), gpus=2, model="cpu")
-    )
+    reply = _runs(rt).submit(alice, Run(command=(sys.executable, str(script)), gpus=2, model="cpu"))
     rid = reply.extra["run_id"]
     run = _run_to_the_end(rt, rid)
     assert run.state == "succeeded", run.metrics
@@ -210,7 +218,7 @@ def test_a_run_larger_than_any_host_runs_once_across_two(
     rt.engine.dispose()
 
 
-def _started_text(rt, rid: int) -> str:  # type: ignore[no-untyped-def]
+def _started_text(rt: Runtime, rid: int) -> str:
     with Session(rt.engine) as s:
         row = s.exec(
             select(Notification).where(Notification.dedupe_key == f"run-started:{rid}")
@@ -225,11 +233,35 @@ def test_one_node_failing_ends_the_others_and_fails_the_run(
     script = tmp_path / "fails.py"
     script.write_text(NODE_1_FAILS)
     alice = rt.service.actor("alice")
-    reply = rt.service.runs.submit(
-        alice, Run(command=(sys.executable, str(script)), gpus=2, model="cpu")
-    )
+    reply = _runs(rt).submit(alice, Run(command=(sys.executable, str(script)), gpus=2, model="cpu"))
     rid = reply.extra["run_id"]
     started = time.monotonic()
+    # The worker dies after starting both nodes, before it records them: the next poll
+    # after the grace adopts the run whole (every node's group) instead of starting it twice.
+    dispatcher = _runs(rt).dispatcher
+
+    def worker_dies(*args: object) -> None:
+        raise RuntimeError("worker died")
+
+    dispatcher._mark_started = worker_dies  # type: ignore[method-assign,assignment]
+    try:
+        with pytest.raises(RuntimeError, match="worker died"):
+            _runs(rt).dispatch()
+    finally:
+        del dispatcher._mark_started  # the class's own again
+    with Session(rt.engine) as s:
+        claimed = s.get(TrainingRun, rid)
+        assert claimed is not None and claimed.state == "starting"
+        assert "pgid" not in claimed.placement and len(claimed.placement["nodes"]) == 2
+        assert claimed.started_at is not None
+        claimed.started_at -= STARTING_GRACE + timedelta(seconds=1)
+        s.add(claimed)
+        s.commit()
+    _runs(rt).poll()
+    with Session(rt.engine) as s:
+        adopted = s.get(TrainingRun, rid)
+        assert adopted is not None and adopted.state == "running"
+        assert all(isinstance(n.get("pgid"), int) for n in adopted.placement["nodes"])
     run = _run_to_the_end(rt, rid, limit_s=120)
     assert time.monotonic() - started < 120  # node 0 did not sleep its 600 s out
     assert run.state == "failed"

@@ -276,6 +276,25 @@ class Poller:
         started = self._started_by_the_dead(placement)
         if started is False:
             return  # the host is unreachable: ask again next poll, never start twice
+        nodes: list[dict[str, Any]] = list(placement.get("nodes", []))
+        if isinstance(started, int) and nodes:
+            # A run over several hosts is adopted whole or not at all: every node's group.
+            pgids: list[int | None] = [started]
+            for node in nodes[1:]:
+                found = self._started_by_the_dead(node)
+                if found is False:
+                    return  # ask again next poll
+                pgids.append(found)
+            if any(pgid is None for pgid in pgids):
+                # Some node never started, so the rest cannot finish: stop them, requeue.
+                for node, pgid in zip(nodes, pgids, strict=True):
+                    seat = self.ctx.access.runner_for(str(node.get("host", "")))
+                    if pgid is not None and seat is not None:
+                        with contextlib.suppress(SshError):
+                            seat.runner.kill_group(seat.target, pgid, "KILL")
+                started = None
+            else:
+                nodes = [{**n, "pgid": pgid} for n, pgid in zip(nodes, pgids, strict=True)]
         with transaction(self.ctx.engine) as s:
             lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
             run = locked(s, TrainingRun, run_id)
@@ -283,6 +302,8 @@ class Poller:
                 return
             if isinstance(started, int):
                 run.placement = {**run.placement, "pgid": started}
+                if nodes:
+                    run.placement = {**run.placement, "nodes": nodes}
                 run.state = RUN_RUNNING
                 s.add(run)
                 log.warning("run %s was started by a worker that died; adopted it", run_id)
