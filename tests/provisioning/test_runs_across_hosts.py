@@ -74,7 +74,6 @@ def test_digits_on_two_hosts_reaches_the_accuracy_of_one(
     two_nodes: list[Node], client: SshClient, tmp_path: Path
 ) -> None:
     two = run_digits(client, two_nodes, "two-nodes", epochs=EPOCHS)
-    print(f"two nodes: {two.wall_s:.1f} s")
     for result in two.results:
         assert result.ok, result.stdout[-2000:] + result.stderr[-2000:]
     head, other = two.statuses
