@@ -17,7 +17,14 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHES: list[str] = ["runner_overhead", "simulate", "slack_latency", "history", "host_bootstrap"]
+BENCHES: list[str] = [
+    "runner_overhead",
+    "simulate",
+    "slack_latency",
+    "history",
+    "host_bootstrap",
+    "multinode",
+]
 
 
 def main(argv: list[str] | None = None) -> int:

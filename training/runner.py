@@ -224,6 +224,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"unknown recipe {args.recipe!r}; known: {', '.join(sorted(RECIPES))}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         parser.error("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0")
+    if args.rdzv_endpoint and not args.rdzv_endpoint.rpartition(":")[2].isdigit():
+        parser.error("--rdzv-endpoint must be HOST:PORT")
     if not 0 <= args.node_rank < args.nnodes:
         parser.error("--node-rank must be in 0..nnodes-1")
     return args
@@ -284,6 +286,14 @@ def _child_env(args: argparse.Namespace, precision: str, reason: str) -> dict[st
     here = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if args.nnodes > 1:
+        from training.ddp import interface_towards
+
+        host, _, port = str(args.rdzv_endpoint).rpartition(":")
+        interface = interface_towards(host.strip("[]"), int(port))
+        if interface is not None:  # what the team set wins (setdefault)
+            env.setdefault("GLOO_SOCKET_IFNAME", interface)
+            env.setdefault("NCCL_SOCKET_IFNAME", interface)
     return env
 
 

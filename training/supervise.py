@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,7 +177,7 @@ def supervise(
         reason = f"out of GPU memory (exit code {child_code}): {_last_line(lines)}"
     else:
         state, code = "failed", child_code if child_code != EXIT_DONE else EXIT_FAILED
-        reason = f"exited with code {child_code}: {_last_line(lines)}"
+        reason = f"exited with code {child_code}: {_torchrun_cause(lines) or _last_line(lines)}"
 
     if status is not None:
 
@@ -200,6 +201,26 @@ def supervise(
     if reason:
         print(f"[gpubot] {state}: {reason}", file=sys.stderr, flush=True)
     return code
+
+
+# torchrun's failure report ends in a "Root Cause" block of "key : value" lines framed
+# by rules; its last line is a rule, which says nothing.
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _torchrun_cause(lines: list[str]) -> str | None:
+    """ "worker rank R exited with code N" from torchrun's report, or None without one."""
+    rank = code = None
+    for line in lines:
+        if (m := _ROOT_RANK.match(line)) is not None:
+            rank = m.group(1)
+        elif (m := _ROOT_EXIT.match(line)) is not None:
+            code = m.group(1)
+    if code is None:
+        return None
+    who = f"worker rank {rank}" if rank is not None else "a worker"
+    return f"{who} exited with code {code}"
 
 
 def _last_line(lines: list[str]) -> str:

@@ -112,11 +112,19 @@ class Supply(Protocol):
         """True when `gpus` GPUs of `model` on one machine can be had later."""
         ...
 
+    def can_run(self, model: str, gpus: int) -> bool:
+        """True when a run of `gpus` GPUs of `model` can be had later, on one machine or
+        on several of one type (a run spans hosts under torchrun; a reservation cannot)."""
+        ...
+
 
 class FixedPool:
     """The Supply of a pool of hosts that never grows."""
 
     def can_have(self, model: str, gpus: int) -> bool:
+        return False
+
+    def can_run(self, model: str, gpus: int) -> bool:
         return False
 
 

@@ -31,6 +31,7 @@ from db.models import (
     RUN_QUEUED,
     RUN_RUNNING,
     Gpu,
+    Host,
     HostPeriod,
     LaunchRequest,
     Reservation,
@@ -474,6 +475,41 @@ def test_a_queued_run_gets_an_instance_launched_and_runs_there(
         time.sleep(0.3)
     assert run.state == "succeeded" and run.placement["host"] == launched
     assert len(managed(inprocess_lab)) == 2
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "itype", "count"),
+    [
+        ("A100", 16, "p4d.24xlarge", 2),  # the issue's case: 16 GPUs on 8-GPU instances
+        # Eight 1-GPU p3.2xlarge would break the pool's cap of 4 per type: two p3.8xlarge.
+        ("V100", 8, "p3.8xlarge", 2),
+    ],
+)
+def test_a_run_larger_than_any_instance_gets_instances_of_one_type(
+    bench: FleetBench, inprocess_lab: AwsLab, model: str, gpus: int, itype: str, count: int
+) -> None:
+    """More GPUs than any one instance type holds: the run is taken (not refused as
+    needing one machine), and the scheduler's Launches buy instances of one type that
+    hold it in equal shares, once each; a reservation that size is still refused."""
+    b = bench
+    runs = b.service.runs
+    assert runs is not None
+    rid = runs.submit(
+        b.service.actor("bob"), Run(command=(sys.executable, "-c", "pass"), gpus=gpus, model=model)
+    ).extra["run_id"]
+    assert runs.dispatch() == 0
+    reqs = b.requests()
+    assert [(r.run_id, r.state, r.gpus) for r in reqs] == [
+        (rid, REQ_LAUNCHED, gpus // count)
+    ] * count
+    with Session(b.service.engine) as s:
+        hosts = [s.exec(select(Host).where(Host.name == r.instance_id)).one() for r in reqs]
+    assert [h.instance_type for h in hosts] == [itype] * count
+    # Asked again while they boot: nothing more is bought.
+    assert runs.dispatch() == 0
+    assert len(b.requests()) == count == len(managed(inprocess_lab))
+    too_big = handle_text(b.service, b.service.actor("alice"), f"/gpu reserve {gpus} {model}")
+    assert too_big.error and "No single host has" in too_big.view.text
 
 
 def test_an_empty_cloud_pool_takes_reservations_and_launches_for_them(

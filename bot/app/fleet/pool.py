@@ -15,6 +15,7 @@ from bot.app.service import Actor, GpuService
 from bot.domain import views
 from bot.domain.commands import Pool
 from bot.domain.errors import UserError
+from bot.domain.scheduling import split_hosts
 from db.models import HOST_STOPPED, HOST_TERMINATED, Gpu, Host, PoolLimit
 from db.session import transaction
 from provisioning.catalog import Catalog
@@ -27,8 +28,8 @@ POOL_USAGE = "/gpu pool  |  /gpu pool set TYPE max=N spend=USD"
 class CatalogSupply:
     """The Supply of a cloud pool (`bot.app.ports.Supply`): a model the catalog can launch
     is a model the pool can have, so a reservation or a run for it waits for the fleet
-    (the scheduler's Launch buys it) where a fixed pool must refuse it up front. Only
-    what one instance type can hold counts; the rest is refused as before."""
+    (the scheduler's Launch buys it) where a fixed pool must refuse it up front. A
+    reservation must fit one instance type; a run may span several of one type."""
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
@@ -36,10 +37,37 @@ class CatalogSupply:
     def can_have(self, model: str, gpus: int) -> bool:
         return launchable(self.catalog, model, gpus)
 
+    def can_run(self, model: str, gpus: int) -> bool:
+        return launchable(self.catalog, model, gpus, across=True)
 
-def launchable(catalog: Catalog, model: str, gpus: int) -> bool:
-    """True when some instance type carries `gpus` GPUs of `model` on one machine."""
+
+def launchable(catalog: Catalog, model: str, gpus: int, *, across: bool = False) -> bool:
+    """True when some instance type carries `gpus` GPUs of `model` on one machine, or,
+    `across` (a run: torchrun spans hosts, a reservation cannot), on several instances
+    of one type."""
+    if across:
+        return instances_for(catalog, model, gpus) is not None
     return any(t.gpus >= gpus for t in catalog.for_model(model))
+
+
+def instances_for(
+    catalog: Catalog, model: str, gpus: int, prefer: str | None = None
+) -> tuple[int, int, str | None] | None:
+    """(instances, GPUs on each, the instance type they must share) that hold `gpus` GPUs
+    of `model`: one instance where one type holds them all (any such type: None), else
+    the fewest instances of `prefer` (the scheduler's pick) or of the model's largest
+    type, by the scheduler's own split (even shares). None where the catalog has no type
+    of `model`."""
+    types = catalog.for_model(model)
+    if not types:
+        return None
+    if any(t.gpus >= gpus for t in types):
+        return 1, gpus, prefer
+    pick = next((t for t in types if t.instance_type == prefer), None)
+    if pick is None:
+        pick = max(types, key=lambda t: (t.gpus, -t.ondemand_usd_hr))
+    k = split_hosts(gpus, pick.gpus)
+    return k, gpus // k, pick.instance_type
 
 
 def pool(service: GpuService, actor: Actor, cmd: Pool) -> views.Reply:

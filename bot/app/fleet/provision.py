@@ -31,6 +31,7 @@ from bot.app.fleet.common import (
     mark_launched,
     text_view,
 )
+from bot.app.fleet.pool import instances_for
 from bot.app.held import held_gpu_ids
 from bot.domain import views
 from bot.domain.best_fit import best_fit
@@ -168,12 +169,29 @@ class Buyer:
             gpus: dict[int, list[Gpu]] = {}
             for g in s.exec(select(Gpu).where(col(Gpu.present).is_(True))):
                 gpus.setdefault(g.host_id, []).append(g)
+        # A run larger than one instance gets several of one type (torchrun spans them):
+        # up to that many requests live at once, each one instance.
+        split = instances_for(self.ctx.catalog, run.gpu_model, run.gpu_count, instance_type)
+        if split is not None and split[0] > 1 and split[2] == instance_type:
+            # The scheduler prices types but not the pool's cap per type: where its pick
+            # needs more instances than the cap allows, the fewest (the largest type).
+            with transaction(self.ctx.engine, write=False) as s:
+                cap = self.limits(s, str(instance_type)).max_instances
+            if cap is not None and split[0] > cap:
+                split = instances_for(self.ctx.catalog, run.gpu_model, run.gpu_count)
+        if split is None:
+            return None
+        count, per, instance_type = split
+        live = 0
         for req in reqs:
             if req.state == REQ_PENDING:
-                return None  # in flight, or reconcile settles it
+                live += 1  # in flight, or reconcile settles it
+                continue
             booted = by_id.get(req.instance_id) if req.instance_id else None
             if req.state == REQ_LAUNCHED and booted is not None:
-                return None  # its instance exists: it is booting or in use
+                live += 1  # its instance exists: it is booting or in use
+        if live >= count:
+            return None
         last = reqs[-1] if reqs else None
         if (
             last is not None
@@ -186,16 +204,20 @@ class Buyer:
             id=run_id,
             owner=user.key,
             model=run.gpu_model,
-            gpus=run.gpu_count,
+            gpus=per,
             market="spot" if run.spot else "ondemand",
         )
         stopped = [
-            h for h in hosts if h.state == HOST_STOPPED and h.provider == self.ctx.compute.name
+            h
+            for h in hosts
+            if h.state == HOST_STOPPED
+            and h.provider == self.ctx.compute.name
+            and (count == 1 or h.instance_type == instance_type)
         ]
         started = self._start_stopped(want, stopped, hosts, gpus)
         if started is not None:
             return f"started {started.instance_id} for run {run_id}"
-        inst = self._launch(want, len(reqs), hosts, prefer=instance_type)
+        inst = self._launch(want, len(reqs), hosts, prefer=instance_type, only=count > 1)
         return None if inst is None else f"launched {inst.instance_id} for run {run_id}"
 
     def limits(self, s: Session, instance_type: str) -> Limits:
@@ -268,10 +290,20 @@ class Buyer:
         return None
 
     def _launch(
-        self, want: Want, attempt: int, hosts: list[Host], prefer: str | None = None
+        self,
+        want: Want,
+        attempt: int,
+        hosts: list[Host],
+        prefer: str | None = None,
+        *,
+        only: bool = False,
     ) -> Instance | None:
-        """Writes the launch request, commits, then asks the cloud with the same key."""
+        """Writes the launch request, commits, then asks the cloud with the same key.
+        `only`: `prefer` and no other type (the instances of a run over several hosts
+        must be of one type)."""
         fits = [t for t in self.ctx.catalog.for_model(want.model) if t.gpus >= want.gpus]
+        if only:
+            fits = [t for t in fits if t.instance_type == prefer]
         if not fits:
             dm(
                 self.ctx,

@@ -116,6 +116,9 @@ class FleetHost:
     down_since: datetime | None
     down_reason: str | None
     models: dict[str, int]  # present GPUs by model, models sorted
+    # The scheduler's instance type (its type, or its provider for a static host): a run
+    # over several hosts takes hosts of one kind.
+    kind: str = ""
 
     @property
     def gpus(self) -> int:
@@ -134,6 +137,8 @@ def read_fleet(s: Session) -> list[FleetHost]:
         Host.created_at,
         Host.down_since,
         Host.down_reason,
+        Host.instance_type,
+        Host.provider,
     )
     hosts = s.exec(
         select(*host_columns).where(Host.state != "terminated").order_by(col(Host.name))
@@ -156,8 +161,9 @@ def read_fleet(s: Session) -> list[FleetHost]:
             down_since=down_since,
             down_reason=reason,
             models=dict(sorted(counts.get(hid, {}).items())),
+            kind=itype or provider,
         )
-        for hid, name, state, hourly, created, down_since, reason in hosts
+        for hid, name, state, hourly, created, down_since, reason, itype, provider in hosts
     ]
 
 

@@ -23,6 +23,7 @@ from bot.app import budgets, runwatch, sources
 from bot.app.agentwatch import upload_checkpoints
 from bot.app.held import held_gpu_ids
 from bot.app.outbox import enqueue
+from bot.app.ports import HostSeat
 from bot.app.runs.context import RunContext
 from bot.app.runs.inputs import anything_to_decide, scheduler_inputs
 from bot.app.runs.records import RunRecords
@@ -92,10 +93,14 @@ class Dispatcher:
                 # Stop/Terminate: bot.app.fleet owns instance lifetimes (idle stop, terminate)
                 log.debug("scheduler wants %s; the fleet decides that, skipped", action)
                 continue
-            if len(action.instance_ids) != 1 or action.instance_ids[0] not in hosts:
+            names = list(action.instance_ids)
+            if not names or any(n not in hosts for n in names):
                 log.info("placement %s needs hosts this provider does not have; skipped", action)
                 continue
-            if self._start(int(action.run_id), action.instance_ids[0], action.gpus_per_instance):
+            if len({hosts[n].instance_type or hosts[n].provider for n in names}) != 1:
+                log.info("placement %s spans instance types; skipped", action)
+                continue
+            if self._start(int(action.run_id), names, action.gpus_per_instance):
                 started += 1
         return started
 
@@ -153,56 +158,91 @@ class Dispatcher:
         if done:
             log.info("fleet: %s", done)
 
-    def _start(self, run_id: int, host_name: str, gpus: int) -> bool:
-        """Claims GPUs and the run in one transaction, then starts the process."""
-        seat = self.ctx.access.runner_for(host_name)
-        if seat is None:
-            log.warning("no way to reach host %s; run %s stays queued", host_name, run_id)
+    def _start(self, run_id: int, host_names: list[str], gpus: int) -> bool:
+        """Claims GPUs and the run in one transaction, then starts the process: on each
+        host of a placement over several (one run, node 0 on the first, whose address is
+        torchrun's rendezvous), or the one host."""
+        seats = [self.ctx.access.runner_for(name) for name in host_names]
+        reachable = [seat for seat in seats if seat is not None]
+        if len(reachable) != len(seats):
+            log.warning("no way to reach one of %s; run %s stays queued", host_names, run_id)
             return False
-        runner, target, runs_dir = seat.runner, seat.target, seat.runs_dir
-        claimed = self._claim(run_id, host_name, gpus, runs_dir)
+        endpoint = None
+        if len(host_names) > 1:
+            endpoint = f"{reachable[0].target.host}:{rendezvous_port(run_id)}"
+        claimed = self._claim(
+            run_id,
+            [(n, seat.runs_dir) for n, seat in zip(host_names, reachable, strict=True)],
+            gpus,
+            endpoint,
+        )
         if claimed is None:
             return False
         placement, run = claimed
-        run_dir = runs_dir / str(run_id)
-        env = {
-            "CUDA_VISIBLE_DEVICES": ""
-            if placement["cpu"]
-            else ",".join(map(str, placement["gpu_indexes"])),
-            "GPUBOT_PGID_FILE": str(placement["pgid_file"]),
-        }
+        nodes = placement.get("nodes") or [placement]
+        pgids: list[int] = []
         try:
-            runner.run(target, shell.join(["mkdir", "-p", "--", str(run_dir)]), timeout=30)
-            if placement.get("resume_from"):  # the checkpoint it resumes from, first
-                upload_checkpoints(
-                    runner, target, placement["resume_from"], str(placement["checkpoints"])
-                )
-            # Code source (bot.app.sources): clone / check / upload, before the runner starts.
-            self._prepare_code(run_id, runner, target, str(run_dir), str(placement["log"]))
-            # The host's interpreter last: the run account's is prepared here on first use.
-            python = seat.interpreter()
-            pgid = runner.start_detached(
-                target,
-                runner_command(run, placement, python.python),
-                str(placement["log"]),
-                cwd=str(run_dir),
-                env={**env, **python.env()},
-            )
+            for rank, (seat, node) in enumerate(zip(reachable, nodes, strict=True)):
+                across = (len(nodes), rank, endpoint) if endpoint is not None else None
+                pgids.append(self._start_node(run_id, run, seat, node, across))
         except SshError as exc:
+            # One run: a node that could not start ends the nodes already started.
+            for seat, pgid in zip(reachable, pgids, strict=False):
+                with contextlib.suppress(SshError):
+                    seat.runner.kill_group(seat.target, pgid, "KILL")
+            where = f" on {host_names[len(pgids)]}" if len(host_names) > 1 else ""
             self.records.finish(
-                run_id, RUN_FAILED, None, {"error": f"could not start: {exc}"}, log_tail=""
+                run_id, RUN_FAILED, None, {"error": f"could not start{where}: {exc}"}, log_tail=""
             )
             return False
-        self._mark_started(run_id, pgid, host_name, placement)
+        self._mark_started(run_id, pgids, host_names, placement)
         return True
+
+    def _start_node(
+        self,
+        run_id: int,
+        run: TrainingRun,
+        seat: HostSeat,
+        node: dict[str, Any],
+        across: tuple[int, int, str] | None,
+    ) -> int:
+        """One host's part of the run started detached; returns its process-group id."""
+        runner, target = seat.runner, seat.target
+        run_dir = node["dir"]
+        env = {
+            "CUDA_VISIBLE_DEVICES": "" if node["cpu"] else ",".join(map(str, node["gpu_indexes"])),
+            "GPUBOT_PGID_FILE": str(node["pgid_file"]),
+        }
+        runner.run(target, shell.join(["mkdir", "-p", "--", str(run_dir)]), timeout=30)
+        resume = run.placement.get("resume_from")
+        if resume:  # the checkpoint it resumes from, first: every node loads it
+            upload_checkpoints(runner, target, resume, str(node["checkpoints"]))
+        # Code source (bot.app.sources): clone / check / upload, before the runner starts.
+        self._prepare_code(run_id, runner, target, str(run_dir), str(node["log"]))
+        # The host's interpreter last: the run account's is prepared here on first use.
+        python = seat.interpreter()
+        return runner.start_detached(
+            target,
+            runner_command(run, node, python.python, across=across),
+            str(node["log"]),
+            cwd=str(run_dir),
+            env={**env, **python.env()},
+        )
 
     @retrying
     def _claim(
-        self, run_id: int, host_name: str, gpus: int, runs_dir: Path
+        self,
+        run_id: int,
+        hosts: list[tuple[str, Path]],
+        gpus: int,
+        endpoint: str | None = None,
     ) -> tuple[dict[str, Any], TrainingRun] | None:
         """The run and its GPUs in one transaction: the pool first (db.session's lock
         order), then the run, claimed only while it is still queued (a cancel or another
-        worker that got there first wins). Returns its placement and the run as claimed."""
+        worker that got there first wins). `hosts`: each host's name and runs dir, `gpus`
+        on each. Returns its placement and the run as claimed: node 0's paths at the top
+        (what logs, cancel and the agents read), and for a run over several hosts every
+        node's under "nodes" with the rendezvous endpoint."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine) as s:
             lock_pool(s)
@@ -213,26 +253,32 @@ class Dispatcher:
             )
             if won.rowcount != 1:
                 return None  # another worker got it, or it was cancelled
-            host = s.exec(select(Host).where(Host.name == host_name)).one()
             held = held_gpu_ids(s)
             run = locked(s, TrainingRun, run_id)
-            assert run is not None and host.id is not None
-            free = [
-                g
-                for g in s.exec(
-                    select(Gpu)
-                    .where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
-                    .order_by(col(Gpu.index))
-                )
-                if g.id not in held and g.model == run.gpu_model
-            ][:gpus]
-            if len(free) < gpus:
-                run.state = RUN_QUEUED  # the scheduler's view was stale; try next tick
-                s.add(run)
-                return None
+            assert run is not None
+            taken: list[tuple[Host, list[Gpu], Path]] = []
+            rate = Decimal(0)  # what it costs an hour, all its hosts together
+            for host_name, runs_dir in hosts:
+                host = s.exec(select(Host).where(Host.name == host_name)).one()
+                assert host.id is not None
+                free = [
+                    g
+                    for g in s.exec(
+                        select(Gpu)
+                        .where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
+                        .order_by(col(Gpu.index))
+                    )
+                    if g.id not in held and g.model == run.gpu_model
+                ][:gpus]
+                if len(free) < gpus:
+                    run.state = RUN_QUEUED  # the scheduler's view was stale; try next tick
+                    s.add(run)
+                    return None
+                taken.append((host, free, runs_dir))
+                share = gpu_share(host.hourly_usd, self.ctx.core.gpu_count(s, host.id))
+                rate += Decimal(str(share)) * len(free)
             # Budget (bot.app.budgets): re-checked before placing; over budget → cancelled, DM.
-            rate = Decimal(str(gpu_share(host.hourly_usd, self.ctx.core.gpu_count(s, host.id))))
-            refusal = budgets.run_refusal(s, run, rate * len(free), now, self.ctx.core.settings)
+            refusal = budgets.run_refusal(s, run, rate, now, self.ctx.core.settings)
             if refusal is not None:
                 run.state, run.finished_at = RUN_CANCELLED, now
                 s.add(run)
@@ -247,49 +293,58 @@ class Dispatcher:
                     dedupe=f"budget-cancel-run:{run.id}",
                 )
                 return None
-            self.ctx.core.open_usage(s, host, free, run.user_id, now, run_id=run.id)
-            run_dir = runs_dir / str(run.id)
-            placement: dict[str, Any] = {
-                "host": host_name,
-                "gpu_indexes": [g.index for g in free],
-                "cpu": all(g.model == "cpu" for g in free),
-                "dir": str(run_dir),
-                "status": str(run_dir / "status.json"),
-                "log": str(run_dir / "run.log"),
-                "checkpoints": str(run_dir / "checkpoints"),
-                # The runner writes its group id here, so a run started by a worker that
-                # died before recording it is found, not started twice (_requeue_orphan).
-                "pgid_file": str(run_dir / "pgid"),
-            }
+            # Usage on every host it holds: its cost is theirs summed (runwatch.cost_so_far).
+            nodes = []
+            for h, free, runs_dir in taken:
+                self.ctx.core.open_usage(s, h, free, run.user_id, now, run_id=run.id)
+                nodes.append(_node_placement(h.name, free, runs_dir / str(run.id)))
+            placement: dict[str, Any] = dict(nodes[0])
+            if len(nodes) > 1:
+                placement["nodes"] = nodes
+                placement["rdzv"] = endpoint
             if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
                 placement["resume_from"] = run.placement["resume_from"]
             run.placement = placement
-            run.host_id = host.id
+            run.host_id = taken[0][0].id
             run.started_at = now
             s.add(run)
             return placement, run
 
     @retrying
     def _mark_started(
-        self, run_id: int, pgid: int, host_name: str, placement: dict[str, Any]
+        self, run_id: int, pgids: list[int], host_names: list[str], placement: dict[str, Any]
     ) -> None:
-        """Its group id recorded and its owner told. One row under its lock: a cancel
-        that landed while it started stays "cancelling"."""
+        """Its group ids recorded (node 0's at the top, each node's in its own entry) and
+        its owner told. One row under its lock: a cancel that landed while it started
+        stays "cancelling"."""
         with transaction(self.ctx.engine) as s:
             run = locked(s, TrainingRun, run_id)
             assert run is not None
-            run.placement = {**run.placement, "pgid": pgid}
+            changes: dict[str, Any] = {"pgid": pgids[0]}
+            if "nodes" in run.placement:
+                changes["nodes"] = [
+                    {**node, "pgid": pgid}
+                    for node, pgid in zip(run.placement["nodes"], pgids, strict=True)
+                ]
+            run.placement = {**run.placement, **changes}
             if run.state == RUN_STARTING:
                 run.state = RUN_RUNNING
             s.add(run)
             owner = s.get(User, run.user_id)
             assert owner is not None
-            where = (
-                f"{host_name}, "
-                + ("CPU slot" if placement["cpu"] else "GPU")
-                + ("s " if len(placement["gpu_indexes"]) != 1 else " ")
-                + ", ".join(map(str, placement["gpu_indexes"]))
-            )
+            unit = "CPU slot" if placement["cpu"] else "GPU"
+            count = len(placement["gpu_indexes"])
+            if len(host_names) > 1:
+                where = (
+                    f"{len(host_names)} hosts ({', '.join(host_names)}), "
+                    f"{count} {unit}{'s' if count != 1 else ''} on each"
+                )
+            else:
+                where = (
+                    f"{host_names[0]}, {unit}"
+                    + ("s " if count != 1 else " ")
+                    + ", ".join(map(str, placement["gpu_indexes"]))
+                )
             text = (
                 f"Run #{run_id} started on {where}. This message shows its progress, "
                 f"updated about once a minute; `/gpu logs {run_id}` shows its log."
@@ -347,8 +402,43 @@ def _oom_batch(run: TrainingRun) -> tuple[int | None, bool]:
     return (size if isinstance(size, int) and size > 0 else None), True
 
 
-def runner_command(run: TrainingRun, placement: dict[str, Any], python: str) -> str:
-    """The runner's line, started with `python`: the host's interpreter (HostSeat)."""
+# torchrun's rendezvous port on node 0 of a run over several hosts: one per run id in a
+# range above torchrun's default (29400), so two such runs sharing a first host differ.
+RENDEZVOUS_PORT_BASE = 29500
+RENDEZVOUS_PORTS = 500
+
+
+def rendezvous_port(run_id: int) -> int:
+    return RENDEZVOUS_PORT_BASE + run_id % RENDEZVOUS_PORTS
+
+
+def _node_placement(host_name: str, free: list[Gpu], run_dir: Path) -> dict[str, Any]:
+    """One host's part of a run: its GPUs and where its files are."""
+    return {
+        "host": host_name,
+        "gpu_indexes": [g.index for g in free],
+        "cpu": all(g.model == "cpu" for g in free),
+        "dir": str(run_dir),
+        "status": str(run_dir / "status.json"),
+        "log": str(run_dir / "run.log"),
+        "checkpoints": str(run_dir / "checkpoints"),
+        # The runner writes its group id here, so a run started by a worker that
+        # died before recording it is found, not started twice (_requeue_orphan).
+        "pgid_file": str(run_dir / "pgid"),
+    }
+
+
+def runner_command(
+    run: TrainingRun,
+    placement: dict[str, Any],
+    python: str,
+    *,
+    across: tuple[int, int, str] | None = None,
+) -> str:
+    """The runner's line, started with `python`: the host's interpreter (HostSeat).
+
+    `across`: (nodes, this node's rank, rendezvous HOST:PORT) for one host's part of a
+    run over several; `placement` is then that node's, and `--gpus` its share."""
     batch, retried = _oom_batch(run)
     parts = [
         python,
@@ -365,8 +455,12 @@ def runner_command(run: TrainingRun, placement: dict[str, Any], python: str) -> 
     ]
     if run.max_seconds:
         parts += ["--max-minutes", f"{run.max_seconds / 60:.2f}"]
-    if run.gpu_count > 1:
-        parts += ["--gpus", str(run.gpu_count)]
+    per_node = run.gpu_count if across is None else len(placement["gpu_indexes"])
+    if per_node > 1:
+        parts += ["--gpus", str(per_node)]
+    if across is not None:
+        nodes, rank, endpoint = across
+        parts += ["--nnodes", str(nodes), "--node-rank", str(rank), "--rdzv-endpoint", endpoint]
     if run.recipe:
         parts += ["--recipe", run.recipe]
         for name in ("lr", "epochs"):  # the recipe's settings as asked (bot.domain.commands)

@@ -29,7 +29,7 @@ from db.models import (
 from db.session import lock_pool, locked, retrying, transaction
 from provisioning import shell
 from provisioning.ssh import SshError, SshRunner, SshTarget
-from training.exitcodes import EXIT_OOM
+from training.exitcodes import EXIT_FAILED, EXIT_OOM
 from training.status import TERMINAL_STATES, parse_status
 
 log = logging.getLogger(__name__)
@@ -73,25 +73,42 @@ class Poller:
             if seat is None:
                 continue
             runner, target = seat.runner, seat.target
+            others = placement.get("nodes", [])[1:]  # a run over several hosts: node 1…
             try:
                 if run.state == RUN_CANCELLING and not placement.get("term_sent"):
                     runner.kill_group(target, int(placement["pgid"]), "TERM")
+                    self._signal_nodes(others, "TERM")
                     self.records.update_placement(run.id, term_sent=True)
                 raw = runner.read_file(target, placement["status"])
                 alive = runner.is_alive(target, int(placement["pgid"]))
             except SshError as exc:
                 log.warning("poll of run %s on %s failed: %s", run.id, placement["host"], exc)
                 continue
+            # Node 0 holds rank 0: its status file is the run's (one result, one DM).
             status = parse_status(raw.decode("utf-8", "replace")) if raw else None
             if status is not None:
                 self.records.update_metrics(run.id, status, live_runs=len(rows))
+            if others and alive and "node_failed" not in placement:
+                failed = self._failed_node(others)
+                if failed is not None:
+                    # One node failing ends them all: the rest would wait in a collective.
+                    log.warning("run %s: %s; stopping its other nodes", run.id, failed)
+                    self.records.update_placement(run.id, node_failed=failed)
+                    with contextlib.suppress(SshError):
+                        runner.kill_group(target, int(placement["pgid"]), "TERM")
+                    self._signal_nodes(others, "TERM")
+                    continue
             if alive and (status is None or status.state not in TERMINAL_STATES):
                 continue
             if alive:
                 continue  # final status written; the process is exiting
+            # Node 0 has ended: a node still running cannot go on alone.
+            self._signal_nodes(others, "KILL" if "node_failed" in placement else "TERM")
+            node_failed = placement.get("node_failed")
             # Stopped for a resume (exit 75) or reclaimed: back in line with its checkpoint.
             if (
                 run.state != RUN_CANCELLING
+                and node_failed is None
                 and resumable_stop(placement, status)
                 and requeue_resumable(self.records, run.id, placement, runner, target, status)
             ):
@@ -101,7 +118,7 @@ class Poller:
                 tail = runner.tail(target, placement["log"], 15)
             if run.state == RUN_CANCELLING:
                 state = RUN_CANCELLED
-            elif status is not None and status.state == "done":
+            elif status is not None and status.state == "done" and node_failed is None:
                 state = RUN_SUCCEEDED
             else:
                 state = RUN_FAILED
@@ -122,14 +139,54 @@ class Poller:
                     )
             elif state == RUN_FAILED:
                 summary = {"error": "the process ended without writing a final status"}
+            if node_failed is not None and state == RUN_FAILED:
+                summary["error"] = node_failed
+                exit_code = exit_code or EXIT_FAILED
             # Out of GPU memory (exit 77): once more with half the batch; then the advice.
-            if state == RUN_FAILED and exit_code == EXIT_OOM:
+            if state == RUN_FAILED and exit_code == EXIT_OOM and node_failed is None:
                 if self._retry_oom(run.id, status, runner, target, placement):
                     continue
                 summary["error"] = f"{summary.get('error') or 'out of GPU memory'}. {OOM_ADVICE}"
             self.records.finish(run.id, state, exit_code, summary, tail, status)
             finished += 1
         return finished
+
+    def _failed_node(self, nodes: list[dict[str, Any]]) -> str | None:
+        """Why the first of these nodes that ended without finishing did, or None while
+        each runs or finished well (node 1 may exit a moment before node 0 writes the
+        result). A host that cannot be asked now is asked again at the next poll."""
+        for rank, node in enumerate(nodes, start=1):
+            seat = self.ctx.access.runner_for(str(node.get("host", "")))
+            if seat is None or "pgid" not in node:
+                continue
+            try:
+                if seat.runner.is_alive(seat.target, int(node["pgid"])):
+                    continue
+                raw = seat.runner.read_file(seat.target, node["status"])
+            except SshError as exc:
+                log.warning("poll of node %s on %s failed: %s", rank, node["host"], exc)
+                continue
+            status = parse_status(raw.decode("utf-8", "replace")) if raw else None
+            if status is not None and status.state == "done":
+                continue
+            why = (status.error if status is not None else None) or (
+                f"exit code {status.exit_code}"
+                if status is not None and status.exit_code is not None
+                else "it ended without writing a final status"
+            )
+            return f"node {rank} on {node['host']} failed: {why}"
+        return None
+
+    def _signal_nodes(self, nodes: list[dict[str, Any]], signal: str) -> None:
+        """Signals the process group of each of these nodes that still runs."""
+        for node in nodes:
+            seat = self.ctx.access.runner_for(str(node.get("host", "")))
+            if seat is None or "pgid" not in node:
+                continue
+            try:
+                seat.runner.kill_group(seat.target, int(node["pgid"]), signal)
+            except SshError as exc:
+                log.warning("could not stop node on %s: %s", node["host"], exc)
 
     @retrying
     def _retry_oom(
@@ -219,6 +276,25 @@ class Poller:
         started = self._started_by_the_dead(placement)
         if started is False:
             return  # the host is unreachable: ask again next poll, never start twice
+        nodes: list[dict[str, Any]] = list(placement.get("nodes", []))
+        if isinstance(started, int) and nodes:
+            # A run over several hosts is adopted whole or not at all: every node's group.
+            pgids: list[int | None] = [started]
+            for node in nodes[1:]:
+                found = self._started_by_the_dead(node)
+                if found is False:
+                    return  # ask again next poll
+                pgids.append(found)
+            if any(pgid is None for pgid in pgids):
+                # Some node never started, so the rest cannot finish: stop them, requeue.
+                for node, pgid in zip(nodes, pgids, strict=True):
+                    seat = self.ctx.access.runner_for(str(node.get("host", "")))
+                    if pgid is not None and seat is not None:
+                        with contextlib.suppress(SshError):
+                            seat.runner.kill_group(seat.target, pgid, "KILL")
+                started = None
+            else:
+                nodes = [{**n, "pgid": pgid} for n, pgid in zip(nodes, pgids, strict=True)]
         with transaction(self.ctx.engine) as s:
             lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
             run = locked(s, TrainingRun, run_id)
@@ -226,6 +302,8 @@ class Poller:
                 return
             if isinstance(started, int):
                 run.placement = {**run.placement, "pgid": started}
+                if nodes:
+                    run.placement = {**run.placement, "nodes": nodes}
                 run.state = RUN_RUNNING
                 s.add(run)
                 log.warning("run %s was started by a worker that died; adopted it", run_id)

@@ -13,11 +13,12 @@ from sqlmodel import Session, col, select
 from bot.app import budgets, sources
 from bot.app.access import audit
 from bot.app.ports import Actor
-from bot.app.runs.context import RECIPES, USAGE_RUN, RunContext, read_fleet
+from bot.app.runs.context import RECIPES, USAGE_RUN, FleetHost, RunContext, read_fleet
 from bot.domain import code_sources, views
 from bot.domain.commands import Cancel, Run
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
+from bot.domain.scheduling import split_hosts
 from db.models import RUN_CANCELLED, RUN_CANCELLING, RUN_OPEN_STATES, RUN_QUEUED, TrainingRun, User
 from db.session import locked, retrying, transaction
 from provisioning import shell
@@ -162,11 +163,12 @@ class Submissions:
         """A run needs one GPU model: the asked one, else the configured default, else
         the one model the pool has. Refuses what no host could ever run."""
         counts: dict[str, int] = {}
-        for host in read_fleet(s):
+        fleet = read_fleet(s)
+        for host in fleet:
             for m, n in host.models.items():
                 counts[m] = max(counts.get(m, 0), n)
         wanted = model or self.ctx.core.settings.default_gpu
-        if wanted is not None and self.ctx.core.supply.can_have(wanted, gpus):
+        if wanted is not None and self.ctx.core.supply.can_run(wanted, gpus):
             return str(wanted)
         if wanted is None:
             if len(counts) != 1:
@@ -179,10 +181,10 @@ class Submissions:
         if wanted not in counts:
             have = ", ".join(sorted(counts)) or "none"
             raise UserError(f"No host here has {wanted} GPUs (this pool has: {have}).", USAGE_RUN)
-        if gpus > counts[wanted]:
+        if gpus > counts[wanted] and not fits_across(fleet, wanted, gpus):
             raise UserError(
-                f"No host has {gpus} {wanted} GPUs; the most on one host is {counts[wanted]}. "
-                "Runs across several hosts need a cloud provider.",
+                f"No host has {gpus} {wanted} GPUs; the most on one host is {counts[wanted]}, "
+                f"and no hosts of one kind hold {gpus} between them in equal shares.",
                 USAGE_RUN,
             )
         return wanted
@@ -259,3 +261,18 @@ def command_text(argv: tuple[str, ...] | list[str]) -> str:
         return shell.join(argv)
     except ValueError:
         raise UserError("A command cannot hold a NUL character.", USAGE_RUN) from None
+
+
+def fits_across(fleet: list[FleetHost], model: str, gpus: int) -> bool:
+    """Whether hosts of one kind could hold a run of `gpus` GPUs of `model` in equal
+    shares, by the scheduler's own split (bot.domain.scheduling: the fewest hosts of the
+    kind's largest size), so a run is refused only where no placement could ever exist."""
+    by_kind: dict[str, list[int]] = {}
+    for host in fleet:
+        if host.models.get(model):
+            by_kind.setdefault(host.kind, []).append(host.models[model])
+    for sizes in by_kind.values():
+        k = split_hosts(gpus, max(sizes))
+        if sum(1 for n in sizes if n >= gpus // k) >= k:
+            return True
+    return False
