@@ -117,6 +117,11 @@ class Supply(Protocol):
         on several of one type (a run spans hosts under torchrun; a reservation cannot)."""
         ...
 
+    def offered(self) -> list[str]:
+        """The GPU models the pool can grow into, sorted (none for a fixed pool): what a
+        request that named no model is told to choose from when nothing runs yet."""
+        ...
+
 
 class FixedPool:
     """The Supply of a pool of hosts that never grows."""
@@ -126,6 +131,9 @@ class FixedPool:
 
     def can_run(self, model: str, gpus: int) -> bool:
         return False
+
+    def offered(self) -> list[str]:
+        return []
 
 
 FIXED_POOL = FixedPool()

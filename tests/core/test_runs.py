@@ -151,6 +151,28 @@ def test_impossible_runs_are_refused_up_front(sqlite_engine: Engine, tmp_path: P
         runs.submit(actor(svc, "a"), Run(recipe="mnist"))
 
 
+def test_a_run_naming_no_model_on_an_empty_cloud_pool_is_told_what_it_can_launch(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """A cloud pool with nothing running yet: "this pool has: none" taught nothing; the
+    refusal names the models the cloud can launch, and naming one queues the run."""
+    from bot.app.config import Settings
+    from bot.app.fleet import CatalogSupply
+    from bot.domain.clock import VirtualClock
+
+    catalog = Catalog.load()
+    svc = GpuService(sqlite_engine, Settings(), VirtualClock(), CatalogSupply(catalog))
+    runs = RunService(svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), catalog)
+    with pytest.raises(UserError) as refused:
+        runs.submit(actor(svc, "a"), Run(recipe="digits"))
+    text = refused.value.text
+    assert "this pool has: none; the cloud can launch: " in text
+    assert all(m in text for m in catalog.models()) and "GPUBOT_DEFAULT_GPU" in text
+    model = catalog.models()[0]
+    queued = runs.submit(actor(svc, "a"), Run(recipe="digits", model=model))
+    assert state(sqlite_engine, queued.extra["run_id"]).gpu_model == model
+
+
 def test_the_same_submission_delivered_twice_queues_once(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:

@@ -40,6 +40,9 @@ class CatalogSupply:
     def can_run(self, model: str, gpus: int) -> bool:
         return launchable(self.catalog, model, gpus, across=True)
 
+    def offered(self) -> list[str]:
+        return self.catalog.models()
+
 
 def launchable(catalog: Catalog, model: str, gpus: int, *, across: bool = False) -> bool:
     """True when some instance type carries `gpus` GPUs of `model` on one machine, or,

@@ -173,8 +173,16 @@ class Submissions:
         if wanted is None:
             if len(counts) != 1:
                 have = ", ".join(sorted(counts)) or "none"
+                offered = self.ctx.core.supply.offered()
+                # A cloud pool with nothing running yet: name what it can launch, not "none".
+                more = (
+                    f"; the cloud can launch: {', '.join(offered)} "
+                    "(an admin sets a team default with GPUBOT_DEFAULT_GPU)"
+                    if offered
+                    else ""
+                )
                 raise UserError(
-                    f"Say which GPU model to run on (`--gpu MODEL`); this pool has: {have}.",
+                    f"Say which GPU model to run on (`--gpu MODEL`); this pool has: {have}{more}.",
                     USAGE_RUN,
                 )
             wanted = next(iter(counts))
