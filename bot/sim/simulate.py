@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bot.domain.scheduling import (
+    IDLE_STOP_S,
     LAS_AFTER_S,
     POLICIES,
     Action,
@@ -298,9 +299,14 @@ def run_simulation(
     checkpointable_fraction: float = 0.0,
     checkpoint_every_s: float = 1800.0,
     stop_s: float = DEFAULT_STOP_S,
+    idle_stop_s: float | None = IDLE_STOP_S,
     on_decision: DecisionHook | None = None,
 ) -> SimResult:
     """Replays `trace` (a file or parsed jobs) under `policy`; raises SimInputError.
+
+    `idle_stop_s`: how long an empty instance is kept before it is stopped, when no
+    `config` is given; the worker's default (IDLE_STOP_S), so both run the same fleet.
+    None: the ski-rental break-even (`SchedulerConfig.idle_stop_after`).
 
     `on_decision(now, actions)` sees every non-empty decision (tests of what the
     scheduler knew when)."""
@@ -330,6 +336,7 @@ def run_simulation(
         ("--resume-s", 0.0 if resume_s is None else resume_s),
         ("--checkpoint-every", checkpoint_every_s),
         ("--stop-s", stop_s),
+        ("idle stop", 0.0 if idle_stop_s is None else idle_stop_s),
     ):
         if not (math.isfinite(v) and v >= 0):
             raise SimInputError(f"{name} must be a number >= 0")
@@ -347,7 +354,9 @@ def run_simulation(
     )
     # Without estimates the scheduler runs as the worker does: least attained service
     # on (LAS_AFTER_S); with exact ones it is the first simulator's scheduler.
-    base = config or SchedulerConfig(las_after_s=LAS_AFTER_S if estimates == "none" else None)
+    base = config or SchedulerConfig(
+        las_after_s=LAS_AFTER_S if estimates == "none" else None, idle_stop_s=idle_stop_s
+    )
     cfg = SchedulerConfig(
         **{
             **base.__dict__,
@@ -682,7 +691,14 @@ class _Loop:
             inst = self.insts[iid]
             al = inst.allocs[job_id]
             inst.allocs[job_id] = Allocation(
-                al.run_id, al.user, al.gpus, end, al.preemptible, al.stopping, al.started_s
+                al.run_id,
+                al.user,
+                al.gpus,
+                end,
+                al.preemptible,
+                al.stopping,
+                al.started_s,
+                al.attained_s,
             )
             inst.snap = None
 
@@ -716,7 +732,14 @@ class _Loop:
             inst = self.insts[iid]
             al = inst.allocs[job_id]
             inst.allocs[job_id] = Allocation(
-                al.run_id, al.user, al.gpus, al.est_end_s, al.preemptible, True, al.started_s
+                al.run_id,
+                al.user,
+                al.gpus,
+                al.est_end_s,
+                al.preemptible,
+                True,
+                al.started_s,
+                al.attained_s,
             )
             inst.snap = None
         self.push(now + stop, _RELEASE, job_id)
@@ -791,6 +814,7 @@ class _Loop:
                 end if self.exact else None,
                 preemptible=j.job_id in self.eligible,
                 started_s=start,
+                attained_s=j.duration_s - self.left[j.job_id],
             )
             inst.idle_since = None
             inst.snap = None
