@@ -495,6 +495,9 @@ class _Loop:
         self.arrivals_left = len(jobs)
         self.last_t = 0.0
         self.fair = cfg.policy == "fair"
+        # the fleet's snapshots as decide sees them, rebuilt only after an instance changed
+        self.fleet_cache: list[FleetInstance] = []
+        self.fleet_stale = True
 
     def push(self, t: float, kind: int, key: str) -> None:
         self.seq += 1
@@ -520,6 +523,7 @@ class _Loop:
         for inst in list(self.insts.values()):  # nothing is left running unaccounted
             self.cloud.terminate(inst.iid)
             del self.insts[inst.iid]
+            self.fleet_stale = True
         self.cloud.advance_to(end)
 
     def advance(self, t: float) -> None:
@@ -556,6 +560,7 @@ class _Loop:
                 if not inst.allocs:
                     inst.idle_since = t
                 inst.snap = None
+                self.fleet_stale = True
         elif kind == _START:
             j = self.by_id[key]
             if not self.exact:
@@ -581,6 +586,14 @@ class _Loop:
         elif kind == _WAKE:
             self.wakes.discard(t)
 
+    def fleet(self) -> list[FleetInstance]:
+        """Every instance's snapshot; the same list while none changed (most events leave
+        the fleet as it was, and a long run asks for it hundreds of thousands of times)."""
+        if self.fleet_stale:
+            self.fleet_cache = [i.snapshot() for i in self.insts.values()]
+            self.fleet_stale = False
+        return self.fleet_cache
+
     def window(self) -> list[QueuedRun]:
         limit = self.cfg.scan_limit
         out: list[QueuedRun] = []
@@ -590,7 +603,7 @@ class _Loop:
 
     def tick(self, now: float) -> None:
         queue = self.window() if self.queued else []
-        fleet = [i.snapshot() for i in self.insts.values()]
+        fleet = self.fleet()
         if not queue and not fleet and self.arrivals_left:
             return
         due = False
@@ -619,7 +632,7 @@ class _Loop:
             if self.on_decision is not None:
                 self.on_decision(now, list(actions))
             self.apply(actions, now)
-            fleet = [i.snapshot() for i in self.insts.values()]
+            fleet = self.fleet()
             if any(isinstance(a, Preempt) for a in actions):
                 # the window moved on and the shares changed: look again at once
                 self.pslot -= 1
@@ -644,6 +657,7 @@ class _Loop:
                 refs[a.ref] = iid
                 ready = cloud.usable_at(iid)
                 usd = t.hourly(a.market)
+                self.fleet_stale = True
                 self.insts[iid] = _Inst(
                     iid, t.instance_type, t.gpu_model, t.gpus, usd, a.market, "pending", ready
                 )
@@ -651,6 +665,7 @@ class _Loop:
             elif isinstance(a, Start):
                 ready = cloud.start(a.instance_id)
                 inst = self.insts[a.instance_id]
+                self.fleet_stale = True
                 inst.state, inst.ready_at, inst.stopped_since, inst.snap = (
                     "pending",
                     ready,
@@ -663,6 +678,7 @@ class _Loop:
                 inst = self.insts[a.instance_id]
                 if inst.allocs:
                     raise RuntimeError(f"scheduler stopped busy instance {inst.iid}")
+                self.fleet_stale = True
                 inst.state, inst.stopped_since, inst.idle_since, inst.snap = (
                     "stopped",
                     now,
@@ -675,6 +691,7 @@ class _Loop:
                     raise RuntimeError(f"scheduler terminated busy instance {inst.iid}")
                 cloud.terminate(a.instance_id)
                 del self.insts[a.instance_id]
+                self.fleet_stale = True
 
     def predict(self, job_id: str, start: float, now: float) -> None:
         """Sets a running job's predicted end from the history (`RunHistory.predict_end`,
@@ -701,6 +718,7 @@ class _Loop:
                 al.attained_s,
             )
             inst.snap = None
+            self.fleet_stale = True
 
     def release(self, job_id: str, t: float) -> None:
         """A job's GPUs go back (it ended or was preempted); emptied instances idle from t."""
@@ -712,6 +730,7 @@ class _Loop:
             if not inst.allocs:
                 inst.idle_since = t
             inst.snap = None
+            self.fleet_stale = True
 
     def preempt(self, job_id: str, now: float) -> None:
         """Signals a running job to checkpoint and stop. Its GPUs stay held (and paid
@@ -742,6 +761,7 @@ class _Loop:
                 al.attained_s,
             )
             inst.snap = None
+            self.fleet_stale = True
         self.push(now + stop, _RELEASE, job_id)
 
     def requeue(self, job_id: str, now: float) -> None:
@@ -818,6 +838,7 @@ class _Loop:
             )
             inst.idle_since = None
             inst.snap = None
+            self.fleet_stale = True
         self.placed_on[j.job_id] = iids
         q = self.queues[j.user]
         for idx, r in enumerate(q):
