@@ -715,6 +715,40 @@ def test_a_run_in_the_long_queue_makes_way_for_one_that_never_ran() -> None:
     ]
 
 
+def test_a_run_sent_back_in_line_runs_at_least_as_long_as_before_it_moves_again() -> None:
+    """Tiresias-style spacing against thrash: reclaim (least attained service, fair share)
+    moves a run back in line only once this segment has run as long as all its earlier
+    ones, so each such move at least doubles its attained service; a move into a gap
+    elsewhere (consolidation, defragmentation) keeps the plain exempt time."""
+    planner = PreemptionPlanner([], [], NOW, CAT, cfg())
+    ran_before = 20_000.0
+
+    def movable(started_ago: float, *, to_wait: bool) -> bool:
+        al = Allocation("r", "u", 1, None, True, False, NOW - started_ago, attained_s=ran_before)
+        return planner.movable(al, to_wait=to_wait)
+
+    assert movable(3000.0, to_wait=False)
+    assert not movable(3000.0, to_wait=True)
+    assert not movable(ran_before - 1, to_wait=True)
+    assert movable(ran_before, to_wait=True)
+    # in a decision: the resumed long runner keeps its GPUs until it has doubled
+    on = cfg(max_gpus=8, las_after_s=3600.0)
+    waiting = run("new", "v", gpus=8, submit=NOW - 1000, dur=None)
+
+    def resumed(started_ago: float) -> list[FleetInstance]:
+        al = Allocation("old", "u", 8, None, True, False, NOW - started_ago, ran_before)
+        return [inst("i0", (al,))]
+
+    assert not [
+        a
+        for a in decide([waiting], resumed(7200.0), NOW, catalog=CAT, config=on)
+        if isinstance(a, Preempt)
+    ]
+    assert Preempt("old", "new") in decide(
+        [waiting], resumed(ran_before + 1), NOW, catalog=CAT, config=on
+    )
+
+
 def test_a_run_that_cannot_move_joins_one_that_cannot_either() -> None:
     """Pinning: a run without checkpoints goes beside another such run, leaving the
     instance of movable runs free to be emptied by consolidation."""
@@ -790,8 +824,10 @@ def test_the_workers_scheduler_knobs_come_from_settings() -> None:
 
     from bot.app.config import Settings
     from bot.app.runs import scheduler_config
-    from bot.domain.scheduling import LAS_AFTER_S
+    from bot.domain.scheduling import IDLE_STOP_S, LAS_AFTER_S
 
+    # one default idle stop for the worker and the simulator (bot.sim defaults to it)
+    assert Settings().idle_stop_after.total_seconds() == IDLE_STOP_S
     settings = Settings(idle_stop_after=timedelta(minutes=20), pool_max_instances=2)
     c = scheduler_config(settings, CAT)
     assert c.idle_stop_after() == 1200.0

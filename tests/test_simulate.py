@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from bot.domain.scheduling import Place
+from bot.domain.scheduling import IDLE_STOP_S, Place
 from bot.faces.simulate_cli import simulate
 from bot.sim.simulate import (
     FIGURE_KEYS,
@@ -302,13 +302,16 @@ def test_fair_beats_the_baselines_on_cost(small_trace: Path) -> None:
 def test_fair_stops_idle_instances_and_restarts_them(tmp_path: Path) -> None:
     trace = tmp_path / "gap.csv"
     trace.write_text(HEADER + "\na,u,0,600,1,\nb,u,5000,600,1,\n")
-    res = run_simulation(trace, policy="fair")
-    assert len(res.instances) == 1
-    rec = res.instances[0]
-    assert rec.stopped and rec.stopped[0][0] == pytest.approx(420 + 600 + 120)
-    b = next(s for s in res.schedule if s.job_id == "b")
-    assert b.start_s == pytest.approx(5060)  # start_s after the restart, no setup
-    _judge(trace, res, tmp_path)
+    # the worker's idle stop by default (IDLE_STOP_S, 15 min), the ski-rental break-even
+    # (2 min with the default costs) when asked for
+    for idle, after in ((IDLE_STOP_S, 900.0), (None, 120.0)):
+        res = run_simulation(trace, policy="fair", idle_stop_s=idle)
+        assert len(res.instances) == 1
+        rec = res.instances[0]
+        assert rec.stopped and rec.stopped[0][0] == pytest.approx(420 + 600 + after)
+        b = next(s for s in res.schedule if s.job_id == "b")
+        assert b.start_s == pytest.approx(5060)  # start_s after the restart, no setup
+        _judge(trace, res, tmp_path)
 
 
 def test_run_simulation_rejects_unknown_policy(small_trace: Path) -> None:

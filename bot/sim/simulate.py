@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bot.domain.scheduling import (
+    IDLE_STOP_S,
     LAS_AFTER_S,
     POLICIES,
     Action,
@@ -298,9 +299,14 @@ def run_simulation(
     checkpointable_fraction: float = 0.0,
     checkpoint_every_s: float = 1800.0,
     stop_s: float = DEFAULT_STOP_S,
+    idle_stop_s: float | None = IDLE_STOP_S,
     on_decision: DecisionHook | None = None,
 ) -> SimResult:
     """Replays `trace` (a file or parsed jobs) under `policy`; raises SimInputError.
+
+    `idle_stop_s`: how long an empty instance is kept before it is stopped, when no
+    `config` is given; the worker's default (IDLE_STOP_S), so both run the same fleet.
+    None: the ski-rental break-even (`SchedulerConfig.idle_stop_after`).
 
     `on_decision(now, actions)` sees every non-empty decision (tests of what the
     scheduler knew when)."""
@@ -330,6 +336,7 @@ def run_simulation(
         ("--resume-s", 0.0 if resume_s is None else resume_s),
         ("--checkpoint-every", checkpoint_every_s),
         ("--stop-s", stop_s),
+        ("idle stop", 0.0 if idle_stop_s is None else idle_stop_s),
     ):
         if not (math.isfinite(v) and v >= 0):
             raise SimInputError(f"{name} must be a number >= 0")
@@ -347,7 +354,9 @@ def run_simulation(
     )
     # Without estimates the scheduler runs as the worker does: least attained service
     # on (LAS_AFTER_S); with exact ones it is the first simulator's scheduler.
-    base = config or SchedulerConfig(las_after_s=LAS_AFTER_S if estimates == "none" else None)
+    base = config or SchedulerConfig(
+        las_after_s=LAS_AFTER_S if estimates == "none" else None, idle_stop_s=idle_stop_s
+    )
     cfg = SchedulerConfig(
         **{
             **base.__dict__,
@@ -486,6 +495,9 @@ class _Loop:
         self.arrivals_left = len(jobs)
         self.last_t = 0.0
         self.fair = cfg.policy == "fair"
+        # the fleet's snapshots as decide sees them, rebuilt only after an instance changed
+        self.fleet_cache: list[FleetInstance] = []
+        self.fleet_stale = True
 
     def push(self, t: float, kind: int, key: str) -> None:
         self.seq += 1
@@ -511,6 +523,7 @@ class _Loop:
         for inst in list(self.insts.values()):  # nothing is left running unaccounted
             self.cloud.terminate(inst.iid)
             del self.insts[inst.iid]
+            self.fleet_stale = True
         self.cloud.advance_to(end)
 
     def advance(self, t: float) -> None:
@@ -547,6 +560,7 @@ class _Loop:
                 if not inst.allocs:
                     inst.idle_since = t
                 inst.snap = None
+                self.fleet_stale = True
         elif kind == _START:
             j = self.by_id[key]
             if not self.exact:
@@ -572,6 +586,14 @@ class _Loop:
         elif kind == _WAKE:
             self.wakes.discard(t)
 
+    def fleet(self) -> list[FleetInstance]:
+        """Every instance's snapshot; the same list while none changed (most events leave
+        the fleet as it was, and a long run asks for it hundreds of thousands of times)."""
+        if self.fleet_stale:
+            self.fleet_cache = [i.snapshot() for i in self.insts.values()]
+            self.fleet_stale = False
+        return self.fleet_cache
+
     def window(self) -> list[QueuedRun]:
         limit = self.cfg.scan_limit
         out: list[QueuedRun] = []
@@ -581,7 +603,7 @@ class _Loop:
 
     def tick(self, now: float) -> None:
         queue = self.window() if self.queued else []
-        fleet = [i.snapshot() for i in self.insts.values()]
+        fleet = self.fleet()
         if not queue and not fleet and self.arrivals_left:
             return
         due = False
@@ -610,7 +632,7 @@ class _Loop:
             if self.on_decision is not None:
                 self.on_decision(now, list(actions))
             self.apply(actions, now)
-            fleet = [i.snapshot() for i in self.insts.values()]
+            fleet = self.fleet()
             if any(isinstance(a, Preempt) for a in actions):
                 # the window moved on and the shares changed: look again at once
                 self.pslot -= 1
@@ -635,6 +657,7 @@ class _Loop:
                 refs[a.ref] = iid
                 ready = cloud.usable_at(iid)
                 usd = t.hourly(a.market)
+                self.fleet_stale = True
                 self.insts[iid] = _Inst(
                     iid, t.instance_type, t.gpu_model, t.gpus, usd, a.market, "pending", ready
                 )
@@ -642,6 +665,7 @@ class _Loop:
             elif isinstance(a, Start):
                 ready = cloud.start(a.instance_id)
                 inst = self.insts[a.instance_id]
+                self.fleet_stale = True
                 inst.state, inst.ready_at, inst.stopped_since, inst.snap = (
                     "pending",
                     ready,
@@ -654,6 +678,7 @@ class _Loop:
                 inst = self.insts[a.instance_id]
                 if inst.allocs:
                     raise RuntimeError(f"scheduler stopped busy instance {inst.iid}")
+                self.fleet_stale = True
                 inst.state, inst.stopped_since, inst.idle_since, inst.snap = (
                     "stopped",
                     now,
@@ -666,6 +691,7 @@ class _Loop:
                     raise RuntimeError(f"scheduler terminated busy instance {inst.iid}")
                 cloud.terminate(a.instance_id)
                 del self.insts[a.instance_id]
+                self.fleet_stale = True
 
     def predict(self, job_id: str, start: float, now: float) -> None:
         """Sets a running job's predicted end from the history (`RunHistory.predict_end`,
@@ -682,9 +708,17 @@ class _Loop:
             inst = self.insts[iid]
             al = inst.allocs[job_id]
             inst.allocs[job_id] = Allocation(
-                al.run_id, al.user, al.gpus, end, al.preemptible, al.stopping, al.started_s
+                al.run_id,
+                al.user,
+                al.gpus,
+                end,
+                al.preemptible,
+                al.stopping,
+                al.started_s,
+                al.attained_s,
             )
             inst.snap = None
+            self.fleet_stale = True
 
     def release(self, job_id: str, t: float) -> None:
         """A job's GPUs go back (it ended or was preempted); emptied instances idle from t."""
@@ -696,6 +730,7 @@ class _Loop:
             if not inst.allocs:
                 inst.idle_since = t
             inst.snap = None
+            self.fleet_stale = True
 
     def preempt(self, job_id: str, now: float) -> None:
         """Signals a running job to checkpoint and stop. Its GPUs stay held (and paid
@@ -716,9 +751,17 @@ class _Loop:
             inst = self.insts[iid]
             al = inst.allocs[job_id]
             inst.allocs[job_id] = Allocation(
-                al.run_id, al.user, al.gpus, al.est_end_s, al.preemptible, True, al.started_s
+                al.run_id,
+                al.user,
+                al.gpus,
+                al.est_end_s,
+                al.preemptible,
+                True,
+                al.started_s,
+                al.attained_s,
             )
             inst.snap = None
+            self.fleet_stale = True
         self.push(now + stop, _RELEASE, job_id)
 
     def requeue(self, job_id: str, now: float) -> None:
@@ -791,9 +834,11 @@ class _Loop:
                 end if self.exact else None,
                 preemptible=j.job_id in self.eligible,
                 started_s=start,
+                attained_s=j.duration_s - self.left[j.job_id],
             )
             inst.idle_since = None
             inst.snap = None
+            self.fleet_stale = True
         self.placed_on[j.job_id] = iids
         q = self.queues[j.user]
         for idx, r in enumerate(q):

@@ -72,6 +72,7 @@ from bot.domain.scheduling.decision import decide, next_wakeup, preempt_slot
 from bot.domain.scheduling.history import RunHistory
 from bot.domain.scheduling.model import (
     DAY_S,
+    IDLE_STOP_S,
     LAS_AFTER_S,
     POLICIES,
     Action,
@@ -107,6 +108,7 @@ LAYERS: tuple[str, ...] = (
 
 __all__ = [
     "DAY_S",
+    "IDLE_STOP_S",
     "LAS_AFTER_S",
     "LAYERS",
     "POLICIES",

@@ -62,9 +62,10 @@ def next_wakeup(
     best: float | None = None
     if config.preempt and queue and now is not None:
         after = config.preempt_after()
-        due = [r.submit_s + after for r in queue if r.submit_s + after > now]
-        if due:
-            best = min(due)
+        for r in queue:  # the soonest run to reach `after` of waiting, in one pass
+            due = r.submit_s + after
+            if due > now and (best is None or due < best):
+                best = due
     idle = config.idle_stop_after()
     for inst in fleet:
         t: float | None = None
@@ -88,6 +89,11 @@ def _decide_fair(
 ) -> list[Action]:
     actions = place_fair(queue, fleet, now, catalog, config, usage)
     if not (config.preempt and preempt_due):
+        return actions
+    if not any(i.preemptible_users or i.stopping_gpus for i in fleet):
+        # Every step of the planner moves a running run that checkpoints, or hands on
+        # GPUs a preempted one is giving back: with neither there is nothing to plan
+        # (the usual case where no run checkpoints, and a long decision saved).
         return actions
     actions.extend(PreemptionPlanner(fleet, actions, now, catalog, config).plan(queue, usage))
     return actions

@@ -8,9 +8,10 @@ import nothing of it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
-from typing import Literal
+from functools import lru_cache
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from provisioning.catalog import Catalog, InstanceType
 from provisioning.costs import DEFAULT_COSTS
@@ -25,6 +26,47 @@ POLICIES: tuple[str, ...] = ("fair", "per-job", "fifo")
 
 
 DAY_S = 86400.0
+
+
+# How long a rented instance with nothing on it is kept before it is stopped, unless the
+# operator says otherwise: one default for the worker (`Settings.idle_stop_after`) and
+# for `gpubot simulate`, so the simulator measures the fleet a team actually runs. Longer
+# than the ski-rental break-even of `SchedulerConfig.idle_stop_after()` (two minutes with
+# the default costs) on purpose: people come back to an instance between runs and
+# reservations within minutes, and a restart makes them wait for it.
+IDLE_STOP_S = 15 * 60.0
+
+
+_T = TypeVar("_T")
+
+
+class cached_property(Generic[_T]):
+    """`functools.cached_property` without its per-instance lock (Python < 3.12).
+
+    A decision reads an instance's summaries (free GPUs, holders, horizon) hundreds of
+    thousands of times in a long simulation, and the lock made the first read of each
+    cost several times the work. A plain non-data descriptor: the value lands in the
+    instance's __dict__, which later reads find first. Frozen dataclasses allow it, as
+    they do for the functools one (it writes __dict__ directly)."""
+
+    def __init__(self, fn: Callable[[Any], _T]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> cached_property[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> _T | cached_property[_T]:
+        if obj is None:
+            return self
+        value = self.fn(obj)
+        obj.__dict__[self.name] = value
+        return value
 
 
 @dataclass(frozen=True)
@@ -54,6 +96,7 @@ class Allocation:
     preemptible: bool = False  # it checkpoints on SIGTERM and resumes when requeued
     stopping: bool = False  # told to stop (preempted, interrupted): its GPUs come back soon
     started_s: float | None = None  # when it (last) started here; None = long ago
+    attained_s: float = 0.0  # how long it ran before this start (earlier segments)
 
 
 @dataclass(frozen=True)
@@ -86,6 +129,21 @@ class FleetInstance:
         return tuple(
             sorted((a.est_end_s, a.gpus) for a in self.allocations if a.est_end_s is not None)
         )
+
+    @cached_property
+    def free_after_releases(self) -> tuple[int, ...]:
+        """Free GPUs once each of `releases` has happened, in their order (cumulative)."""
+        free, out = self.free_gpus, []
+        for _, g in self.releases:
+            free += g
+            out.append(free)
+        return tuple(out)
+
+    @cached_property
+    def latest_end(self) -> float:
+        """The last known expected end of its allocations (-inf without one)."""
+        ends = [a.est_end_s for a in self.allocations if a.est_end_s is not None]
+        return max(ends) if ends else -math.inf
 
     @cached_property
     def unknown_end_gpus(self) -> int:

@@ -5,6 +5,7 @@ The fair policy's first pass. What cannot be placed is handed to provisioning.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -63,7 +64,6 @@ def place_fair(
 
     slots: dict[tuple[str, str], list[Slot]] = {}  # (model, market) -> slots
     for inst in warm:
-        horizon = instance_horizon(inst, config, now)
         slots.setdefault((inst.gpu_model, inst.market), []).append(
             Slot(
                 inst,
@@ -73,7 +73,7 @@ def place_fair(
                 inst.usd_hr,
                 inst.instance_type,
                 inst.free_gpus,
-                horizon,
+                instance_horizon(inst, config, now),
             )
         )
     ordering = Ordering(queue, now, usage, config)
@@ -353,7 +353,15 @@ def _reservation(
             continue
         free = s.free
         t = s.ready
-        if free < per:
+        if free < per and not s.placed and not s.inst.unknown_end_gpus:
+            # the common case, from the instance's cached cumulative releases
+            cum = s.inst.free_after_releases
+            idx = bisect.bisect_left(cum, per)
+            if idx == len(cum):
+                continue
+            t = max(s.inst.releases[idx][0], s.ready)
+            free = cum[idx]
+        elif free < per:
             rel: Iterable[tuple[float, int]] = s.inst.releases
             if s.inst.unknown_end_gpus or s.placed:
                 extra = list(s.placed)

@@ -130,24 +130,32 @@ class PreemptionPlanner:
 
     # ------------------------------------------------------------ shared helpers
 
-    def movable(self, al: Allocation) -> bool:
+    def movable(self, al: Allocation, *, to_wait: bool = False) -> bool:
         """Whether a preemption may touch this allocation at all.
 
         It must checkpoint (preemptible), not be stopping already, have run at least
         `preempt_exempt()` since it last started, and not be due to end within
-        preempt_after() anyway."""
+        preempt_after() anyway. `to_wait`: the move sends it back in line (fair-share
+        and least-attained-service reclaim, not a move into a gap elsewhere); then it
+        must also have run at least as long as it had before that start, so every such
+        move at least doubles its attained service — Tiresias' exponentially spaced
+        queues: a run waits again about log2(its length / exempt) times at most however
+        busy the fleet is, instead of losing its work since the last checkpoint on every
+        look."""
         if not al.preemptible or al.stopping:
             return False
-        if al.started_s is not None and self.now - al.started_s < self.exempt:
-            return False
+        if al.started_s is not None:
+            ran = self.now - al.started_s
+            if ran < self.exempt or (to_wait and ran < al.attained_s):
+                return False
         return al.est_end_s is None or al.est_end_s - self.now > self.after
 
     def movable_on(self, iid: str) -> list[Allocation]:
-        """An instance's movable allocations, worked out where a claimant looks (a
-        decision over a busy fleet must not walk every allocation)."""
+        """An instance's allocations that reclaim may send back in line, worked out where
+        a claimant looks (a decision over a busy fleet must not walk every allocation)."""
         got = self.movable_of.get(iid)
         if got is None:
-            got = [al for al in self.by_iid[iid].allocations if self.movable(al)]
+            got = [al for al in self.by_iid[iid].allocations if self.movable(al, to_wait=True)]
             self.movable_of[iid] = got
         return got
 
@@ -706,10 +714,6 @@ class PreemptionPlanner:
                     placed.setdefault(iid, []).append((math.inf, a.gpus_per_instance))
             elif isinstance(a, Preempt):
                 moved_runs.add(a.run_id)
-        span_count: dict[str, int] = {}
-        for inst in self.fleet:
-            for al in inst.allocations:
-                span_count[al.run_id] = span_count.get(al.run_id, 0) + 1
         groups: dict[tuple[str, str, str], list[FleetInstance]] = {}
         for inst in self.fleet:
             if inst.state != "running" or inst.ready_at_s > now or inst.instance_id in busy_refs:
@@ -717,6 +721,12 @@ class PreemptionPlanner:
             if (inst.gpu_model, inst.market) in waiting:
                 continue
             groups.setdefault((inst.instance_type, inst.gpu_model, inst.market), []).append(inst)
+        if not any(len(g) >= 2 for g in groups.values()):
+            return  # nothing to empty into: skip counting every allocation
+        span_count: dict[str, int] = {}
+        for inst in self.fleet:
+            for al in inst.allocations:
+                span_count[al.run_id] = span_count.get(al.run_id, 0) + 1
         for group in groups.values():
             if len(group) >= 2:
                 self._empty_some(group, placed, moved_runs, span_count)

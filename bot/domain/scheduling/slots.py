@@ -76,9 +76,7 @@ def free_profile(
 
 
 def instance_horizon(inst: FleetInstance, config: SchedulerConfig, now: float) -> float:
-    h = max(now, inst.ready_at_s)
-    if inst.releases:
-        h = max(h, inst.releases[-1][0])
+    h = max(now, inst.ready_at_s, inst.latest_end)
     if inst.unknown_end_gpus:
         h = max(h, now + config.unknown_duration_s)
     return h
