@@ -30,6 +30,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from bot.domain.durations import ascii_digits, format_duration, parse_duration
 from bot.domain.errors import UserError
+from bot.domain.scheduling import IDLE_STOP_S
 from provisioning.costs import DEFAULT_COSTS
 
 PROVIDERS = ("local", "ssh", "aws")
@@ -320,7 +321,7 @@ class Settings(BaseSettings):
     # A rented instance with no reservation and no run for this long is stopped, and one
     # stopped for terminate_after is terminated (each with a channel note).
     idle_stop_after: Annotated[timedelta, Env("GPUBOT_IDLE_STOP_AFTER"), _duration()] = timedelta(
-        minutes=15
+        seconds=IDLE_STOP_S  # the simulator's default too (bot.domain.scheduling)
     )
     terminate_after: Annotated[timedelta, Env("GPUBOT_TERMINATE_AFTER"), _duration()] = timedelta(
         days=3

@@ -368,3 +368,48 @@ def test_the_worker_predicts_run_times_from_the_teams_finished_runs(
     assert held and held[0].est_end_s == pytest.approx(started.timestamp() + 600.0)
     runs.cancel(alice, Cancel(busy))
     run_until(runs, lambda: state(engine, busy).state == "cancelled", timeout=60)
+
+
+def test_a_run_sent_back_in_line_carries_how_long_it_ran_to_the_scheduler(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """The simulator's reclaim rules read a run's attained service (a resumed run queues
+    behind ones that never ran and is not moved again before it has run that long once
+    more); production keeps the same figure: each segment's length, summed as the run is
+    requeued, and given to the scheduler for the waiting run."""
+    from datetime import timedelta
+
+    from bot.domain import views
+    from db.session import transaction
+
+    svc, clock = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    alice = svc.actor("alice")
+    with transaction(sqlite_engine) as s:
+        row = TrainingRun(
+            user_id=svc.user_row(s, alice.key).id,  # type: ignore[arg-type]
+            command="",
+            recipe="digits",
+            gpu_count=1,
+            gpu_model="cpu",
+            state="running",
+            submitted_at=clock.now(),
+            started_at=clock.now(),
+        )
+        s.add(row)
+        s.flush()
+        run_id = row.id
+    assert run_id is not None
+    view = views.message("back in line").view
+    for segment, total in ((600, 600.0), (900, 1500.0)):
+        clock.advance(timedelta(seconds=segment))
+        assert runs.requeue(run_id, {"count": 1}, view, f"t:{segment}")
+        assert state(sqlite_engine, run_id).metrics["attained_s"] == total
+        with transaction(sqlite_engine, write=False) as s:
+            queue, _, _, _ = scheduler_inputs(runs.ctx, s, clock.now())
+        assert [(q.run_id, q.attained_s) for q in queue] == [(str(run_id), total)]
+        with transaction(sqlite_engine) as s:  # started again, as dispatch would
+            again = s.get(TrainingRun, run_id)
+            assert again is not None
+            again.state, again.started_at = "running", clock.now()
+            s.add(again)

@@ -82,6 +82,10 @@ def scheduler_inputs(
                 priority=run.priority,
                 spot=run.spot,
                 preemptible=run.recipe is not None or run.spot or run.checkpoints,
+                # how long its earlier segments ran (RunRecords.requeue keeps the sum): a
+                # resumed run queues behind ones that never ran, and is not moved again
+                # before it has run that long once more (the simulator's rule)
+                attained_s=attained_s(run),
             )
         )
     hosts: dict[str, Host] = {}
@@ -119,8 +123,8 @@ def scheduler_inputs(
             continue
         hosts[host.name] = host
         by_holder: dict[str, tuple[str, int, float | None]] = {}
-        # run -> (preemptible, stopping, started_s), as Allocation takes them
-        flags: dict[str, tuple[bool, bool, float | None]] = {}
+        # run -> (preemptible, stopping, started_s, attained_s), as Allocation takes them
+        flags: dict[str, tuple[bool, bool, float | None, float]] = {}
         for hold in open_rows:
             iv, user, res, held_by = hold.interval, hold.user, hold.reservation, hold.run
             if iv.host_id != host.id:
@@ -147,6 +151,7 @@ def scheduler_inputs(
                         and (held_by.recipe is not None or held_by.spot or held_by.checkpoints),
                         held_by.state == RUN_CANCELLING or "interrupted" in held_by.placement,
                         started.timestamp(),
+                        attained_s(held_by),
                     )
             _, n, _ = by_holder.get(key, (user.key, 0, end))
             by_holder[key] = (user.key, n + 1, end)
@@ -162,7 +167,7 @@ def scheduler_inputs(
                 state="running",
                 ready_at_s=host.created_at.timestamp(),
                 allocations=tuple(
-                    Allocation(k, u, n, e, *flags.get(k, (False, False, None)))
+                    Allocation(k, u, n, e, *flags.get(k, (False, False, None, 0.0)))
                     for k, (u, n, e) in by_holder.items()
                 ),
                 # idle since its last GPU was let go (or since it came up)
@@ -221,3 +226,9 @@ def fair_usage(ctx: RunContext, s: Session, now: datetime) -> dict[str, float]:
 
 def _ts_or(value: datetime | None, default: datetime) -> datetime:
     return value if value is not None else default
+
+
+def attained_s(run: TrainingRun) -> float:
+    """Seconds the run ran in its earlier segments (before it was last sent back in line)."""
+    value = run.metrics.get("attained_s")
+    return float(value) if isinstance(value, int | float) and value > 0 else 0.0

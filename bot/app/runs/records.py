@@ -15,6 +15,7 @@ from bot.app import runwatch
 from bot.app.held import end_held
 from bot.app.ports import Core, HostAccess
 from bot.app.runs.context import RunContext
+from bot.app.runs.inputs import attained_s
 from bot.domain import views
 from db.models import (
     RUN_OPEN_STATES,
@@ -84,6 +85,9 @@ class RunRecords:
             if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
                 return False  # cancelled meanwhile, or already moved on
             self.close_intervals(s, run_id, now)
+            if run.started_at is not None:  # the segment it ran, for the scheduler's rules
+                ran = max(0.0, (now - run.started_at).total_seconds())
+                run.metrics = {**run.metrics, "attained_s": attained_s(run) + ran}
             run.state = RUN_QUEUED
             run.placement = {"resume_from": resume_from}
             run.host_id = None
