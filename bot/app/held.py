@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement
+from sqlalchemy import ColumnElement, and_
 from sqlmodel import Session, col, select
 
 from bot.app.rollups import on_closed
-from db.models import Gpu, Reservation, TrainingRun, UsageInterval, User
+from db.models import Gpu, Host, Reservation, TrainingRun, UsageInterval, User
 
 
 def _held(
@@ -51,6 +51,46 @@ def _one(host_id: int | None) -> list[int] | None:
 def held_gpu_ids(s: Session, *, host_id: int | None = None) -> set[int]:
     """The ids of the GPUs held now (on one host, if given): what is not free."""
     return set(s.exec(select(UsageInterval.gpu_id).where(*_held(host_ids=_one(host_id)))).all())
+
+
+@dataclass(frozen=True)
+class PresentGpu:
+    """A present GPU of a host, as plain columns, and whether it is held now."""
+
+    id: int
+    host_id: int
+    index: int
+    model: str
+    held: bool
+
+
+def present_gpus(s: Session, host_state: str) -> list[PresentGpu]:
+    """Every present GPU of the hosts in `host_state`, by host id then index, each with
+    whether it is held: one query, the open intervals joined by the partial index on
+    open intervals, instead of the hosts, the held GPUs and the GPUs read apart (the grant
+    pass ran those three in every reserve, and the GPUs of a hundred hosts besides)."""
+    columns: tuple[Any, ...] = (
+        Gpu.id,
+        Gpu.host_id,
+        Gpu.index,
+        Gpu.model,
+        UsageInterval.id,
+    )
+    stmt: Any = (
+        select(*columns)
+        .join(Host, col(Host.id) == col(Gpu.host_id))
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.gpu_id) == col(Gpu.id), *_held()),
+            isouter=True,
+        )
+        .where(col(Host.state) == host_state, col(Gpu.present).is_(True))
+        .order_by(col(Gpu.host_id), col(Gpu.index))
+    )
+    return [
+        PresentGpu(gpu_id, host_id, index, model, iv_id is not None)
+        for gpu_id, host_id, index, model, iv_id in s.exec(stmt).all()
+    ]
 
 
 def held_host_ids(s: Session) -> set[int]:

@@ -5,7 +5,7 @@ notifications a change causes go into the outbox in that same transaction.
 
 Granting is the one contended path. It runs as a "grant pass" over the waiting
 line inside the caller's transaction, serialized by `BEGIN IMMEDIATE` on SQLite
-and by the pool lock (every GPU row, `db.session.lock_pool`) on PostgreSQL; a
+and by the pool lock (an advisory lock, `db.session.lock_pool`) on PostgreSQL; a
 partial unique index (one open usage interval per GPU) is the backstop that
 makes a GPU held twice impossible even if that serialization were wrong. Every
 use case that changes a reservation takes the pool first and re-reads what it
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -34,9 +34,9 @@ from bot.app import budgets
 from bot.app.access import audit
 from bot.app.billing import TeamBill, note_host_state, team_bill, window_costs
 from bot.app.config import Settings
-from bot.app.held import end_held, held_gpu_ids, who_holds
+from bot.app.held import end_held, present_gpus, who_holds
 from bot.app.outbox import enqueue
-from bot.app.ports import FIXED_POOL, Provisioner, Supply
+from bot.app.ports import FIXED_POOL, GpuRef, Provisioner, Supply
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
 from bot.domain import views
 from bot.domain.best_fit import best_fit
@@ -112,10 +112,17 @@ _SYNC_LOCK_KEY = 0x6770756273796E63
 
 @dataclass(frozen=True)
 class _FreeGpu:
-    """A free GPU as the grant pass weighs it: its id and model, read as plain columns."""
+    """A free GPU as the grant pass weighs it: its id, model and index, read as plain
+    columns."""
 
     id: int
     model: str
+    index: int
+
+
+# Session.info key: the host and GPUs (index, model) of each reservation granted in this
+# transaction, so that its reply or DM (`_info`) does not read them back.
+_GRANTED = "gpubot.granted"
 
 
 class GpuService:
@@ -360,30 +367,23 @@ class GpuService:
         # Serializes grant passes; the callers took it already, first (db.session).
         lock_pool(s)
         # Most ticks and every release with nobody in line: one indexed query, no fleet.
-        anyone = s.exec(select(Reservation.id).where(Reservation.state == RES_WAITING).limit(1))
-        if anyone.first() is None:
-            return 0
-        # Every ready host's present GPUs in one query of plain columns: the tick and each
-        # reserve stay flat as the fleet grows, and no ORM object is built for the GPUs
-        # of a hundred hosts when one host is chosen (that was most of a reserve's time).
-        hosts = [
-            h
-            for h in s.exec(select(Host.id).where(Host.state == HOST_READY).order_by(col(Host.id)))
-            if h is not None
-        ]
-        held = held_gpu_ids(s)
-        free: dict[int, list[_FreeGpu]] = {h: [] for h in hosts}
-        present: dict[int, int] = {h: 0 for h in hosts}  # a host's price is shared by these
-        if free:
-            columns: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.model)
-            for gpu_id, host_id, gpu_model in s.exec(
-                select(*columns)
-                .where(col(Gpu.host_id).in_(hosts), col(Gpu.present).is_(True))
-                .order_by(col(Gpu.host_id), col(Gpu.index))
-            ):
-                present[host_id] += 1
-                if gpu_id not in held:
-                    free[host_id].append(_FreeGpu(gpu_id, gpu_model))
+        # A reserve (`quiet_id`) has just put its own request in line, so it skips that.
+        if quiet_id is None:
+            anyone = s.exec(select(Reservation.id).where(Reservation.state == RES_WAITING).limit(1))
+            if anyone.first() is None:
+                return 0
+        # Every ready host's present GPUs, each with whether it is held, in one query of
+        # plain columns (bot.app.held.present_gpus): the tick and each reserve stay flat as
+        # the fleet grows, and no ORM object is built for the GPUs of a hundred hosts when
+        # one host is chosen (that was most of a reserve's time).
+        free: dict[int, list[_FreeGpu]] = {}
+        present: dict[int, int] = {}  # a host's price is shared by these
+        for g in present_gpus(s, HOST_READY):
+            present[g.host_id] = present.get(g.host_id, 0) + 1
+            free.setdefault(g.host_id, [])
+            if not g.held:
+                free[g.host_id].append(_FreeGpu(g.id, g.model, g.index))
+        hosts = list(free)
         # Each waiting row is read under its lock (ids in order) before it is granted:
         # an extend or a cancel that committed meanwhile is seen, not written over.
         waiting = sorted(
@@ -428,14 +428,7 @@ class GpuService:
                     dedupe=f"budget-cancel:{res.id}",
                 )
                 continue
-            gpus = list(
-                s.exec(
-                    select(Gpu)
-                    .where(col(Gpu.id).in_([g.id for g in picked]))
-                    .order_by(col(Gpu.index))
-                )
-            )
-            self._grant(s, res, host, gpus, now)
+            self._grant(s, res, host, picked, now, present[host_id])
             free[host_id] = [g for g in free[host_id] if g not in picked]
             granted += 1
             if res.id != quiet_id:
@@ -466,7 +459,13 @@ class GpuService:
         return None if choice is None else (choice[0], choice[1][:count])
 
     def _grant(
-        self, s: Session, res: Reservation, host: Host, gpus: list[Gpu], now: datetime
+        self,
+        s: Session,
+        res: Reservation,
+        host: Host,
+        gpus: list[_FreeGpu],
+        now: datetime,
+        present: int,
     ) -> None:
         assert host.id is not None and res.id is not None
         res.state = RES_ACTIVE
@@ -474,25 +473,32 @@ class GpuService:
         res.ends_at = now + timedelta(seconds=res.duration_s)
         res.host_id = host.id
         s.add(res)
-        self.open_usage(s, host, gpus, res.user_id, now, reservation_id=res.id)
+        self.open_usage(s, host, gpus, res.user_id, now, reservation_id=res.id, gpu_count=present)
+        # What `_info` would read back for this reservation: its host (held here, as the
+        # session keeps only weak references) and its GPUs' indexes and models.
+        s.info.setdefault(_GRANTED, {})[res.id] = (host, sorted((g.index, g.model) for g in gpus))
         s.flush()
 
     def open_usage(
         self,
         s: Session,
         host: Host,
-        gpus: list[Gpu],
+        gpus: Sequence[GpuRef],
         user_id: int,
         now: datetime,
         *,
         reservation_id: int | None = None,
         run_id: int | None = None,
+        gpu_count: int | None = None,
     ) -> None:
         """Starts the clock on these GPUs for a reservation or a run: each at its share
         of the host's hourly price, in the host's market. The partial unique index
-        refuses a GPU that is already held."""
+        refuses a GPU that is already held. A caller that has counted the host's present
+        GPUs already (the grant pass) passes `gpu_count`, sparing the count query."""
         assert host.id is not None
-        per_gpu = gpu_share(host.hourly_usd, self.gpu_count(s, host.id))
+        if gpu_count is None:
+            gpu_count = self.gpu_count(s, host.id)
+        per_gpu = gpu_share(host.hourly_usd, gpu_count)
         for g in gpus:
             assert g.id is not None
             s.add(
@@ -810,16 +816,25 @@ class GpuService:
         indexes: tuple[int, ...] = ()
         models: tuple[str, ...] = ()
         if res.state == RES_ACTIVE or res.host_id is not None:
-            rows = s.exec(
-                select(Gpu)
-                .join(UsageInterval, col(UsageInterval.gpu_id) == col(Gpu.id))
-                .where(UsageInterval.reservation_id == res.id)
-                .order_by(col(Gpu.index))
-            ).all()
-            seen: dict[int, Gpu] = {g.id: g for g in rows if g.id is not None}
-            indexes = tuple(g.index for g in seen.values())
-            models = tuple(g.model for g in seen.values())
-            host = s.get(Host, res.host_id) if res.host_id is not None else None
+            known_host: Host | None = None
+            cached: tuple[Host, list[tuple[int, str]]] | None = s.info.get(_GRANTED, {}).get(res.id)
+            if cached is not None:
+                known_host, granted = cached
+            else:
+                # Plain columns: a GPU once per interval on it, so deduplicated by id.
+                columns: tuple[Any, ...] = (Gpu.id, Gpu.index, Gpu.model)
+                rows = s.exec(
+                    select(*columns)
+                    .join(UsageInterval, col(UsageInterval.gpu_id) == col(Gpu.id))
+                    .where(UsageInterval.reservation_id == res.id)
+                    .order_by(col(Gpu.index))
+                ).all()
+                granted = list({gpu_id: (index, model) for gpu_id, index, model in rows}.values())
+            indexes = tuple(index for index, _ in granted)
+            models = tuple(model for _, model in granted)
+            host = known_host
+            if host is None and res.host_id is not None:
+                host = s.get(Host, res.host_id)
             if host is not None:
                 known = {h.name: h for h in hosts} if hosts is not None else {}
                 host_state = known.get(host.name) or _host_state(host, [])
@@ -864,7 +879,7 @@ class GpuService:
         """Ends what is due, warns what is near, grants what became free. Idempotent.
 
         Most ticks have nothing to do: one indexed read says so without the write
-        transaction and the pool lock (on PostgreSQL a lock on every GPU row). What
+        transaction and the pool lock. What
         becomes due after that read is done by the next tick, as it would be had this
         tick run a moment earlier; a request that starts waiting runs its own grant pass.
         """
