@@ -22,6 +22,7 @@ demand.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,9 +30,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import delete, func
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -162,40 +165,53 @@ _DAY_KEY = ("day", "user_id", "market", "instance_type", "run_id")
 Rollup = UsageRollup | UsageRollupDay
 
 
+_SUMMED = ("micro_usd", "held_us", "covered_micro")
+
+
+@functools.cache
+def _upsert(dialect: str, table: type[Rollup], fields: tuple[str, ...]) -> Any:
+    """INSERT ... ON CONFLICT (the key) DO UPDATE adding the sums, built once per dialect
+    and table: building it was most of a release's time in rollups."""
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = insert(table)
+    c = stmt.table.c
+    return stmt.on_conflict_do_update(
+        index_elements=list(fields),
+        set_={name: c[name] + getattr(stmt.excluded, name) for name in _SUMMED},
+    )
+
+
 def _add_rows(
     s: Session, table: type[Rollup], fields: tuple[str, ...], sums: Mapping[tuple[Any, ...], Sums]
 ) -> None:
     """Adds to existing rows or makes new ones, hourly or daily alike: `fields` name the
-    key's columns in order (the time bucket first, then the user). The caller holds the
-    pool (db.session.lock_pool), so nobody else adds to the same rows meanwhile."""
+    key's columns in order (the table's unique key). One upsert (INSERT ... ON CONFLICT DO
+    UPDATE, on SQLite as on PostgreSQL) instead of reading the rows and writing each back:
+    closing a reservation ran four statements more for the two tables. The caller holds
+    the pool (db.session.lock_pool), so nobody else adds to the same rows meanwhile."""
     if not sums:
         return
-    bucket = col(getattr(table, fields[0]))
-    buckets = [k[0] for k in sums]
-    found = s.exec(
-        select(table).where(
-            bucket >= min(buckets),
-            bucket <= max(buckets),
-            col(table.user_id).in_({k[1] for k in sums}),
-        )
-    ).all()
-    # select() over a union of tables is typed as SQLModel; the rows are `table`'s.
-    existing = {tuple(getattr(r, f) for f in fields): cast(Rollup, r) for r in found}
-    for key, add in sums.items():
-        row = existing.get(key)
-        if row is None:
-            row = table(**dict(zip(fields, key, strict=True)))
-        row.micro_usd += add.micro_usd
-        row.held_us += add.held_us
-        row.covered_micro += add.covered_micro
-        s.add(row)
+    rows = [
+        {
+            **dict(zip(fields, key, strict=True)),
+            "micro_usd": add.micro_usd,
+            "held_us": add.held_us,
+            "covered_micro": add.covered_micro,
+        }
+        for key, add in sums.items()
+    ]
+    s.execute(_upsert(s.get_bind().dialect.name, table, fields), rows)
 
 
 def day_sums(s: Session, hourly: dict[RollupKey, Sums]) -> dict[DayKey, Sums]:
     """The hourly sums gathered by UTC day, user, market, instance type and run."""
     hosts = {k[2] for k in hourly}
-    itype = (
-        {h.id: h.instance_type or "" for h in s.exec(select(Host).where(col(Host.id).in_(hosts)))}
+    columns: tuple[Any, ...] = (Host.id, Host.instance_type)
+    itype: dict[int, str] = (
+        {
+            host_id: instance_type or ""
+            for host_id, instance_type in s.exec(select(*columns).where(col(Host.id).in_(hosts)))
+        }
         if hosts
         else {}
     )
