@@ -40,7 +40,6 @@ from bot.app.digest import digest_for
 from bot.app.rollups import FAIR_SHARE_HALF_LIFE_S, computed_rollups, day_sums
 from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
-from bot.domain.clock import VirtualClock
 from bot.domain.commands import Release, Reserve
 from bot.faces.dispatch import handle_text
 from bot.faces.slack.home import home_view
@@ -92,10 +91,24 @@ def _instances(hosts: int) -> list[Instance]:
     ]
 
 
+class BenchClock:
+    """The bench's clock: set anywhere, back as well as forward, so that every measured
+    call sees the same "now" even though a reserve + release moves time on to release."""
+
+    def __init__(self, start: datetime) -> None:
+        self._now = start
+
+    def now(self) -> datetime:
+        return self._now
+
+    def set(self, when: datetime) -> None:
+        self._now = when
+
+
 def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> GpuService:
     """The service over a synthetic history of `intervals` closed intervals (bulk
     inserted, rollups computed as the bot computes them) and one person holding a GPU now."""
-    clock = VirtualClock(NOW - timedelta(days=91))
+    clock = BenchClock(NOW - timedelta(days=91))
     svc = GpuService(engine, Settings(admins=("root",), status_cache_s=0.0), clock)
     svc.sync_hosts(_instances(hosts))  # opens each host's billed period 91 days ago
     for u in range(USERS):
@@ -214,10 +227,19 @@ def _median_ms(fn: Callable[[], object]) -> float:
 
 def _ops(svc: GpuService) -> dict[str, Callable[[], object]]:
     me = svc.actor("user01")
+    clock = svc.clock
+    assert isinstance(clock, BenchClock)
 
     def reserve_release() -> None:
-        svc.reserve(me, Reserve(count=1, duration=timedelta(hours=1)))
-        svc.release(me, Release(all=True))
+        # Released 90 minutes after it was granted, across an hour boundary, as in real
+        # use: a release at the instant of the grant closes an empty interval, which
+        # skips the rollup writes that every real release does.
+        svc.reserve(me, Reserve(count=1, duration=timedelta(hours=2)))
+        clock.set(NOW + timedelta(minutes=90))
+        try:
+            svc.release(me, Release(all=True))
+        finally:
+            clock.set(NOW)
 
     return {
         "idle_tick": lambda: tick_job(svc, None),
