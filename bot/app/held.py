@@ -21,10 +21,18 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, and_
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from bot.app.rollups import on_closed
-from db.models import Gpu, Host, Reservation, TrainingRun, UsageInterval, User
+from db.models import (
+    HOST_TERMINATED,
+    Gpu,
+    Host,
+    Reservation,
+    TrainingRun,
+    UsageInterval,
+    User,
+)
 
 
 def _held(
@@ -54,28 +62,27 @@ def held_gpu_ids(s: Session, *, host_id: int | None = None) -> set[int]:
 
 
 @dataclass(frozen=True)
-class PresentGpu:
-    """A present GPU of a host, as plain columns, and whether it is held now."""
+class GpuCount:
+    """One GPU model on one host: how many of its GPUs are present, and how many of
+    those are free (held by nobody)."""
 
-    id: int
     host_id: int
-    index: int
+    host_state: str
     model: str
-    held: bool
+    present: int
+    free: int
 
 
-def present_gpus(s: Session, host_state: str) -> list[PresentGpu]:
-    """Every present GPU of the hosts in `host_state`, by host id then index, each with
-    whether it is held: one query, the open intervals joined by the partial index on
-    open intervals, instead of the hosts, the held GPUs and the GPUs read apart (the grant
-    pass ran those three in every reserve, and the GPUs of a hundred hosts besides)."""
-    columns: tuple[Any, ...] = (
-        Gpu.id,
-        Gpu.host_id,
-        Gpu.index,
-        Gpu.model,
-        UsageInterval.id,
-    )
+def gpu_counts(s: Session) -> list[GpuCount]:
+    """Every host that is not terminated, per GPU model, with its present and free GPUs:
+    in host id order, and a host's models in the order of their first GPU.
+
+    One grouped query, the open intervals joined through their partial index: what a
+    reserve needs to refuse the impossible and to choose a host (best fit needs only how
+    many are free where), a row per host and model instead of a row per GPU. It was the
+    GPUs of a hundred hosts, read twice, in every reserve."""
+    held = func.count(col(UsageInterval.id))
+    columns: tuple[Any, ...] = (Gpu.host_id, Host.state, Gpu.model, func.count(), held)
     stmt: Any = (
         select(*columns)
         .join(Host, col(Host.id) == col(Gpu.host_id))
@@ -84,13 +91,35 @@ def present_gpus(s: Session, host_state: str) -> list[PresentGpu]:
             and_(col(UsageInterval.gpu_id) == col(Gpu.id), *_held()),
             isouter=True,
         )
-        .where(col(Host.state) == host_state, col(Gpu.present).is_(True))
-        .order_by(col(Gpu.host_id), col(Gpu.index))
+        .where(col(Host.state) != HOST_TERMINATED, col(Gpu.present).is_(True))
+        .group_by(col(Gpu.host_id), col(Host.state), col(Gpu.model))
+        .order_by(col(Gpu.host_id), func.min(col(Gpu.index)))
     )
     return [
-        PresentGpu(gpu_id, host_id, index, model, iv_id is not None)
-        for gpu_id, host_id, index, model, iv_id in s.exec(stmt).all()
+        GpuCount(host_id, state, model, int(n), int(n) - int(h))
+        for host_id, state, model, n, h in s.exec(stmt).all()
     ]
+
+
+def free_gpus(s: Session, host_id: int, model: str) -> list[tuple[int, int]]:
+    """(id, index) of the host's present, free GPUs of this model, by index."""
+    columns: tuple[Any, ...] = (Gpu.id, Gpu.index)
+    stmt: Any = (
+        select(*columns)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.gpu_id) == col(Gpu.id), *_held()),
+            isouter=True,
+        )
+        .where(
+            col(Gpu.host_id) == host_id,
+            col(Gpu.model) == model,
+            col(Gpu.present).is_(True),
+            col(UsageInterval.id).is_(None),
+        )
+        .order_by(col(Gpu.index))
+    )
+    return [(gpu_id, index) for gpu_id, index in s.exec(stmt).all()]
 
 
 def held_host_ids(s: Session) -> set[int]:

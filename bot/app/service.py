@@ -34,7 +34,7 @@ from bot.app import budgets
 from bot.app.access import audit
 from bot.app.billing import TeamBill, note_host_state, team_bill, window_costs
 from bot.app.config import Settings
-from bot.app.held import end_held, present_gpus, who_holds
+from bot.app.held import GpuCount, end_held, free_gpus, gpu_counts, who_holds
 from bot.app.outbox import enqueue
 from bot.app.ports import FIXED_POOL, GpuRef, Provisioner, Supply
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
@@ -272,7 +272,10 @@ class GpuService:
                             self._info(s, prior), self.clock.now(), self.settings.timezone
                         )
                     )
-                self._check_feasible(s, model, cmd.count)
+                # The fleet's GPU counts, read once under the pool: for the check and for
+                # this request's grant pass.
+                counts = gpu_counts(s)
+                self._check_feasible(model, cmd.count, counts)
                 user = self.user_row(s, actor.key, actor.name)
                 now = self.clock.now()
                 # Budget (bot.app.budgets): refused here, before it waits or is granted. No
@@ -299,7 +302,7 @@ class GpuService:
                 )
                 s.add(res)
                 s.flush()
-                self.grant_pass(s, now, quiet_id=res.id)
+                self.grant_pass(s, now, quiet_id=res.id, counts=counts)
                 info = self._info(s, res)
                 if res.state == RES_ACTIVE:
                     return views.Reply(views.granted_view(info, now, self.settings.timezone))
@@ -321,23 +324,19 @@ class GpuService:
     def _by_request_key(self, s: Session, key: str) -> Reservation | None:
         return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
 
-    def _check_feasible(self, s: Session, model: str | None, count: int) -> None:
+    def _check_feasible(self, model: str | None, count: int, counts: list[GpuCount]) -> None:
         """Refuses up front what could never be granted, instead of an endless wait.
-        One grouped count, not the status read model: it runs in every reservation's
-        transaction, under the pool lock, so a burst of them waits on its length."""
+        From the grouped counts (bot.app.held.gpu_counts) that the reserve's grant pass
+        uses too, not the status read model: it runs in every reservation's transaction,
+        under the pool lock, so a burst of them waits on its length."""
         if model is not None and self.supply.can_have(model, count):
             return
         per_host: dict[int, int] = {}
         seen: set[str] = set()
-        for host_id, gpu_model, n in s.exec(
-            select(Gpu.host_id, Gpu.model, func.count())
-            .join(Host, col(Host.id) == col(Gpu.host_id))
-            .where(Host.state != "terminated", col(Gpu.present).is_(True))
-            .group_by(col(Gpu.host_id), col(Gpu.model))
-        ).all():
-            seen.add(gpu_model)
-            if model is None or gpu_model == model:
-                per_host[host_id] = per_host.get(host_id, 0) + int(n)
+        for c in counts:
+            seen.add(c.model)
+            if model is None or c.model == model:
+                per_host[c.host_id] = per_host.get(c.host_id, 0) + c.present
         biggest = max(per_host.values(), default=0)
         if biggest >= count:
             return
@@ -356,13 +355,20 @@ class GpuService:
 
     # --- the grant pass -------------------------------------------------------------
 
-    def grant_pass(self, s: Session, now: datetime, quiet_id: int | None = None) -> int:
+    def grant_pass(
+        self,
+        s: Session,
+        now: datetime,
+        quiet_id: int | None = None,
+        counts: list[GpuCount] | None = None,
+    ) -> int:
         """Grants waiting reservations in order while GPUs allow; returns how many.
 
         A request that cannot be granted blocks later requests for the same GPUs
         (first come, first served per model); a later request for another model
         may go ahead. `quiet_id` is the caller's own request: its reply says the
-        result, so it gets no DM.
+        result, so it gets no DM. `counts` are the fleet's GPU counts when the caller
+        read them already under the pool (a reserve).
         """
         # Serializes grant passes; the callers took it already, first (db.session).
         lock_pool(s)
@@ -372,18 +378,17 @@ class GpuService:
             anyone = s.exec(select(Reservation.id).where(Reservation.state == RES_WAITING).limit(1))
             if anyone.first() is None:
                 return 0
-        # Every ready host's present GPUs, each with whether it is held, in one query of
-        # plain columns (bot.app.held.present_gpus): the tick and each reserve stay flat as
-        # the fleet grows, and no ORM object is built for the GPUs of a hundred hosts when
-        # one host is chosen (that was most of a reserve's time).
-        free: dict[int, list[_FreeGpu]] = {}
+        # How many GPUs each ready host has free, per model, in one grouped query
+        # (bot.app.held.gpu_counts): best fit needs no more to choose a host, and only the
+        # chosen host's free GPUs are then read. The tick and each reserve stay flat as the
+        # fleet grows: reading (and weighing) every GPU of a hundred hosts was most of a
+        # reserve's time.
+        free: dict[tuple[int, str], int] = {}  # (host, model): free GPUs, in fit order
         present: dict[int, int] = {}  # a host's price is shared by these
-        for g in present_gpus(s, HOST_READY):
-            present[g.host_id] = present.get(g.host_id, 0) + 1
-            free.setdefault(g.host_id, [])
-            if not g.held:
-                free[g.host_id].append(_FreeGpu(g.id, g.model, g.index))
-        hosts = list(free)
+        for c in counts if counts is not None else gpu_counts(s):
+            if c.host_state == HOST_READY:
+                present[c.host_id] = present.get(c.host_id, 0) + c.present
+                free[(c.host_id, c.model)] = c.free
         # Each waiting row is read under its lock (ids in order) before it is granted:
         # an extend or a cancel that committed meanwhile is seen, not written over.
         waiting = sorted(
@@ -404,16 +409,16 @@ class GpuService:
                 or (res.gpu_model is None and blocked_models)
             ):
                 continue
-            choice = self._pick(hosts, free, res.gpu_model, res.gpu_count)
+            choice = self._pick(free, res.gpu_model, res.gpu_count)
             if choice is None:
                 blocked_models.add(res.gpu_model)
                 continue
-            host_id, picked = choice
+            host_id, gpu_model = choice
             host = s.get(Host, host_id)
             assert host is not None
             # Budget (bot.app.budgets): a grant that would go over is cancelled, with a DM.
             rate = Decimal(str(gpu_share(host.hourly_usd, present[host_id])))
-            refusal = budgets.grant_refusal(s, res, rate * len(picked), now, self.settings)
+            refusal = budgets.grant_refusal(s, res, rate * res.gpu_count, now, self.settings)
             if refusal is not None:
                 if res.id == quiet_id:
                     raise UserError(refusal)
@@ -428,8 +433,15 @@ class GpuService:
                     dedupe=f"budget-cancel:{res.id}",
                 )
                 continue
+            # The chosen host's free GPUs of that model, by index (what this pass granted
+            # already is flushed, so not among them).
+            picked = [
+                _FreeGpu(gpu_id, gpu_model, index)
+                for gpu_id, index in free_gpus(s, host_id, gpu_model)[: res.gpu_count]
+            ]
+            assert len(picked) == res.gpu_count, "the counts and the GPUs disagree"
             self._grant(s, res, host, picked, now, present[host_id])
-            free[host_id] = [g for g in free[host_id] if g not in picked]
+            free[(host_id, gpu_model)] -= res.gpu_count
             granted += 1
             if res.id != quiet_id:
                 info = self._info(s, res)
@@ -444,19 +456,13 @@ class GpuService:
 
     @staticmethod
     def _pick(
-        hosts: list[int], free: dict[int, list[_FreeGpu]], model: str | None, count: int
-    ) -> tuple[int, list[_FreeGpu]] | None:
-        """The host (its id) and its first `count` free GPUs of one model, by best fit
-        (bot.domain.best_fit): a request for no model in particular may take any one model,
-        never a mix."""
-        options: list[tuple[tuple[int, list[_FreeGpu]], int]] = []
-        for h in hosts:
-            by_model: dict[str, list[_FreeGpu]] = {}
-            for g in free[h]:
-                by_model.setdefault(g.model, []).append(g)
-            options += [((h, gs), len(gs)) for m, gs in by_model.items() if model in (None, m)]
-        choice = best_fit(options, count)
-        return None if choice is None else (choice[0], choice[1][:count])
+        free: dict[tuple[int, str], int], model: str | None, count: int
+    ) -> tuple[int, str] | None:
+        """The host (its id) and the GPU model to take `count` free GPUs of, by best fit
+        (bot.domain.best_fit) over each host's free GPUs per model, in host id order: a
+        request for no model in particular may take any one model, never a mix."""
+        options = [(key, n) for key, n in free.items() if model in (None, key[1])]
+        return best_fit(options, count)
 
     def _grant(
         self,
