@@ -52,6 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -218,6 +219,32 @@ def locked_rows(s: Session, stmt: SelectOfScalar[M]) -> list[M]:
     if _on_postgres(s):
         stmt = stmt.with_for_update(key_share=True)
     return list(s.exec(stmt).all())
+
+
+def insert_many(s: Session, table: Any, rows: list[dict[str, Any]]) -> None:
+    """Many rows (same keys each) into `table` (a SQLAlchemy Table) in the session's
+    transaction: an executemany on SQLite, COPY on PostgreSQL. psycopg sends an
+    executemany a row at a time, and batching it into multi-row INSERTs spends its time
+    parsing the huge statements: a million rollup rows took minutes either way. Aware
+    datetimes are written as naive UTC, as `db.types.UTCDateTime` stores them."""
+    if not rows:
+        return
+    if not _on_postgres(s):
+        s.execute(table.insert(), rows)
+        return
+    names = list(rows[0])
+    raw: Any = s.connection().connection.driver_connection
+    sql = f"COPY {table.name} ({', '.join(names)}) FROM STDIN"
+    with raw.cursor() as cur, cur.copy(sql) as copy:
+        for row in rows:
+            copy.write_row(
+                [
+                    v.astimezone(UTC).replace(tzinfo=None)
+                    if isinstance(v, datetime) and v.tzinfo is not None
+                    else v
+                    for v in (row[n] for n in names)
+                ]
+            )
 
 
 def _on_postgres(s: Session) -> bool:
