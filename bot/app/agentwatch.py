@@ -12,7 +12,7 @@ What a resumable stop becomes (`requeue_resumable`): a run whose status says
 ``preempted`` (the runner's exit 75 after a checkpoint), or whose host's agent reported
 it interrupted or lost, goes back in line *with its checkpoint*: the checkpoint dir is
 copied from the host to ``$GPUBOT_HOME/checkpoints/<run id>/`` at once, the run keeps a
-``resume_from`` in its placement, and `RunService._start` uploads that copy into the new
+``resume_from`` in its placement, and `Dispatcher._start` (bot.app.runs.dispatch) uploads that copy into the new
 run dir's checkpoints before starting, wherever it lands; the runner resumes from it.
 
 A host whose agent reports a spot notice this boot is marked ``unreachable`` (still

@@ -5,7 +5,7 @@ nothing runs there; so the worker must renew the lease on *every* poll of a host
 still wants, listing what it holds there. A bot that dies (or loses the host) then stops
 paying for it within ``--lease`` + ``--idle`` seconds, without any process of ours alive.
 
-Where this plugs in (bot/app/runs.py `RunService.poll`): once per host per poll, before the
+Where this plugs in (bot/app/runs/poll.py `Poller.poll`): once per host per poll, before the
 per-run checks, call ``renew_lease(runner, target, host_holds(s, host.id), now)`` (the
 host's active reservations and its runs with their ``placement["pgid"]``), then
 ``read_agent_report(runner, target)``: requeue the runs in ``report.lost_runs`` and, when

@@ -32,6 +32,7 @@ import site
 import stat
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
 from bot.app.fleet import CatalogSupply, Fleet, attach
 from bot.app.hostcheck import HostChecker
-from bot.app.ports import FIXED_POOL, Interpreter
+from bot.app.ports import FIXED_POOL, Interpreter, Supply
 from bot.app.remote import Prepare, PreparedHost, RemoteAccess, bootstrap_prepare
 from bot.app.rollups import backfill_rollups
 from bot.app.runs import LocalAccess, RunService
@@ -294,6 +295,100 @@ def local_access(settings: Settings) -> LocalAccess:
     return LocalAccess(LocalRunner(), LOCAL_TARGET, (settings.home / "runs").resolve())
 
 
+@dataclass(frozen=True)
+class _Parts:
+    """What every provider's wiring is built from."""
+
+    settings: Settings
+    engine: Engine
+    runner: SshRunner
+    resolver: Resolver | None
+    prepare: Prepare | None
+    runs_as_self: bool
+
+
+@dataclass(frozen=True)
+class _Wiring:
+    """One provider's ports: its price list, the supply its pool can grow into, and
+    `connect`, which puts the runs (and, for a cloud, the fleet) on the service once it
+    exists and returns the fleet or None."""
+
+    catalog: Catalog
+    supply: Supply
+    connect: Callable[[GpuService], Fleet | None]
+
+
+@functools.singledispatch
+def _wiring(compute: Compute, parts: _Parts) -> _Wiring:
+    """A provider with no way to run anything (a test's double): its hosts, reservations
+    only. Each real provider registers its own wiring below, by the type of its compute;
+    this is the one place that knows which ports each provider gets."""
+
+    def connect(service: GpuService) -> None:
+        service.sync_hosts(compute.list_instances())
+
+    return _Wiring(Catalog.load(prefer=parts.settings.prices_path), FIXED_POOL, connect)
+
+
+@_wiring.register
+def _local_wiring(compute: LocalCompute, parts: _Parts) -> _Wiring:
+    """This machine: runs as the run account (or, in `gpubot shell`, as the bot)."""
+    catalog = Catalog.load(prefer=parts.settings.prices_path)
+
+    def connect(service: GpuService) -> None:
+        service.sync_hosts(compute.list_instances())
+        refused = not parts.settings.run_as and not parts.runs_as_self
+        service.runs = RunService(
+            service,
+            local_access(parts.settings),
+            catalog,
+            refusal=RUN_AS_MISSING if refused else None,
+        )
+
+    return _Wiring(catalog, FIXED_POOL, connect)
+
+
+@_wiring.register
+def _static_wiring(compute: StaticHostsCompute, parts: _Parts) -> _Wiring:
+    """Owned hosts over SSH: bootstrap, inventory and health run on the checker's threads,
+    never in the tick."""
+    catalog = Catalog.load(prefer=parts.settings.prices_path)
+
+    def connect(service: GpuService) -> None:
+        service.sync_hosts(_static_listing(parts.engine, compute))
+        access = RemoteAccess(
+            parts.engine,
+            parts.runner,
+            parts.resolver or StaticResolver(compute.targets()),
+            prepare=_for_hosts(parts.prepare, cloud=False),
+            # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
+            wait_for_prepare=False,
+        )
+        service.runs = RunService(service, access, catalog)
+        hostcheck.attach(service, HostChecker(service, access, compute.hosts))
+
+    return _Wiring(catalog, FIXED_POOL, connect)
+
+
+@_wiring.register
+def _cloud_wiring(compute: Ec2Compute, parts: _Parts) -> _Wiring:
+    """EC2: the pool grows to what the catalog can launch; the fleet buys and stops."""
+
+    def connect(service: GpuService) -> Fleet:
+        access = RemoteAccess(
+            parts.engine,
+            parts.runner,
+            parts.resolver or InstanceResolver(user=compute.settings.ssh_user, key_path=_ssh_key()),
+            prepare=_for_hosts(parts.prepare, cloud=True),
+        )
+        service.runs = RunService(service, access, compute.catalog)
+        fleet = Fleet(service, compute, access, catalog=compute.catalog)
+        attach(service, fleet)
+        return fleet
+
+    return _Wiring(compute.catalog, CatalogSupply(compute.catalog), connect)
+
+
 def build_runtime(
     settings: Settings,
     clock: Clock | None = None,
@@ -315,43 +410,8 @@ def build_runtime(
     private_database(settings)
     runner = ssh or SshClient()
     compute = compute or make_compute(settings, runner)
-    catalog = (
-        compute.catalog
-        if isinstance(compute, Ec2Compute)
-        else Catalog.load(prefer=settings.prices_path)
-    )
-    supply = CatalogSupply(catalog) if isinstance(compute, Ec2Compute) else FIXED_POOL
-    service = GpuService(engine, settings, clock or SystemClock(), supply)
-    fleet: Fleet | None = None
-    if isinstance(compute, LocalCompute):
-        service.sync_hosts(compute.list_instances())
-        refused = not settings.run_as and not runs_as_self
-        service.runs = RunService(
-            service, local_access(settings), catalog, refusal=RUN_AS_MISSING if refused else None
-        )
-    elif isinstance(compute, StaticHostsCompute):
-        service.sync_hosts(_static_listing(engine, compute))
-        access = RemoteAccess(
-            engine,
-            runner,
-            resolver or StaticResolver(compute.targets()),
-            prepare=_for_hosts(prepare, cloud=False),
-            # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
-            wait_for_prepare=False,
-        )
-        service.runs = RunService(service, access, catalog)
-        # Bootstrap, inventory and health run on the checker's threads, never in the tick.
-        hostcheck.attach(service, HostChecker(service, access, compute.hosts))
-    elif isinstance(compute, Ec2Compute):
-        access = RemoteAccess(
-            engine,
-            runner,
-            resolver or InstanceResolver(user=compute.settings.ssh_user, key_path=_ssh_key()),
-            prepare=_for_hosts(prepare, cloud=True),
-        )
-        service.runs = RunService(service, access, catalog)
-        fleet = Fleet(service, compute, access, catalog=catalog)
-        attach(service, fleet)
-    else:
-        service.sync_hosts(compute.list_instances())
+    parts = _Parts(settings, engine, runner, resolver, prepare, runs_as_self)
+    wiring = _wiring(compute, parts)
+    service = GpuService(engine, settings, clock or SystemClock(), wiring.supply)
+    fleet = wiring.connect(service)
     return Runtime(settings=settings, engine=engine, service=service, compute=compute, fleet=fleet)

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.runs import RunService, _runner_command
+from bot.app.runs import RunService, runner_command
 from bot.domain.commands import Run
 from db.models import TrainingRun, UsageInterval
 from tests.core.helpers import actor, make_service
@@ -97,13 +97,13 @@ def test_a_retry_passes_the_halved_batch_to_the_runner() -> None:
         )
 
     recipe = run("digits")
-    assert "--batch-size" not in _runner_command(recipe, placement, sys.executable)
+    assert "--batch-size" not in runner_command(recipe, placement, sys.executable)
     recipe.metrics = {"oom_retry": {"from_batch": 256, "batch_size": 128}}
-    assert _runner_command(recipe, placement, sys.executable).endswith(
+    assert runner_command(recipe, placement, sys.executable).endswith(
         "--recipe digits --batch-size 128"
     )
     unknown = run(metrics={"oom_retry": {"batch_size": None}})
-    line = _runner_command(unknown, placement, sys.executable)
+    line = runner_command(unknown, placement, sys.executable)
     assert line.endswith("-- env GPUBOT_OOM_RETRY=1 GPUBOT_BATCH_SCALE=0.5 python t.py")
     first = run()
-    assert _runner_command(first, placement, sys.executable).endswith(" -- python t.py")
+    assert runner_command(first, placement, sys.executable).endswith(" -- python t.py")

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.runs import LocalAccess, RunService
+from bot.app.runs.inputs import scheduler_inputs
 from bot.app.service import GpuService
 from bot.domain.commands import Cancel, Logs, Queue, Reserve, Run
 from bot.domain.errors import UserError
@@ -315,7 +316,7 @@ def test_the_worker_predicts_run_times_from_the_teams_finished_runs(
     runs = runs_for(svc, tmp_path)
     alice = actor(svc, "alice")
     with transaction(engine, write=False) as s:
-        queue, fleet, _, _ = runs._scheduler_inputs(s, clock.now())
+        queue, fleet, _, _ = scheduler_inputs(runs.ctx, s, clock.now())
     assert queue == []
     first = runs.submit(
         alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
@@ -337,7 +338,7 @@ def test_the_worker_predicts_run_times_from_the_teams_finished_runs(
     run_until(runs, lambda: state(engine, busy).state == "running")
     waiting = runs.submit(alice, Run(command=(sys.executable, "-c", "pass"))).extra["run_id"]
     with transaction(engine, write=False) as s:
-        queue, fleet, _, _ = runs._scheduler_inputs(s, clock.now())
+        queue, fleet, _, _ = scheduler_inputs(runs.ctx, s, clock.now())
     assert [(r.run_id, r.est_duration_s) for r in queue] == [(str(waiting), 600.0)]
     held = [a for i in fleet for a in i.allocations if a.run_id == str(busy)]
     started = state(engine, busy).started_at

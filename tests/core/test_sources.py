@@ -487,7 +487,7 @@ def test_a_path_that_is_shell_code_runs_nothing_through_the_service_and_worker(
 def test_the_runner_stays_in_the_run_dir_and_the_command_moves_to_its_code() -> None:
     from datetime import UTC, datetime
 
-    from bot.app.runs import _runner_command
+    from bot.app.runs import runner_command
 
     placement = {"dir": "/h/runs/7", "status": "/h/runs/7/s.json", "checkpoints": "/h/runs/7/c"}
     run = TrainingRun(
@@ -496,16 +496,16 @@ def test_the_runner_stays_in_the_run_dir_and_the_command_moves_to_its_code() -> 
         source="path:/data/my proj",
         submitted_at=datetime.now(UTC),
     )
-    line = _runner_command(run, placement, sys.executable)
+    line = runner_command(run, placement, sys.executable)
     assert line.endswith(
         "-- sh -c 'cd \"$0\" && exec \"$@\"' '/data/my proj' python train.py --lr 3e-4"
     )
     run.source = "staged:proj-0123"
-    assert 'exec "$@"\' /h/runs/7/code python train.py' in _runner_command(
+    assert 'exec "$@"\' /h/runs/7/code python train.py' in runner_command(
         run, placement, sys.executable
     )
     run.source = ""
-    assert _runner_command(run, placement, sys.executable).endswith(" -- python train.py --lr 3e-4")
+    assert runner_command(run, placement, sys.executable).endswith(" -- python train.py --lr 3e-4")
 
 
 def test_staged_and_git_runs_on_a_static_ssh_host(

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from bot.app import sources
 from bot.app.remote import PreparedHost
-from bot.app.runs import _command_text, _runner_command
+from bot.app.runs import command_text, runner_command
 from bot.domain import code_sources
 from db.models import TrainingRun
 from provisioning import bootstrap, shell, ssh
@@ -576,7 +576,7 @@ def test_the_runner_line_and_the_users_command_arrive_word_for_word(
     run = TrainingRun(
         id=7,
         user_id=1,
-        command=_command_text(["probe", *argv]),
+        command=command_text(["probe", *argv]),
         precision=precision,
         submitted_at=datetime.now(UTC),
     )
@@ -592,7 +592,7 @@ def test_the_runner_line_and_the_users_command_arrive_word_for_word(
     else:
         code_dir = box.work
     placement = {"dir": run_dir, "status": status, "checkpoints": ckpt}
-    line = _runner_command(run, placement, "runnerprobe")
+    line = runner_command(run, placement, "runnerprobe")
     names = ["GPUBOT_OOM_RETRY", "GPUBOT_BATCH_SCALE", "GPUBOT_BATCH_SIZE"]
     proc = box.run(sh, line, names)
     assert proc.returncode == 0, proc.stderr

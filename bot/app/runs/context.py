@@ -1,0 +1,224 @@
+"""What every part of the run service shares: its ports and settings (RunContext), how
+this machine's runs are reached (LocalAccess), the fleet as plain columns, and the
+scheduler's view of a booting or stopped host. The parts (submit, board, dispatch,
+poll, records) each hold one RunContext; bot.app.runs.RunService composes them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func
+from sqlmodel import Session, col, select
+
+from bot.app.access import RunGate, StaticMembership
+from bot.app.config import Settings
+from bot.app.ports import Core, HostAccess, HostSeat, Interpreter, bot_python
+from bot.domain.scheduling import LAS_AFTER_S, FleetInstance, InstanceState, SchedulerConfig
+from db.models import HOST_PENDING, HOST_STOPPED, Gpu, Host
+from provisioning.catalog import Catalog
+from provisioning.ssh import SshRunner, SshTarget
+
+log = logging.getLogger(__name__)
+
+RECIPES = ("digits",)
+# A run claimed but not started within this long is presumed orphaned by a crash.
+STARTING_GRACE = timedelta(seconds=90)
+USAGE_RUN = "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] [--spot] [--git URL[@REF] | --path DIR] [--recipe NAME [--lr LR] [--batch-size N] [--epochs N] [--sweep lr=V1,V2]] -- COMMAND"
+
+
+@dataclass
+class RunContext:
+    """The ports and knobs the parts share. `gate` and `allow_file_git` are set after
+    construction (the Slack app puts in a gate that knows user groups; tests allow
+    file:// git URLs), so the parts read them here rather than copying them."""
+
+    core: Core
+    access: HostAccess
+    catalog: Catalog
+    config: SchedulerConfig
+    gate: RunGate
+    # Why runs are not accepted here at all (`gpubot serve` on this machine without
+    # GPUBOT_RUN_AS), or None: submit says it, dispatch starts nothing, and what ran
+    # already is still polled and shown.
+    refusal: str | None = None
+    # file:// git URLs: tests only (a bare repository in tmp); never in production.
+    allow_file_git: bool = False
+
+    @property
+    def engine(self) -> Any:
+        return self.core.engine
+
+    @classmethod
+    def build(
+        cls, core: Core, access: HostAccess, catalog: Catalog, refusal: str | None = None
+    ) -> RunContext:
+        return cls(
+            core=core,
+            access=access,
+            catalog=catalog,
+            config=scheduler_config(core.settings, catalog),
+            gate=RunGate(core.settings, StaticMembership()),
+            refusal=refusal,
+        )
+
+
+@dataclass
+class LocalAccess:
+    """This machine only: runs live under $GPUBOT_HOME/runs (or the run account's home),
+    started with the bot's interpreter unless `interpreter` names another (the run
+    account's, bot.faces.runtime, prepared on first use)."""
+
+    runner: SshRunner
+    target: SshTarget
+    runs_dir: Path
+    interpreter: Callable[[], Interpreter] = bot_python
+
+    def runner_for(self, host_name: str) -> HostSeat | None:
+        if host_name != "local":
+            return None
+        return HostSeat(self.runner, self.target, self.runs_dir, self.interpreter)
+
+
+def hosts_with_gpus(s: Session, which: Any) -> list[tuple[Host, list[Gpu]]]:
+    """The hosts `which` selects, by id, each with its present GPUs: two queries whatever
+    the number of hosts (a GPU query per host made the queue and the tick grow with
+    the fleet)."""
+    hosts = list(s.exec(select(Host).where(which).order_by(col(Host.id))))
+    ids = [h.id for h in hosts]
+    by_host: dict[int, list[Gpu]] = {}
+    if ids:
+        for g in s.exec(
+            select(Gpu)
+            .where(col(Gpu.host_id).in_(ids), col(Gpu.present).is_(True))
+            .order_by(col(Gpu.id))
+        ):
+            by_host.setdefault(g.host_id, []).append(g)
+    return [(h, by_host.get(h.id or -1, [])) for h in hosts]
+
+
+@dataclass(frozen=True)
+class FleetHost:
+    """What the queue needs of a host that is not terminated: plain columns and its
+    present GPUs counted by model, not ORM objects (the queue and App Home read the
+    whole fleet on every call; building a Host and eight Gpu objects per host was most
+    of their time at a hundred hosts)."""
+
+    id: int
+    name: str
+    state: str
+    hourly_usd: float
+    created_at: datetime | None
+    down_since: datetime | None
+    down_reason: str | None
+    models: dict[str, int]  # present GPUs by model, models sorted
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.models.values())
+
+
+def read_fleet(s: Session) -> list[FleetHost]:
+    """Every host not terminated, by name (the database's collation, as the down hosts
+    are listed), with its present GPUs by model: two queries of plain columns whatever
+    the size of the fleet."""
+    host_columns: tuple[Any, ...] = (
+        Host.id,
+        Host.name,
+        Host.state,
+        Host.hourly_usd,
+        Host.created_at,
+        Host.down_since,
+        Host.down_reason,
+    )
+    hosts = s.exec(
+        select(*host_columns).where(Host.state != "terminated").order_by(col(Host.name))
+    ).all()
+    counts: dict[int, dict[str, int]] = {}
+    gpu_columns: tuple[Any, ...] = (Gpu.host_id, Gpu.model, func.count())
+    for host_id, model, n in s.exec(
+        select(*gpu_columns)
+        .where(col(Gpu.present).is_(True))
+        .group_by(col(Gpu.host_id), col(Gpu.model))
+    ):
+        counts.setdefault(host_id, {})[model] = int(n)
+    return [
+        FleetHost(
+            id=hid,
+            name=name,
+            state=state,
+            hourly_usd=hourly,
+            created_at=created,
+            down_since=down_since,
+            down_reason=reason,
+            models=dict(sorted(counts.get(hid, {}).items())),
+        )
+        for hid, name, state, hourly, created, down_since, reason in hosts
+    ]
+
+
+def scheduler_config(settings: Settings, catalog: Catalog) -> SchedulerConfig:
+    """The worker's scheduler knobs from Settings, so that `gpubot simulate` and the worker
+    can be run with the same ones: idle stop and terminate as the fleet applies them, the
+    stopped volume's price, and a quota no larger than the pools allow (each type's
+    instance cap times its GPUs, the largest; bot.app.fleet enforces the exact caps when it
+    buys). No run time is known here, so least attained service is on (LAS_AFTER_S)."""
+    biggest = max((t.gpus for t in catalog.types), default=8)
+    ebs_usd_s = settings.ebs_gb * settings.ebs_usd_gb_month / (730.0 * 3600.0)
+    return SchedulerConfig(
+        policy="fair",
+        max_gpus=max(1, settings.pool_max_instances * biggest),
+        idle_stop_s=settings.idle_stop_after.total_seconds(),
+        terminate_after_s=settings.terminate_after.total_seconds(),
+        ebs_usd_s=ebs_usd_s,
+        las_after_s=LAS_AFTER_S,
+    )
+
+
+def host_view(
+    *,
+    name: str,
+    state: str,
+    instance_type: str | None,
+    market: str,
+    usd_hr: float,
+    created_s: float,
+    updated_s: float,
+    now: float,
+    catalog: Catalog,
+    config: SchedulerConfig,
+) -> FleetInstance | None:
+    """A booting or stopped instance as the scheduler sees it, from its host row.
+
+    Why: a scheduler that sees only ready hosts launches again for every run queued while
+    the first instance boots (the simulator, which sees the booting one, waits for it).
+    A pending host is usable boot + setup after it was launched; a stopped one has been
+    stopped since its row last changed. Its GPUs come from the catalog (the host reports
+    them only once it is up); a type the catalog does not know is left out."""
+    t = catalog.get(instance_type) if instance_type else None
+    if t is None:
+        return None
+    st: InstanceState
+    if state == HOST_PENDING:
+        st = "pending"
+        ready = max(now, created_s + config.boot_s + config.setup_s)
+        stopped_since = None
+    elif state == HOST_STOPPED:
+        st, ready, stopped_since = "stopped", updated_s, updated_s
+    else:
+        return None
+    return FleetInstance(
+        instance_id=name,
+        instance_type=t.instance_type,
+        gpu_model=t.gpu_model,
+        gpus=t.gpus,
+        usd_hr=usd_hr or t.ondemand_usd_hr,
+        market="spot" if market == "spot" else "ondemand",
+        state=st,
+        ready_at_s=ready,
+        stopped_since_s=stopped_since,
+    )

@@ -1,0 +1,391 @@
+"""The worker's dispatch: place queued runs with the scheduler (the same
+bot.domain.scheduling.decide that `gpubot simulate` measures) and start them on their
+host; carry out its preemptions; hand launches to the fleet.
+
+A run is dispatched exactly once: the move from `queued` to `starting` is a
+conditional update that only one worker can win, and the GPUs it takes are
+claimed by usage intervals in the same transaction (the partial unique index
+refuses a GPU held twice). A process that dies between claiming and starting
+leaves a `starting` run with no process id, which the next poll puts back in line."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import update
+from sqlmodel import col, select
+
+from bot.app import budgets, runwatch, sources
+from bot.app.agentwatch import upload_checkpoints
+from bot.app.held import held_gpu_ids
+from bot.app.outbox import enqueue
+from bot.app.runs.context import RunContext
+from bot.app.runs.inputs import anything_to_decide, scheduler_inputs
+from bot.app.runs.records import RunRecords
+from bot.domain import code_sources, views
+from bot.domain.scheduling import Launch, Place, Preempt, Start, decide, preempt_slot
+from db.models import (
+    RUN_CANCELLED,
+    RUN_FAILED,
+    RUN_QUEUED,
+    RUN_RUNNING,
+    RUN_STARTING,
+    Gpu,
+    Host,
+    TrainingRun,
+    User,
+)
+from db.session import lock_pool, locked, retrying, transaction
+from provisioning import shell
+from provisioning.costs import gpu_share
+from provisioning.ssh import SshError, SshRunner, SshTarget
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """Queued runs onto hosts."""
+
+    def __init__(self, ctx: RunContext, records: RunRecords) -> None:
+        self.ctx = ctx
+        self.records = records
+        self.preempt_slot = -(2**62)  # the last preemption slot dispatch looked at
+
+    def dispatch(self) -> int:
+        """Places queued runs with the scheduler and starts them; returns how many started."""
+        if self.ctx.refusal is not None:
+            return 0
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine, write=False) as s:
+            if not anything_to_decide(s):
+                return 0  # the common idle tick: one indexed query, nothing loaded
+            queue, fleet, hosts, usage = scheduler_inputs(self.ctx, s, now)
+        if not queue and not any(a.preemptible for i in fleet for a in i.allocations):
+            return 0  # nothing to place and nothing the scheduler could move
+        # Preemption is looked at once per preempt_period_s, as the simulator does.
+        slot = preempt_slot(now.timestamp(), self.ctx.config)
+        due = slot > self.preempt_slot
+        if due:
+            self.preempt_slot = slot
+        actions = decide(
+            queue,
+            fleet,
+            now.timestamp(),
+            catalog=self.ctx.catalog,
+            config=self.ctx.config,
+            usage=usage,
+            preempt_due=due,
+        )
+        started = 0
+        for action in actions:
+            if isinstance(action, Launch | Start):
+                self._provision(action)
+                continue
+            if isinstance(action, Preempt):
+                self._preempt(int(action.run_id), action.for_run)
+                continue
+            if not isinstance(action, Place):
+                # Stop/Terminate: bot.app.fleet owns instance lifetimes (idle stop, terminate)
+                log.debug("scheduler wants %s; the fleet decides that, skipped", action)
+                continue
+            if len(action.instance_ids) != 1 or action.instance_ids[0] not in hosts:
+                log.info("placement %s needs hosts this provider does not have; skipped", action)
+                continue
+            if self._start(int(action.run_id), action.instance_ids[0], action.gpus_per_instance):
+                started += 1
+        return started
+
+    @retrying
+    def _preempt(self, run_id: int, for_run: str) -> None:
+        """Stops a running run with a checkpoint so its GPUs go elsewhere (scheduler's call).
+
+        The same path as a spot notice: the run is marked interrupted, gets SIGTERM, saves
+        a checkpoint and exits 75; poll then copies the checkpoint off and requeues it
+        (bot.app.agentwatch), and the owner gets a DM saying why and from which step it will
+        resume. Its GPUs are placed on a later tick, once they are really free."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state != RUN_RUNNING:
+                return
+            placement = dict(run.placement)
+            if "pgid" not in placement or "interrupted" in placement:
+                return
+            if for_run.startswith("consolidate:"):
+                reason = "moved so that a half-empty instance can stop"
+            else:
+                other = s.get(TrainingRun, int(for_run)) if for_run.isdigit() else None
+                owner = s.get(User, other.user_id) if other is not None else None
+                who = f" of {owner.key}" if owner is not None else ""
+                reason = f"preempted for run #{for_run}{who}: fair share of the GPUs"
+            placement["interrupted"] = {
+                "reason": reason,
+                "action": "preempt",
+                "at": now.isoformat(),
+            }
+            run.placement = placement
+            s.add(run)
+        seat = self.ctx.access.runner_for(placement["host"])
+        if seat is None:
+            log.warning("preempt: host %s of run %s is not reachable", placement["host"], run_id)
+            return
+        runner, target = seat.runner, seat.target
+        try:
+            runner.kill_group(target, int(placement["pgid"]), "TERM")
+            self.records.update_placement(run_id, term_sent=True)
+            log.info("run %s preempted (%s)", run_id, reason)
+        except SshError as exc:
+            log.warning("preempt of run %s on %s failed: %s", run_id, placement["host"], exc)
+
+    def _provision(self, action: Launch | Start) -> None:
+        """A Launch/Start goes to the fleet (bot.app.fleet), which buys within the pool limits
+        and once per request; without a cloud provider there is nothing to buy."""
+        fleet = self.ctx.core.fleet
+        if fleet is None:
+            log.info("scheduler wants %s; no cloud provider is configured, skipped", action)
+            return
+        itype = action.instance_type if isinstance(action, Launch) else None
+        done = fleet.provision_run(int(action.for_run), itype)
+        if done:
+            log.info("fleet: %s", done)
+
+    def _start(self, run_id: int, host_name: str, gpus: int) -> bool:
+        """Claims GPUs and the run in one transaction, then starts the process."""
+        seat = self.ctx.access.runner_for(host_name)
+        if seat is None:
+            log.warning("no way to reach host %s; run %s stays queued", host_name, run_id)
+            return False
+        runner, target, runs_dir = seat.runner, seat.target, seat.runs_dir
+        claimed = self._claim(run_id, host_name, gpus, runs_dir)
+        if claimed is None:
+            return False
+        placement, run = claimed
+        run_dir = runs_dir / str(run_id)
+        env = {
+            "CUDA_VISIBLE_DEVICES": ""
+            if placement["cpu"]
+            else ",".join(map(str, placement["gpu_indexes"])),
+            "GPUBOT_PGID_FILE": str(placement["pgid_file"]),
+        }
+        try:
+            runner.run(target, shell.join(["mkdir", "-p", "--", str(run_dir)]), timeout=30)
+            if placement.get("resume_from"):  # the checkpoint it resumes from, first
+                upload_checkpoints(
+                    runner, target, placement["resume_from"], str(placement["checkpoints"])
+                )
+            # Code source (bot.app.sources): clone / check / upload, before the runner starts.
+            self._prepare_code(run_id, runner, target, str(run_dir), str(placement["log"]))
+            # The host's interpreter last: the run account's is prepared here on first use.
+            python = seat.interpreter()
+            pgid = runner.start_detached(
+                target,
+                runner_command(run, placement, python.python),
+                str(placement["log"]),
+                cwd=str(run_dir),
+                env={**env, **python.env()},
+            )
+        except SshError as exc:
+            self.records.finish(
+                run_id, RUN_FAILED, None, {"error": f"could not start: {exc}"}, log_tail=""
+            )
+            return False
+        self._mark_started(run_id, pgid, host_name, placement)
+        return True
+
+    @retrying
+    def _claim(
+        self, run_id: int, host_name: str, gpus: int, runs_dir: Path
+    ) -> tuple[dict[str, Any], TrainingRun] | None:
+        """The run and its GPUs in one transaction: the pool first (db.session's lock
+        order), then the run, claimed only while it is still queued (a cancel or another
+        worker that got there first wins). Returns its placement and the run as claimed."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)
+            won = s.exec(
+                update(TrainingRun)
+                .where(col(TrainingRun.id) == run_id, col(TrainingRun.state) == RUN_QUEUED)
+                .values(state=RUN_STARTING)
+            )
+            if won.rowcount != 1:
+                return None  # another worker got it, or it was cancelled
+            host = s.exec(select(Host).where(Host.name == host_name)).one()
+            held = held_gpu_ids(s)
+            run = locked(s, TrainingRun, run_id)
+            assert run is not None and host.id is not None
+            free = [
+                g
+                for g in s.exec(
+                    select(Gpu)
+                    .where(Gpu.host_id == host.id, col(Gpu.present).is_(True))
+                    .order_by(col(Gpu.index))
+                )
+                if g.id not in held and g.model == run.gpu_model
+            ][:gpus]
+            if len(free) < gpus:
+                run.state = RUN_QUEUED  # the scheduler's view was stale; try next tick
+                s.add(run)
+                return None
+            # Budget (bot.app.budgets): re-checked before placing; over budget → cancelled, DM.
+            rate = Decimal(str(gpu_share(host.hourly_usd, self.ctx.core.gpu_count(s, host.id))))
+            refusal = budgets.run_refusal(s, run, rate * len(free), now, self.ctx.core.settings)
+            if refusal is not None:
+                run.state, run.finished_at = RUN_CANCELLED, now
+                s.add(run)
+                owner = s.get(User, run.user_id)
+                assert owner is not None
+                text = f"Run #{run.id} was cancelled, not started: {refusal}"
+                self.ctx.core.notify_dm(
+                    s,
+                    owner.key,
+                    views.message(text).view,
+                    now,
+                    dedupe=f"budget-cancel-run:{run.id}",
+                )
+                return None
+            self.ctx.core.open_usage(s, host, free, run.user_id, now, run_id=run.id)
+            run_dir = runs_dir / str(run.id)
+            placement: dict[str, Any] = {
+                "host": host_name,
+                "gpu_indexes": [g.index for g in free],
+                "cpu": all(g.model == "cpu" for g in free),
+                "dir": str(run_dir),
+                "status": str(run_dir / "status.json"),
+                "log": str(run_dir / "run.log"),
+                "checkpoints": str(run_dir / "checkpoints"),
+                # The runner writes its group id here, so a run started by a worker that
+                # died before recording it is found, not started twice (_requeue_orphan).
+                "pgid_file": str(run_dir / "pgid"),
+            }
+            if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
+                placement["resume_from"] = run.placement["resume_from"]
+            run.placement = placement
+            run.host_id = host.id
+            run.started_at = now
+            s.add(run)
+            return placement, run
+
+    @retrying
+    def _mark_started(
+        self, run_id: int, pgid: int, host_name: str, placement: dict[str, Any]
+    ) -> None:
+        """Its group id recorded and its owner told. One row under its lock: a cancel
+        that landed while it started stays "cancelling"."""
+        with transaction(self.ctx.engine) as s:
+            run = locked(s, TrainingRun, run_id)
+            assert run is not None
+            run.placement = {**run.placement, "pgid": pgid}
+            if run.state == RUN_STARTING:
+                run.state = RUN_RUNNING
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            where = (
+                f"{host_name}, "
+                + ("CPU slot" if placement["cpu"] else "GPU")
+                + ("s " if len(placement["gpu_indexes"]) != 1 else " ")
+                + ", ".join(map(str, placement["gpu_indexes"]))
+            )
+            text = (
+                f"Run #{run_id} started on {where}. This message shows its progress, "
+                f"updated about once a minute; `/gpu logs {run_id}` shows its log."
+            )
+            # The run's live message (bot.app.runwatch edits it in place while it runs).
+            message = enqueue(
+                s,
+                "dm",
+                owner.key,
+                views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
+                self.ctx.core.clock.now(),
+                # A resumed run says it started again (bot.app.agentwatch's resume count).
+                dedupe=f"run-started:{run_id}"
+                + (f":{placement['resume_from']['count']}" if "resume_from" in placement else ""),
+            )
+            runwatch.started_live(s, run, message)
+            s.add(run)
+
+    def _prepare_code(
+        self, run_id: int, runner: SshRunner, target: SshTarget, run_dir: str, log_path: str
+    ) -> None:
+        """Puts the run's code on the host (bot.app.sources); `runner_command` starts the
+        command in it (the runner itself stays in the run's directory, where the host
+        agent looks for it). A failure is an SshError whose text says why, so the run
+        fails with it and the owner is told."""
+        with transaction(self.ctx.engine, write=False) as s:
+            run = s.get(TrainingRun, run_id)
+            text = run.source if run is not None else ""
+        if not text:
+            return
+        try:
+            src = code_sources.parse_source(text, allow_file=self.ctx.allow_file_git)
+            assert src is not None
+            done = sources.prepare_code(
+                runner, target, src, run_dir, home=self.ctx.core.settings.home
+            )
+        except code_sources.SourceError as exc:
+            raise SshError(f"could not get the code: {exc}") from None
+        upload = done.upload
+        if upload is not None:
+            self.records.update_placement(
+                run_id, code={"uploaded": list(upload.uploaded), "skipped": len(upload.skipped)}
+            )
+        with contextlib.suppress(SshError):
+            line = shell.join(["printf", "%s\\n", f"[gpubot] {done.note}"])
+            runner.run(target, f"{line} >> {shell.path(log_path)}", timeout=30)
+
+
+def _oom_batch(run: TrainingRun) -> tuple[int | None, bool]:
+    """(batch size, is a retry) for a run retried after running out of GPU memory."""
+    retry = run.metrics.get("oom_retry")
+    if not isinstance(retry, dict):
+        return None, False
+    size = retry.get("batch_size")
+    return (size if isinstance(size, int) and size > 0 else None), True
+
+
+def runner_command(run: TrainingRun, placement: dict[str, Any], python: str) -> str:
+    """The runner's line, started with `python`: the host's interpreter (HostSeat)."""
+    batch, retried = _oom_batch(run)
+    parts = [
+        python,
+        "-m",
+        "training.runner",
+        "--precision",
+        run.precision,
+        "--status-file",
+        placement["status"],
+        "--checkpoint-dir",
+        placement["checkpoints"],
+        "--run-id",
+        str(run.id),
+    ]
+    if run.max_seconds:
+        parts += ["--max-minutes", f"{run.max_seconds / 60:.2f}"]
+    if run.gpu_count > 1:
+        parts += ["--gpus", str(run.gpu_count)]
+    if run.recipe:
+        parts += ["--recipe", run.recipe]
+        for name in ("lr", "epochs"):  # the recipe's settings as asked (bot.domain.commands)
+            if isinstance(run.options.get(name), int | float):
+                parts += [f"--{name}", f"{run.options[name]:g}"]
+        asked = run.options.get("batch-size")
+        if batch is not None:  # an OOM retry; without a known batch `auto` probes again
+            parts += ["--batch-size", str(batch)]
+        elif isinstance(asked, int | float):
+            parts += ["--batch-size", str(int(asked))]
+        return shell.join(parts)
+    head = ""
+    if retried:
+        # The runner hands its own --batch-size to recipes only; a script reads these.
+        env = {"GPUBOT_OOM_RETRY": "1", "GPUBOT_BATCH_SCALE": "0.5"}
+        if batch is not None:
+            env["GPUBOT_BATCH_SIZE"] = str(batch)
+        head += shell.env_prefix(env)
+    if run.source:  # bot.app.sources: the command starts in its code directory
+        head += sources.in_code_dir(run.source, placement["dir"]) + " "
+    # run.command is the owner's own shell text (`command_text`), run as they typed it.
+    return shell.join(parts) + " -- " + head + run.command

@@ -1,0 +1,247 @@
+"""The worker's poll: read every running run's status file on its host, keep its
+figures, and end it — finished, failed (with one retry at half the batch after an
+out-of-memory exit), requeued with its checkpoint, or adopted/requeued when the
+worker that started it died."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from sqlmodel import col, select
+
+from bot.app.agentwatch import requeue_resumable, resumable_stop, watch_hosts
+from bot.app.runs.context import STARTING_GRACE, RunContext
+from bot.app.runs.records import RunRecords
+from bot.domain import views
+from db.models import (
+    RUN_CANCELLED,
+    RUN_CANCELLING,
+    RUN_FAILED,
+    RUN_QUEUED,
+    RUN_RUNNING,
+    RUN_STARTING,
+    RUN_SUCCEEDED,
+    TrainingRun,
+    User,
+)
+from db.session import lock_pool, locked, retrying, transaction
+from provisioning import shell
+from provisioning.ssh import SshError, SshRunner, SshTarget
+from training.exitcodes import EXIT_OOM
+from training.status import TERMINAL_STATES, parse_status
+
+log = logging.getLogger(__name__)
+
+
+class Poller:
+    """Running runs to their end."""
+
+    def __init__(self, ctx: RunContext, records: RunRecords) -> None:
+        self.ctx = ctx
+        self.records = records
+
+    def poll(self) -> int:
+        """Reads every running run's status; finishes those that ended. Returns how many."""
+        # Host agents (bot.app.agentwatch): lease renewal, spot notices, runs lost in a reboot —
+        # before the runs are read, so a lost run is requeued rather than failed below.
+        try:
+            watched = watch_hosts(self.records)
+            if watched.interrupted or watched.requeued or watched.draining:
+                log.info("host agents: %s", watched)
+        except Exception:  # never fatal: the runs are still polled
+            log.exception("host agent watch failed")
+        with transaction(self.ctx.engine, write=False) as s:
+            rows = list(
+                s.exec(
+                    select(TrainingRun).where(
+                        col(TrainingRun.state).in_((RUN_STARTING, RUN_RUNNING, RUN_CANCELLING))
+                    )
+                )
+            )
+        finished = 0
+        now = self.ctx.core.clock.now()
+        for run in rows:
+            assert run.id is not None
+            placement = dict(run.placement)
+            if "pgid" not in placement:
+                if run.started_at is not None and now - run.started_at > STARTING_GRACE:
+                    self._requeue_orphan(run.id)
+                continue
+            seat = self.ctx.access.runner_for(placement["host"])
+            if seat is None:
+                continue
+            runner, target = seat.runner, seat.target
+            try:
+                if run.state == RUN_CANCELLING and not placement.get("term_sent"):
+                    runner.kill_group(target, int(placement["pgid"]), "TERM")
+                    self.records.update_placement(run.id, term_sent=True)
+                raw = runner.read_file(target, placement["status"])
+                alive = runner.is_alive(target, int(placement["pgid"]))
+            except SshError as exc:
+                log.warning("poll of run %s on %s failed: %s", run.id, placement["host"], exc)
+                continue
+            status = parse_status(raw.decode("utf-8", "replace")) if raw else None
+            if status is not None:
+                self.records.update_metrics(run.id, status, live_runs=len(rows))
+            if alive and (status is None or status.state not in TERMINAL_STATES):
+                continue
+            if alive:
+                continue  # final status written; the process is exiting
+            # Stopped for a resume (exit 75) or reclaimed: back in line with its checkpoint.
+            if (
+                run.state != RUN_CANCELLING
+                and resumable_stop(placement, status)
+                and requeue_resumable(self.records, run.id, placement, runner, target, status)
+            ):
+                continue
+            tail = ""
+            with contextlib.suppress(SshError):
+                tail = runner.tail(target, placement["log"], 15)
+            if run.state == RUN_CANCELLING:
+                state = RUN_CANCELLED
+            elif status is not None and status.state == "done":
+                state = RUN_SUCCEEDED
+            else:
+                state = RUN_FAILED
+            summary: dict[str, Any] = {}
+            exit_code = None
+            if status is not None:
+                exit_code = status.exit_code
+                summary = {
+                    "state": status.state,
+                    "precision": status.precision,
+                    "error": status.error,
+                }
+                if status.summary is not None:
+                    summary.update(
+                        final_metrics=status.summary.final_metrics,
+                        final_loss=status.summary.final_loss,
+                        wall_s=status.summary.wall_s,
+                    )
+            elif state == RUN_FAILED:
+                summary = {"error": "the process ended without writing a final status"}
+            # Out of GPU memory (exit 77): once more with half the batch; then the advice.
+            if state == RUN_FAILED and exit_code == EXIT_OOM:
+                if self._retry_oom(run.id, status, runner, target, placement):
+                    continue
+                summary["error"] = f"{summary.get('error') or 'out of GPU memory'}. {OOM_ADVICE}"
+            self.records.finish(run.id, state, exit_code, summary, tail, status)
+            finished += 1
+        return finished
+
+    @retrying
+    def _retry_oom(
+        self,
+        run_id: int,
+        status: Any,
+        runner: SshRunner,
+        target: SshTarget,
+        placement: dict[str, Any],
+    ) -> bool:
+        """Puts a run that ran out of GPU memory back in line with half the batch it used
+        (from its status; `GPUBOT_BATCH_SCALE=0.5` tells a script that did not say), and
+        tells its owner. False when it was retried already or the batch was 1: then it
+        fails, with the advice."""
+        used = getattr(status, "batch_size", None) if status is not None else None
+        if used is None and status is not None:  # a script's training.report(batch_size=...)
+            said = status.metrics.get("batch_size")
+            used = int(said) if isinstance(said, int | float) and said >= 1 else None
+        with transaction(self.ctx.engine, write=False) as s:
+            run = s.get(TrainingRun, run_id)
+            if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
+                return False
+            if run.metrics.get("oom_retry") or (isinstance(used, int) and used <= 1):
+                return False
+        # The old attempt's status and group id must not be read as the new one's.
+        with contextlib.suppress(SshError):
+            old = [placement.get("status"), placement.get("pgid_file")]
+            runner.run(
+                target, shell.join(["rm", "-f", "--", *(str(p) for p in old if p)]), timeout=30
+            )
+        half = used // 2 if isinstance(used, int) else None
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
+                return False
+            self.records.close_intervals(s, run_id, now)
+            run.metrics = {
+                **run.metrics,
+                "oom_retry": {"from_batch": used, "batch_size": half, "at": now.isoformat()},
+            }
+            run.state = RUN_QUEUED
+            run.placement = {}
+            run.host_id = None
+            run.started_at = None
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            was = f"at batch {used}" if used else "(its batch size was not reported)"
+            now_with = f"batch {half}" if half else "half the batch (GPUBOT_BATCH_SCALE=0.5)"
+            text = (
+                f"Run #{run_id} ran out of GPU memory {was}. It is back in line and will be "
+                f"retried once with {now_with}."
+            )
+            self.ctx.core.notify_dm(
+                s,
+                owner.key,
+                views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
+                now,
+                dedupe=f"run-oom-retry:{run_id}",
+            )
+            self.ctx.core.grant_pass(s, now)
+        return True
+
+    def _started_by_the_dead(self, placement: dict[str, Any]) -> int | bool | None:
+        """The group id the runner wrote when the worker that claimed the run died after
+        launching it; None when it never launched; False when the host cannot say now."""
+        path = placement.get("pgid_file")
+        seat = self.ctx.access.runner_for(str(placement.get("host", "")))
+        if not path or seat is None:
+            return None
+        runner, target = seat.runner, seat.target
+        try:
+            raw = runner.read_file(target, str(path), max_bytes=64)
+        except SshError as exc:
+            log.warning("cannot check whether run on %s started: %s", placement["host"], exc)
+            return False
+        text = (raw or b"").decode(errors="replace").strip()
+        return int(text) if text.isdigit() else None
+
+    @retrying
+    def _requeue_orphan(self, run_id: int) -> None:
+        with transaction(self.ctx.engine, write=False) as s:
+            claimed = s.get(TrainingRun, run_id)
+            placement = dict(claimed.placement) if claimed is not None else {}
+        started = self._started_by_the_dead(placement)
+        if started is False:
+            return  # the host is unreachable: ask again next poll, never start twice
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state != RUN_STARTING or "pgid" in run.placement:
+                return
+            if isinstance(started, int):
+                run.placement = {**run.placement, "pgid": started}
+                run.state = RUN_RUNNING
+                s.add(run)
+                log.warning("run %s was started by a worker that died; adopted it", run_id)
+                return
+            self.records.close_intervals(s, run_id, self.ctx.core.clock.now())
+            run.state = RUN_QUEUED
+            # A resumed run keeps where its checkpoint is (bot.app.agentwatch).
+            resume = run.placement.get("resume_from")
+            run.placement = {"resume_from": resume} if resume else {}
+            run.started_at = None
+            s.add(run)
+            log.warning("run %s was claimed but never started (crash?); back in line", run_id)
+
+
+OOM_ADVICE = (
+    "It ran out of GPU memory again after a retry with half the batch: use a smaller "
+    "`--batch-size` (or `--effective-batch` with gradient accumulation), `--precision bf16`, "
+    "or a GPU with more memory (`--gpu h100`)"
+)

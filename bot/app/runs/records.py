@@ -1,0 +1,157 @@
+"""A run's row after it started: its placement and figures updated, back in line with
+its checkpoint, or finished with its GPUs given back and its owner told. Dispatch
+(a run that could not start) and poll (a run that ended) both end runs here, and the
+host agents' watch (bot.app.agentwatch.WatchedRuns) requeues through it."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlmodel import Session, select
+
+from bot.app import runwatch
+from bot.app.held import end_held
+from bot.app.ports import Core, HostAccess
+from bot.app.runs.context import RunContext
+from bot.domain import views
+from db.models import (
+    RUN_OPEN_STATES,
+    RUN_QUEUED,
+    RUN_RUNNING,
+    RUN_STARTING,
+    TrainingRun,
+    UsageInterval,
+    User,
+)
+from db.session import lock_pool, locked, retrying, transaction
+from training.status import RunStatus
+
+log = logging.getLogger(__name__)
+
+
+class RunRecords:
+    """The run row's transitions after its start, each one transaction."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+
+    # agentwatch.WatchedRuns: the clock, settings and hosts the watch needs
+    @property
+    def core(self) -> Core:
+        return self.ctx.core
+
+    @property
+    def access(self) -> HostAccess:
+        return self.ctx.access
+
+    @property
+    def engine(self) -> Any:
+        return self.ctx.engine
+
+    @retrying
+    def update_placement(self, run_id: int, **changes: Any) -> None:
+        with transaction(self.ctx.engine) as s:
+            run = locked(s, TrainingRun, run_id)  # one row, nothing after it (db.session)
+            if run is not None:
+                run.placement = {**run.placement, **changes}
+                s.add(run)
+
+    @retrying
+    def update_metrics(self, run_id: int, status: RunStatus, live_runs: int = 1) -> None:
+        """Stores the run's latest figures and watches it (bot.app.runwatch: health alerts
+        to its owner, once each; its live message edited about once a minute)."""
+        with transaction(self.ctx.engine) as s:
+            run = locked(s, TrainingRun, run_id)  # one row, nothing after it (db.session)
+            if run is not None and run.state in RUN_OPEN_STATES:
+                run.metrics = {**run.metrics, **runwatch.metrics_of(status)}
+                owner = s.get(User, run.user_id)
+                if run.state == RUN_RUNNING and owner is not None:
+                    runwatch.watch(s, run, owner, status, self.ctx.core.clock.now(), live_runs)
+                s.add(run)
+
+    @retrying
+    def requeue(
+        self, run_id: int, resume_from: dict[str, Any], view: views.View, dedupe: str
+    ) -> bool:
+        """Back in line with its checkpoint (bot.app.agentwatch): a stop for a resume is not a
+        failure. Its GPUs go back, its place in line is its old one (submitted_at)."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state not in (RUN_STARTING, RUN_RUNNING):
+                return False  # cancelled meanwhile, or already moved on
+            self.close_intervals(s, run_id, now)
+            run.state = RUN_QUEUED
+            run.placement = {"resume_from": resume_from}
+            run.host_id = None
+            run.started_at = None
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            self.ctx.core.notify_dm(s, owner.key, view, now, dedupe=f"run-requeued:{dedupe}")
+            self.ctx.core.grant_pass(s, now)
+        return True
+
+    @staticmethod
+    def close_intervals(s: Session, run_id: int, at: datetime) -> float:
+        cost = 0.0
+        end_held(s, at, run_id=run_id)
+        for iv in s.exec(select(UsageInterval).where(UsageInterval.run_id == run_id)):
+            if iv.ended_at is not None:
+                cost += iv.usd_per_hour * (iv.ended_at - iv.started_at).total_seconds() / 3600
+        return cost
+
+    @retrying
+    def finish(
+        self,
+        run_id: int,
+        state: str,
+        exit_code: int | None,
+        summary: dict[str, Any],
+        log_tail: str,
+        status: RunStatus | None = None,
+    ) -> None:
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state not in RUN_OPEN_STATES:
+                return
+            cost = self.close_intervals(s, run_id, now)
+            run.state = state
+            run.finished_at = now
+            run.exit_code = exit_code
+            run.metrics = {**run.metrics, "summary": summary, "cost_usd": round(cost, 4)}
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            # bot.app.runwatch: metrics, precision and batch and why, GPU-hours, cost, the
+            # health summary and the loss curve; for a failure the exit status in words.
+            outcome = runwatch.Outcome(state, exit_code, status, log_tail, summary.get("error"))
+            view, chart = runwatch.result_view(s, run, outcome, now)
+            runwatch.close_live(s, run, owner, now)
+            self.ctx.core.notify_dm(
+                s, owner.key, view, now, dedupe=f"run-finished:{run_id}", attachment=chart
+            )
+            s.add(run)
+            if run.sweep is not None:
+                done = runwatch.sweep_done(s, run.sweep)
+                if done is not None:
+                    param = next(iter(set(done[0][0].options) - set(_base_options(done))), "lr")
+                    self.ctx.core.notify_dm(
+                        s,
+                        owner.key,
+                        runwatch.sweep_view(run.sweep, param, done),
+                        now,
+                        dedupe=f"sweep-finished:{run.sweep}",
+                    )
+            self.ctx.core.grant_pass(s, now)
+
+
+def _base_options(rows: list[tuple[TrainingRun, float]]) -> set[str]:
+    """The settings every variant of a sweep shares (same name and value): the swept
+    one is the other."""
+    first = rows[0][0].options
+    return {k for k, v in first.items() if all(r.options.get(k) == v for r, _ in rows)}

@@ -1,0 +1,261 @@
+"""Asking for a run: submit (one run or a sweep) and cancel. Every way a run starts
+comes through Submissions.submit (/gpu run, the run form, gpubot submit); checks that
+can refuse (who may, the recipe, the code source, the GPU model, the budget) happen
+here, before anything is queued."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from sqlmodel import Session, col, select
+
+from bot.app import budgets, sources
+from bot.app.access import audit
+from bot.app.ports import Actor
+from bot.app.runs.context import RECIPES, USAGE_RUN, RunContext, read_fleet
+from bot.domain import code_sources, views
+from bot.domain.commands import Cancel, Run
+from bot.domain.durations import format_duration
+from bot.domain.errors import UserError
+from db.models import RUN_CANCELLED, RUN_CANCELLING, RUN_OPEN_STATES, RUN_QUEUED, TrainingRun, User
+from db.session import locked, retrying, transaction
+from provisioning import shell
+
+log = logging.getLogger(__name__)
+
+
+class Submissions:
+    """What a user asks of the run queue: a run in, a run back out."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+
+    @retrying
+    def submit(self, actor: Actor, cmd: Run, request_key: str | None = None) -> views.Reply:
+        # Every way a run starts comes here (/gpu run, the run form, gpubot submit).
+        if self.ctx.refusal is not None:
+            raise UserError(self.ctx.refusal, USAGE_RUN)
+        refusal = self.ctx.gate.run_refusal(actor)
+        if refusal is not None:
+            raise UserError(refusal)  # who may, not how: no usage line
+        if cmd.interactive:
+            raise UserError(
+                "Say what to run: `--recipe digits` or `-- python train.py`.", USAGE_RUN
+            )
+        if cmd.recipe is not None and cmd.recipe not in RECIPES:
+            raise UserError(
+                f"There is no recipe `{cmd.recipe}`; recipes: {', '.join(RECIPES)}.", USAGE_RUN
+            )
+        self._check_source(cmd)  # bot.app.sources: git/path/staged code
+        with transaction(self.ctx.engine) as s:
+            if request_key is not None:
+                prior = s.exec(
+                    select(TrainingRun).where(TrainingRun.request_key == request_key)
+                ).first()
+                if prior is not None:
+                    return self._queued_reply(s, prior)
+            model = self._resolve_model(s, cmd.model, cmd.gpus)
+            user = self.ctx.core.user_row(s, actor.key, actor.name)
+            max_s = int(cmd.max_duration.total_seconds()) if cmd.max_duration else None
+            # Budget (bot.app.budgets): a run that cannot fit is refused before it queues.
+            variants = len(cmd.sweep[1]) if cmd.sweep else 1
+            budgets.check_budget(
+                s,
+                user,
+                budgets.run_estimate(s, model, cmd.gpus, max_s) * variants,
+                self.ctx.core.clock.now(),
+                self.ctx.core.settings,
+                what=(f"This sweep ({variants} runs of " if cmd.sweep else "This run (")
+                + f"{views.gpu_phrase(cmd.gpus, model)}, "
+                + (
+                    f"up to {format_duration(cmd.max_duration)})"
+                    if cmd.max_duration
+                    else "no --max: counted as 1h)"
+                ),
+            )
+            if cmd.sweep is not None:
+                return self._submit_sweep(s, cmd, user, model, request_key)
+            run = TrainingRun(
+                user_id=user.id,  # type: ignore[arg-type]
+                command=command_text(cmd.command),
+                recipe=cmd.recipe,
+                gpu_count=cmd.gpus,
+                gpu_model=model,
+                precision=cmd.precision,
+                spot=cmd.spot,
+                checkpoints=cmd.checkpoints,
+                max_seconds=int(cmd.max_duration.total_seconds()) if cmd.max_duration else None,
+                state=RUN_QUEUED,
+                submitted_at=self.ctx.core.clock.now(),
+                request_key=request_key,
+                source=cmd.source,
+                options=dict(cmd.options),
+            )
+            s.add(run)
+            s.flush()
+            return self._queued_reply(s, run)
+
+    def _submit_sweep(
+        self, s: Session, cmd: Run, user: User, model: str, request_key: str | None
+    ) -> views.Reply:
+        """One queued run per value, under one sweep label, submitted together so that the
+        scheduler places them side by side on the warm fleet; `RunRecords.finish` posts the table
+        when the last one ends."""
+        assert cmd.sweep is not None
+        param, values = cmd.sweep
+        label = f"s{uuid.uuid4().hex[:6]}"
+        now = self.ctx.core.clock.now()
+        ids = []
+        for n, value in enumerate(values):
+            run = TrainingRun(
+                user_id=user.id,  # type: ignore[arg-type]
+                command="",
+                recipe=cmd.recipe,
+                gpu_count=cmd.gpus,
+                gpu_model=model,
+                precision=cmd.precision,
+                spot=cmd.spot,
+                max_seconds=int(cmd.max_duration.total_seconds()) if cmd.max_duration else None,
+                state=RUN_QUEUED,
+                submitted_at=now,
+                # The first variant carries the request key: a retried delivery finds it.
+                request_key=request_key if n == 0 else None,
+                options={**dict(cmd.options), param: value},
+                sweep=label,
+            )
+            s.add(run)
+            s.flush()
+            ids.append(run.id)
+        listed = ", ".join(f"#{i} ({param} {v:g})" for i, v in zip(ids, values, strict=True))
+        text = (
+            f"Sweep {label} queued: recipe {cmd.recipe} on "
+            f"{views.gpu_phrase(cmd.gpus, model)} per variant, {listed}. Each run DMs you as it "
+            "starts and ends; when the last one ends you get one table comparing them."
+        )
+        return views.Reply(views.message(text).view, extra={"run_id": ids[0], "run_ids": ids})
+
+    def _check_source(self, cmd: Run) -> None:
+        """A source is checked where it is accepted (a Run built by code skips the
+        grammar); a staged one must still be on this machine's disk."""
+        if not cmd.source:
+            return
+        if cmd.recipe is not None:
+            raise UserError(
+                "A recipe brings its own code; a source goes with a command.", USAGE_RUN
+            )
+        try:
+            src = code_sources.parse_source(cmd.source, allow_file=self.ctx.allow_file_git)
+        except code_sources.SourceError as exc:
+            raise UserError(str(exc), USAGE_RUN) from None
+        home = self.ctx.core.settings.home
+        if (
+            isinstance(src, code_sources.StagedSource)
+            and not sources.staged_dir(home, src).is_dir()
+        ):
+            raise UserError(
+                f"There is no staged upload {src.staged_id} here; `gpubot submit DIR` stages one.",
+                USAGE_RUN,
+            )
+
+    def _resolve_model(self, s: Session, model: str | None, gpus: int) -> str:
+        """A run needs one GPU model: the asked one, else the configured default, else
+        the one model the pool has. Refuses what no host could ever run."""
+        counts: dict[str, int] = {}
+        for host in read_fleet(s):
+            for m, n in host.models.items():
+                counts[m] = max(counts.get(m, 0), n)
+        wanted = model or self.ctx.core.settings.default_gpu
+        if wanted is not None and self.ctx.core.supply.can_have(wanted, gpus):
+            return str(wanted)
+        if wanted is None:
+            if len(counts) != 1:
+                have = ", ".join(sorted(counts)) or "none"
+                raise UserError(
+                    f"Say which GPU model to run on (`--gpu MODEL`); this pool has: {have}.",
+                    USAGE_RUN,
+                )
+            wanted = next(iter(counts))
+        if wanted not in counts:
+            have = ", ".join(sorted(counts)) or "none"
+            raise UserError(f"No host here has {wanted} GPUs (this pool has: {have}).", USAGE_RUN)
+        if gpus > counts[wanted]:
+            raise UserError(
+                f"No host has {gpus} {wanted} GPUs; the most on one host is {counts[wanted]}. "
+                "Runs across several hosts need a cloud provider.",
+                USAGE_RUN,
+            )
+        return wanted
+
+    def _queued_reply(self, s: Session, run: TrainingRun) -> views.Reply:
+        queue = self._queued(s)
+        position = next((i + 1 for i, r in enumerate(queue) if r.id == run.id), None)
+        what = views.run_what(run.recipe, run.command)
+        if run.state == RUN_QUEUED:
+            place = "next in line" if position == 1 else f"position {position}"
+            text = (
+                f"Run #{run.id} queued ({place}): {what} on {views.gpu_phrase(run.gpu_count, run.gpu_model)}, "
+                f"precision {run.precision}. I'll DM you when it starts and when it ends. "
+                f"`/gpu cancel {run.id}` takes it back."
+            )
+        else:
+            text = f"Run #{run.id} ({what}) is {run.state}."
+        blocks: tuple[views.Block, ...] = (views.Text(text),)
+        if run.state in RUN_OPEN_STATES and run.id is not None:
+            blocks += (views.cancel_run_button(run.id),)
+        return views.Reply(views.View(text=text, blocks=blocks), extra={"run_id": run.id})
+
+    def _queued(self, s: Session) -> list[TrainingRun]:
+        return list(
+            s.exec(
+                select(TrainingRun)
+                .where(TrainingRun.state == RUN_QUEUED)
+                .order_by(
+                    col(TrainingRun.priority).desc(),
+                    col(TrainingRun.submitted_at),
+                    col(TrainingRun.id),
+                )
+            )
+        )
+
+    @retrying
+    def cancel(self, actor: Actor, cmd: Cancel) -> views.Reply:
+        """Marks the run; its GPUs go back when poll sees it end (`RunRecords.finish`). One row
+        under its lock and nothing after it (db.session): a dispatch that claimed the
+        run meanwhile is seen ("starting" → cancelling), never written over."""
+        with transaction(self.ctx.engine) as s:
+            run = locked(s, TrainingRun, cmd.run_id)
+            if run is None:
+                raise UserError(f"There is no run #{cmd.run_id}.", "/gpu cancel ID")
+            owner = s.get(User, run.user_id)
+            if owner is None or (owner.key != actor.key and not actor.admin):
+                raise UserError(
+                    f"Run #{run.id} is not yours; only its owner or an admin can cancel it."
+                )
+            if run.state not in RUN_OPEN_STATES:
+                raise UserError(f"Run #{run.id} already {run.state}.", "/gpu cancel ID")
+            if owner.key != actor.key:
+                audit(actor, "cancel", f"run #{run.id} of {owner.key}", session=s)
+            if run.state == RUN_QUEUED:
+                run.state = RUN_CANCELLED
+                run.finished_at = self.ctx.core.clock.now()
+                s.add(run)
+                return views.message(f"Run #{run.id} cancelled before it started.")
+            run.state = RUN_CANCELLING
+            s.add(run)
+            # A recipe checkpoints on SIGTERM; a command does whatever its script does.
+            saves = ", saves a checkpoint," if run.recipe else ""
+            return views.message(
+                f"Stopping run #{run.id}: it gets SIGTERM{saves} and its GPUs go back when it exits."
+            )
+
+
+def command_text(argv: tuple[str, ...] | list[str]) -> str:
+    """The run's command as one shell line whose words are exactly what the user gave
+    ("" for a recipe, which has none)."""
+    if not argv:
+        return ""
+    try:
+        return shell.join(argv)
+    except ValueError:
+        raise UserError("A command cannot hold a NUL character.", USAGE_RUN) from None
