@@ -193,3 +193,75 @@ def who_holds(
         .order_by(col(UsageInterval.host_id), col(Gpu.index), col(UsageInterval.id))
     )
     return [Hold(iv, gpu, user, res, run) for iv, gpu, user, res, run in s.exec(stmt).all()]
+
+
+@dataclass(frozen=True)
+class SchedulerHold:
+    """A held GPU as the scheduler weighs it, in plain columns: where, by whom, and the
+    reservation's end or the run's state (one of the two)."""
+
+    host_id: int
+    user_key: str
+    started_at: datetime
+    reservation_id: int | None
+    reservation_ends_at: datetime | None
+    run_id: int | None
+    run_state: str | None
+    run_started_at: datetime | None
+    run_max_seconds: int | None
+    run_gpu_count: int
+    # A recipe, a --spot or a --checkpoints run: one that resumes when moved.
+    run_movable: bool
+    # The run was told to stop (a spot notice, a preemption) and has not yet.
+    run_interrupted: bool
+
+
+def held_for_scheduler(s: Session) -> list[SchedulerHold]:
+    """Every GPU held now, as `who_holds` finds them but as plain columns (the dispatch
+    reads them all whenever it has work, a row per held GPU of the fleet)."""
+    columns: tuple[Any, ...] = (
+        UsageInterval.host_id,
+        User.key,
+        UsageInterval.started_at,
+        UsageInterval.reservation_id,
+        Reservation.ends_at,
+        UsageInterval.run_id,
+        TrainingRun.state,
+        TrainingRun.started_at,
+        TrainingRun.max_seconds,
+        TrainingRun.gpu_count,
+        TrainingRun.recipe,
+        TrainingRun.spot,
+        TrainingRun.checkpoints,
+        TrainingRun.placement,
+    )
+    stmt: Any = (
+        select(*columns)
+        .join(Gpu, col(Gpu.id) == col(UsageInterval.gpu_id))
+        .join(User, col(User.id) == col(UsageInterval.user_id))
+        .join(Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True)
+        .join(TrainingRun, col(TrainingRun.id) == col(UsageInterval.run_id), isouter=True)
+        .where(*_held())
+        .order_by(col(UsageInterval.host_id), col(Gpu.index), col(UsageInterval.id))
+    )
+    out = []
+    for row in s.exec(stmt):
+        host_id, key, started, res_id, ends, run_id, state, run_started, max_s = row[:9]
+        gpus, recipe, spot, ckpt, placement = row[9:]
+        out.append(
+            SchedulerHold(
+                host_id=host_id,
+                user_key=key,
+                started_at=started,
+                reservation_id=res_id,
+                reservation_ends_at=ends,
+                run_id=run_id,
+                run_state=state,
+                run_started_at=run_started,
+                run_max_seconds=max_s,
+                run_gpu_count=gpus or 0,
+                run_movable=recipe is not None or bool(spot) or bool(ckpt),
+                run_interrupted=isinstance(placement, dict) and "interrupted" in placement,
+            )
+        )
+    return out
