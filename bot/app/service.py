@@ -768,22 +768,41 @@ class GpuService:
             return team_bill(s, window, now, catalog)
 
     def _hosts(self, s: Session) -> list[HostState]:
-        hosts = s.exec(select(Host).where(Host.state != "terminated").order_by(col(Host.id))).all()
-        # Plain columns, not Gpu objects: a fleet of hundreds of GPUs is read on every
-        # status, and building ORM objects was most of its time.
-        columns: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.index, Gpu.model, Gpu.memory_gb)
-        gpus: list[tuple[int, int, int, str, float]] = s.exec(
-            select(*columns)
+        """Every host that is not terminated, with its present GPUs and who holds them.
+
+        Plain columns run through the connection (Core), not the ORM: a fleet of hundreds
+        of GPUs is read on every status and App Home, and building ORM objects, or even
+        the ORM's per-row processing of plain columns, was most of their time."""
+        conn = s.connection()
+        host_cols: tuple[Any, ...] = (
+            Host.id,
+            Host.name,
+            Host.provider,
+            Host.state,
+            Host.address,
+            Host.ssh_user,
+            Host.ssh_port,
+            Host.market,
+            Host.hourly_usd,
+            Host.down_since,
+            Host.down_reason,
+        )
+        hosts = conn.execute(
+            select(*host_cols).where(Host.state != "terminated").order_by(col(Host.id))
+        ).all()
+        gpu_cols: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.index, Gpu.model, Gpu.memory_gb)
+        gpus = conn.execute(
+            select(*gpu_cols)
             .where(col(Gpu.present).is_(True))
             .order_by(col(Gpu.host_id), col(Gpu.index))
         ).all()
-        holder = {h.interval.gpu_id: h for h in who_holds(s)}
+        holder = {h.interval.gpu_id: h for h in who_holds(s)} if gpus else {}
         by_host: dict[int, list[GpuState]] = {}
         for gpu_id, host_id, index, model, memory_gb in gpus:
-            assert gpu_id is not None
             h = holder.get(gpu_id)
-            state = GpuState(gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb)
-            if h is not None:
+            if h is None:
+                state = GpuState(gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb)
+            else:
                 iv, u, r = h.interval, h.user, h.reservation
                 state = GpuState(
                     gpu_id=gpu_id,
@@ -797,7 +816,25 @@ class GpuService:
                     until=r.ends_at if r is not None else None,
                 )
             by_host.setdefault(host_id, []).append(state)
-        return [_host_state(h, by_host.get(h.id or -1, [])) for h in hosts]
+        out = []
+        for host_id, name, provider, state_, address, user, port, market, usd, down, why in hosts:
+            down_now = state_ == HOST_UNREACHABLE
+            out.append(
+                HostState(
+                    name=name,
+                    provider=provider,
+                    state=state_,
+                    address=address,
+                    ssh_user=user,
+                    ssh_port=port,
+                    market=market,
+                    hourly_usd=usd,
+                    gpus=tuple(by_host.get(host_id, ())),
+                    down_since=down if down_now else None,
+                    down_reason=why if down_now else None,
+                )
+            )
+        return out
 
     def _waiting(self, s: Session, hosts: list[HostState] | None = None) -> list[ReservationInfo]:
         rows = s.exec(
