@@ -2,8 +2,8 @@
 
 A synthetic history (50 people on H hosts of 8 GPUs, N closed usage intervals spread
 over the 90 days before "now", each GPU's intervals back to back with gaps) is bulk
-inserted with its rollups and fair-share counters (`bot.app.rollups.computed_rollups`, the
-same arithmetic the bot uses when intervals close), then the real use cases run
+inserted, streamed, with its rollups and fair-share counters (`bot.app.rollups`'s rebuild,
+the same arithmetic the bot uses when intervals close), then the real use cases run
 through the service with a virtual clock: an idle worker tick, `/gpu cost team month`,
 the weekly digest's numbers (chart aside), `/gpu status`, `/gpu queue`, App Home, and a
 reserve + release. Each is the median of REPEATS calls; peak memory is tracemalloc's
@@ -11,12 +11,13 @@ peak over one call of each, after the build.
 
 Sizes: 1k, 10k, 100k intervals at 100 hosts (and 1 and 10 hosts at 1k for the views),
 on SQLite and on PostgreSQL when it is reachable. 1M intervals only with
-GPUBOT_BENCH_HISTORY_1M=1 (its build alone takes minutes on a shared 2-core machine);
+GPUBOT_BENCH_HISTORY_1M=1 (its build takes about a minute on a shared 2-core machine);
 GPUBOT_BENCH_HISTORY_SIZES=1000,100000 measures only those sizes.
 """
 
 from __future__ import annotations
 
+import heapq
 import os
 import random
 import resource
@@ -29,7 +30,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
@@ -37,17 +37,23 @@ from sqlmodel import Session, select
 
 from bot.app.config import Settings
 from bot.app.digest import digest_for
-from bot.app.rollups import FAIR_SHARE_HALF_LIFE_S, computed_rollups, day_sums
+from bot.app.rollups import (
+    ClosedRow,
+    HourlyRollups,
+    RollupKey,
+    Sums,
+    fair_share_of,
+    write_rollups,
+)
 from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
-from bot.domain.clock import VirtualClock
 from bot.domain.commands import Release, Reserve
 from bot.faces.dispatch import handle_text
 from bot.faces.slack.home import home_view
 from bot.faces.worker import tick_job
 from db.migrate import upgrade
-from db.models import FairShareUsage, Gpu, UsageInterval, UsageRollup, UsageRollupDay, User
-from db.session import make_engine
+from db.models import Gpu, HostPeriod, UsageInterval, User
+from db.session import insert_many, make_engine
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
@@ -92,98 +98,78 @@ def _instances(hosts: int) -> list[Instance]:
     ]
 
 
+class BenchClock:
+    """The bench's clock: set anywhere, back as well as forward, so that every measured
+    call sees the same "now" even though a reserve + release moves time on to release."""
+
+    def __init__(self, start: datetime) -> None:
+        self._now = start
+
+    def now(self) -> datetime:
+        return self._now
+
+    def set(self, when: datetime) -> None:
+        self._now = when
+
+
 def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> GpuService:
     """The service over a synthetic history of `intervals` closed intervals (bulk
     inserted, rollups computed as the bot computes them) and one person holding a GPU now."""
-    clock = VirtualClock(NOW - timedelta(days=91))
+    clock = BenchClock(NOW - timedelta(days=91))
     svc = GpuService(engine, Settings(admins=("root",), status_cache_s=0.0), clock)
     svc.sync_hosts(_instances(hosts))  # opens each host's billed period 91 days ago
     for u in range(USERS):
         svc.actor(f"user{u:02d}")
-    rng = random.Random(seed)
     with Session(engine) as s:
-        gpus = [(g.id, g.host_id) for g in s.exec(select(Gpu)).all()]
-        users = [u.id for u in s.exec(select(User)).all()]
+        gpus = [(g.id, g.host_id) for g in s.exec(select(Gpu)).all() if g.id is not None]
+        users = [u.id for u in s.exec(select(User)).all() if u.id is not None]
     # Each GPU's intervals back to back from 90 days ago: a GPU-hour or so each (capped
     # at 12 h), with gaps that spread a GPU's share of the N intervals over the 90 days.
+    # A GPU's intervals come from its own seeded generator, so they can be made again
+    # instead of kept: the GPUs' streams merged by start are inserted in chunks (COPY on
+    # PostgreSQL) and rolled up as they go (bot.app.rollups.HourlyRollups, the bot's own
+    # arithmetic), and merged by end they give the fair-share counters. Nothing holds the
+    # million rows, which would otherwise be most of the bench's peak memory.
     start = NOW - timedelta(days=90)
     end = NOW - timedelta(hours=1)
     per_gpu = max(1, -(-intervals // len(gpus)))
     gap_mean = max(60.0, (end - start).total_seconds() / per_gpu - 3600)
-    rows: list[dict[str, Any]] = []
-    for gpu_id, host_id in gpus:
+    rate = HOURLY / GPUS_PER_HOST
+
+    def one_gpu(i: int, gpu_id: int, host_id: int) -> Iterator[_Made]:
+        rng = random.Random(seed * 1_000_003 + gpu_id)
         t = start + timedelta(seconds=rng.uniform(0, gap_mean))
-        for _ in range(per_gpu):
-            if len(rows) >= intervals:
-                break
+        for _ in range(max(0, min(per_gpu, intervals - i * per_gpu))):
             dur = timedelta(seconds=min(12 * 3600.0, max(60.0, rng.expovariate(1 / 3600))))
             if t + dur > end:
-                break
-            rows.append(
-                {
-                    "gpu_id": gpu_id,
-                    "host_id": host_id,
-                    "user_id": rng.choice(users),
-                    "started_at": t,
-                    "ended_at": t + dur,
-                    "usd_per_hour": HOURLY / GPUS_PER_HOST,
-                    "market": "ondemand",
-                }
-            )
+                return
+            yield t, t + dur, gpu_id, host_id, rng.choice(users)
             t += dur + timedelta(seconds=rng.expovariate(1 / gap_mean))
-    with engine.begin() as conn:
-        for i in range(0, len(rows), 20_000):
-            conn.execute(UsageInterval.__table__.insert(), rows[i : i + 20_000])  # type: ignore[attr-defined]
+
+    def every(by_end: bool = False) -> Iterator[_Made]:
+        streams = [one_gpu(i, g, h) for i, (g, h) in enumerate(gpus)]
+        return heapq.merge(*streams, key=(lambda m: (m[1], m[0])) if by_end else None)
+
     with Session(engine) as s:
-        sums, fair = computed_rollups(s)
-    with engine.begin() as conn:
-        batch = [
-            {
-                "hour": k[0],
-                "user_id": k[1],
-                "host_id": k[2],
-                "market": k[3],
-                "run_id": k[4],
-                "micro_usd": v.micro_usd,
-                "held_us": v.held_us,
-                "covered_micro": v.covered_micro,
-            }
-            for k, v in sums.items()
-        ]
-        for i in range(0, len(batch), 20_000):
-            conn.execute(UsageRollup.__table__.insert(), batch[i : i + 20_000])  # type: ignore[attr-defined]
-        with Session(engine) as s:
-            days = day_sums(s, sums)
-        conn.execute(
-            UsageRollupDay.__table__.insert(),  # type: ignore[attr-defined]
-            [
-                {
-                    "day": k[0],
-                    "user_id": k[1],
-                    "market": k[2],
-                    "instance_type": k[3],
-                    "run_id": k[4],
-                    "micro_usd": v.micro_usd,
-                    "held_us": v.held_us,
-                    "covered_micro": v.covered_micro,
-                }
-                for k, v in days.items()
-            ],
-        )
-        if fair:
-            conn.execute(
-                FairShareUsage.__table__.insert(),  # type: ignore[attr-defined]
-                [
-                    {
-                        "user_id": u,
-                        "decayed_s": v,
-                        "as_of": t,
-                        "half_life_s": FAIR_SHARE_HALF_LIFE_S,
-                    }
-                    for u, (v, t) in fair.items()
-                ],
-            )
-        if engine.dialect.name == "postgresql":
+        rollups = HourlyRollups(s.exec(select(HostPeriod)).all())
+
+        def hourly() -> Iterator[tuple[RollupKey, Sums]]:
+            chunk: list[_Made] = []
+            for made in every():
+                chunk.append(made)
+                if len(chunk) >= _CHUNK:
+                    _insert_intervals(s, chunk, rate)
+                    chunk = []
+                a, b, _, host_id, user_id = made
+                yield from rollups.add(ClosedRow(a, b, user_id, host_id, "ondemand", None, rate))
+            _insert_intervals(s, chunk, rate)
+            yield from rollups.rest()
+
+        fair = fair_share_of((b, a, user_id) for a, b, _, _, user_id in every(by_end=True))
+        write_rollups(s, hourly(), fair)
+        s.commit()
+    if engine.dialect.name == "postgresql":
+        with engine.begin() as conn:
             for table in (
                 "usageinterval",
                 "usagerollup",
@@ -202,6 +188,30 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
     return svc
 
 
+_CHUNK = 20_000
+_Made = tuple[datetime, datetime, int, int, int]  # start, end, GPU, host, user
+
+
+def _insert_intervals(s: Session, rows: list[_Made], rate: float) -> None:
+    """Closed intervals into the table in the session's transaction (COPY on PostgreSQL)."""
+    insert_many(
+        s,
+        UsageInterval.__table__,  # type: ignore[attr-defined]
+        [
+            {
+                "gpu_id": gpu_id,
+                "host_id": host_id,
+                "user_id": user_id,
+                "started_at": a,
+                "ended_at": b,
+                "usd_per_hour": rate,
+                "market": "ondemand",
+            }
+            for a, b, gpu_id, host_id, user_id in rows
+        ],
+    )
+
+
 def _median_ms(fn: Callable[[], object]) -> float:
     fn()  # warm
     times = []
@@ -214,10 +224,19 @@ def _median_ms(fn: Callable[[], object]) -> float:
 
 def _ops(svc: GpuService) -> dict[str, Callable[[], object]]:
     me = svc.actor("user01")
+    clock = svc.clock
+    assert isinstance(clock, BenchClock)
 
     def reserve_release() -> None:
-        svc.reserve(me, Reserve(count=1, duration=timedelta(hours=1)))
-        svc.release(me, Release(all=True))
+        # Released 90 minutes after it was granted, across an hour boundary, as in real
+        # use: a release at the instant of the grant closes an empty interval, which
+        # skips the rollup writes that every real release does.
+        svc.reserve(me, Reserve(count=1, duration=timedelta(hours=2)))
+        clock.set(NOW + timedelta(minutes=90))
+        try:
+            svc.release(me, Release(all=True))
+        finally:
+            clock.set(NOW)
 
     return {
         "idle_tick": lambda: tick_job(svc, None),

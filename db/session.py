@@ -12,7 +12,7 @@ follows the lock order below.
 Lock order (PostgreSQL; every row lock is `FOR NO KEY UPDATE`, which does not
 block the foreign-key checks of inserts that merely point at the row):
 
-  1. the pool: every GPU row, by id (`lock_pool`);
+  1. the pool: one transaction-scoped advisory lock per schema (`lock_pool`);
   2. users, by id;
   3. reservations, by id;
   4. runs, by id;
@@ -52,16 +52,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError
-from sqlmodel import Session, SQLModel, col, create_engine, select
+from sqlmodel import Session, SQLModel, create_engine
 from sqlmodel.sql.expression import SelectOfScalar
-
-from db.models import Gpu
 
 log = logging.getLogger(__name__)
 
@@ -164,22 +163,36 @@ M = TypeVar("M", bound=SQLModel)
 _POOL_LOCK = "gpubot.pool_lock"  # Session.info key: where lock_pool took the pool
 
 
+# The pool's advisory lock: pg_advisory_xact_lock(int4, int4) with the schema's hash as
+# the first key, so that databases kept as schemas of one server (the tests, the bench)
+# each have a pool of their own; the two-int form is a key space apart from the bigint
+# keys of the leader and the host sync. 1735423344 is "gpup" in ASCII.
+POOL_LOCK_SQL = "SELECT pg_advisory_xact_lock(hashtext(current_schema()), 1735423344)"
+
+
 def lock_pool(s: Session) -> None:
-    """Takes the pool: every GPU row, by id, until the transaction ends (lock order, 1).
+    """Takes the pool until the transaction ends (lock order, 1).
 
     Call it first, before reading what the transaction will change. Taking it again
     in the same transaction is harmless and costs nothing: a second call in the same
-    transaction (and savepoint) returns at once, since locking every GPU row again was
-    a second pass over the fleet in each reserve and tick. On SQLite the write
-    transaction is the lock.
+    transaction (and savepoint) returns at once. On SQLite the write transaction is the
+    lock.
+
+    On PostgreSQL it is one advisory lock, not a lock on every GPU row as it once was:
+    that wrote a row lock into each of a hundred hosts' 800 GPU rows (and the WAL) in
+    every reserve, release and grant, most of their time at that size. Only pool holders
+    write GPU rows (`GpuService.sync_hosts`), so nothing relied on the row locks beyond
+    the serialization, and a transaction's advisory locks, like its row locks, are let go
+    only once its commit is visible: the next holder reads what the last one wrote.
     """
     if _on_postgres(s):
         # The (transaction, savepoint) the lock was taken in: a commit, a rollback or
-        # another savepoint gives another pair, so the lock is taken again there.
+        # another savepoint gives another pair, so the lock is taken again there (a lock
+        # taken in a savepoint that is rolled back is let go with it).
         taken = (s.get_transaction(), s.get_nested_transaction())
         if taken[0] is not None and s.info.get(_POOL_LOCK) == taken:
             return
-        s.exec(select(Gpu.id).order_by(col(Gpu.id)).with_for_update(key_share=True)).all()
+        s.execute(text(POOL_LOCK_SQL))
         s.info[_POOL_LOCK] = (s.get_transaction(), s.get_nested_transaction())
 
 
@@ -206,6 +219,32 @@ def locked_rows(s: Session, stmt: SelectOfScalar[M]) -> list[M]:
     if _on_postgres(s):
         stmt = stmt.with_for_update(key_share=True)
     return list(s.exec(stmt).all())
+
+
+def insert_many(s: Session, table: Any, rows: list[dict[str, Any]]) -> None:
+    """Many rows (same keys each) into `table` (a SQLAlchemy Table) in the session's
+    transaction: an executemany on SQLite, COPY on PostgreSQL. psycopg sends an
+    executemany a row at a time, and batching it into multi-row INSERTs spends its time
+    parsing the huge statements: a million rollup rows took minutes either way. Aware
+    datetimes are written as naive UTC, as `db.types.UTCDateTime` stores them."""
+    if not rows:
+        return
+    if not _on_postgres(s):
+        s.execute(table.insert(), rows)
+        return
+    names = list(rows[0])
+    raw: Any = s.connection().connection.driver_connection
+    sql = f"COPY {table.name} ({', '.join(names)}) FROM STDIN"
+    with raw.cursor() as cur, cur.copy(sql) as copy:
+        for row in rows:
+            copy.write_row(
+                [
+                    v.astimezone(UTC).replace(tzinfo=None)
+                    if isinstance(v, datetime) and v.tzinfo is not None
+                    else v
+                    for v in (row[n] for n in names)
+                ]
+            )
 
 
 def _on_postgres(s: Session) -> bool:

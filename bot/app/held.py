@@ -20,11 +20,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement
-from sqlmodel import Session, col, select
+from sqlalchemy import ColumnElement, and_
+from sqlmodel import Session, col, func, select
 
 from bot.app.rollups import on_closed
-from db.models import Gpu, Reservation, TrainingRun, UsageInterval, User
+from db.models import (
+    HOST_TERMINATED,
+    Gpu,
+    Host,
+    Reservation,
+    TrainingRun,
+    UsageInterval,
+    User,
+)
 
 
 def _held(
@@ -51,6 +59,67 @@ def _one(host_id: int | None) -> list[int] | None:
 def held_gpu_ids(s: Session, *, host_id: int | None = None) -> set[int]:
     """The ids of the GPUs held now (on one host, if given): what is not free."""
     return set(s.exec(select(UsageInterval.gpu_id).where(*_held(host_ids=_one(host_id)))).all())
+
+
+@dataclass(frozen=True)
+class GpuCount:
+    """One GPU model on one host: how many of its GPUs are present, and how many of
+    those are free (held by nobody)."""
+
+    host_id: int
+    host_state: str
+    model: str
+    present: int
+    free: int
+
+
+def gpu_counts(s: Session) -> list[GpuCount]:
+    """Every host that is not terminated, per GPU model, with its present and free GPUs:
+    in host id order, and a host's models in the order of their first GPU.
+
+    One grouped query, the open intervals joined through their partial index: what a
+    reserve needs to refuse the impossible and to choose a host (best fit needs only how
+    many are free where), a row per host and model instead of a row per GPU. It was the
+    GPUs of a hundred hosts, read twice, in every reserve."""
+    held = func.count(col(UsageInterval.id))
+    columns: tuple[Any, ...] = (Gpu.host_id, Host.state, Gpu.model, func.count(), held)
+    stmt: Any = (
+        select(*columns)
+        .join(Host, col(Host.id) == col(Gpu.host_id))
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.gpu_id) == col(Gpu.id), *_held()),
+            isouter=True,
+        )
+        .where(col(Host.state) != HOST_TERMINATED, col(Gpu.present).is_(True))
+        .group_by(col(Gpu.host_id), col(Host.state), col(Gpu.model))
+        .order_by(col(Gpu.host_id), func.min(col(Gpu.index)))
+    )
+    return [
+        GpuCount(host_id, state, model, int(n), int(n) - int(h))
+        for host_id, state, model, n, h in s.exec(stmt).all()
+    ]
+
+
+def free_gpus(s: Session, host_id: int, model: str) -> list[tuple[int, int]]:
+    """(id, index) of the host's present, free GPUs of this model, by index."""
+    columns: tuple[Any, ...] = (Gpu.id, Gpu.index)
+    stmt: Any = (
+        select(*columns)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.gpu_id) == col(Gpu.id), *_held()),
+            isouter=True,
+        )
+        .where(
+            col(Gpu.host_id) == host_id,
+            col(Gpu.model) == model,
+            col(Gpu.present).is_(True),
+            col(UsageInterval.id).is_(None),
+        )
+        .order_by(col(Gpu.index))
+    )
+    return [(gpu_id, index) for gpu_id, index in s.exec(stmt).all()]
 
 
 def held_host_ids(s: Session) -> set[int]:
@@ -124,3 +193,87 @@ def who_holds(
         .order_by(col(UsageInterval.host_id), col(Gpu.index), col(UsageInterval.id))
     )
     return [Hold(iv, gpu, user, res, run) for iv, gpu, user, res, run in s.exec(stmt).all()]
+
+
+@dataclass(frozen=True)
+class SchedulerHold:
+    """A held GPU as the scheduler weighs it, in plain columns: where, by whom, and the
+    reservation's end or the run's state (one of the two)."""
+
+    host_id: int
+    user_key: str
+    started_at: datetime
+    reservation_id: int | None
+    reservation_ends_at: datetime | None
+    run_id: int | None
+    run_state: str | None
+    run_started_at: datetime | None
+    run_max_seconds: int | None
+    run_gpu_count: int
+    # A recipe, a --spot or a --checkpoints run: one that resumes when moved.
+    run_movable: bool
+    # The run was told to stop (a spot notice, a preemption) and has not yet.
+    run_interrupted: bool
+    # Seconds its earlier segments ran (attained_s).
+    run_attained_s: float = 0.0
+
+
+def attained_s(metrics: Any) -> float:
+    """Seconds a run ran in its earlier segments, as `RunRecords.requeue` sums them into
+    its metrics: what the scheduler's reclaim rules read (a resumed run queues behind ones
+    that never ran and is not moved again before it has run that long once more)."""
+    value = metrics.get("attained_s") if isinstance(metrics, dict) else None
+    return float(value) if isinstance(value, int | float) and value > 0 else 0.0
+
+
+def held_for_scheduler(s: Session) -> list[SchedulerHold]:
+    """Every GPU held now, as `who_holds` finds them but as plain columns (the dispatch
+    reads them all whenever it has work, a row per held GPU of the fleet)."""
+    columns: tuple[Any, ...] = (
+        UsageInterval.host_id,
+        User.key,
+        UsageInterval.started_at,
+        UsageInterval.reservation_id,
+        Reservation.ends_at,
+        UsageInterval.run_id,
+        TrainingRun.state,
+        TrainingRun.started_at,
+        TrainingRun.max_seconds,
+        TrainingRun.gpu_count,
+        TrainingRun.recipe,
+        TrainingRun.spot,
+        TrainingRun.checkpoints,
+        TrainingRun.placement,
+        TrainingRun.metrics,
+    )
+    stmt: Any = (
+        select(*columns)
+        .join(Gpu, col(Gpu.id) == col(UsageInterval.gpu_id))
+        .join(User, col(User.id) == col(UsageInterval.user_id))
+        .join(Reservation, col(Reservation.id) == col(UsageInterval.reservation_id), isouter=True)
+        .join(TrainingRun, col(TrainingRun.id) == col(UsageInterval.run_id), isouter=True)
+        .where(*_held())
+        .order_by(col(UsageInterval.host_id), col(Gpu.index), col(UsageInterval.id))
+    )
+    out = []
+    for row in s.exec(stmt):
+        host_id, key, started, res_id, ends, run_id, state, run_started, max_s = row[:9]
+        gpus, recipe, spot, ckpt, placement, metrics = row[9:]
+        out.append(
+            SchedulerHold(
+                host_id=host_id,
+                user_key=key,
+                started_at=started,
+                reservation_id=res_id,
+                reservation_ends_at=ends,
+                run_id=run_id,
+                run_state=state,
+                run_started_at=run_started,
+                run_max_seconds=max_s,
+                run_gpu_count=gpus or 0,
+                run_movable=recipe is not None or bool(spot) or bool(ckpt),
+                run_interrupted=isinstance(placement, dict) and "interrupted" in placement,
+                run_attained_s=attained_s(metrics),
+            )
+        )
+    return out

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from provisioning import shell
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from sqlalchemy.engine import Engine
     from sqlmodel import Session
@@ -31,8 +31,16 @@ if TYPE_CHECKING:
     from bot.app.config import Settings
     from bot.domain import views
     from bot.domain.clock import Clock
-    from db.models import Gpu, Host, User
+    from db.models import Host, User
     from provisioning.ssh import SshRunner, SshTarget
+
+
+class GpuRef(Protocol):
+    """A GPU as far as starting its clock needs: its id (a `db.models.Gpu`, or a plain
+    row the grant pass read, so that no ORM object is loaded just to be pointed at)."""
+
+    @property
+    def id(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -171,14 +179,16 @@ class Core(Protocol):
         self,
         s: Session,
         host: Host,
-        gpus: list[Gpu],
+        gpus: Sequence[GpuRef],
         user_id: int,
         now: datetime,
         *,
         reservation_id: int | None = None,
         run_id: int | None = None,
+        gpu_count: int | None = None,
     ) -> None:
-        """Starts the clock on these GPUs for a reservation or a run."""
+        """Starts the clock on these GPUs for a reservation or a run; `gpu_count` is the
+        host's present GPUs when the caller has counted them already."""
         ...
 
     def grant_pass(self, s: Session, now: datetime, quiet_id: int | None = None) -> int:

@@ -22,20 +22,23 @@ demand.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any, cast
+from typing import Any, Protocol
 
 from sqlalchemy import delete, func
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.domain.metering import Usage, Window, metered_micro
+from bot.domain.metering import Usage, Window, epoch_us, reading
 from bot.domain.scheduling.model import SchedulerConfig
 from db.models import (
     FairShareUsage,
@@ -46,7 +49,7 @@ from db.models import (
     UsageRollupDay,
     User,
 )
-from db.session import lock_pool, transaction
+from db.session import insert_many, lock_pool, transaction
 from provisioning.costs import gpu_share
 
 HOUR = timedelta(hours=1)
@@ -90,8 +93,39 @@ def ceil_day(t: datetime) -> datetime:
     return f if f == t else f + DAY
 
 
-def _rate(iv: UsageInterval) -> Decimal:
-    return Decimal(str(iv.usd_per_hour))
+class ClosedUsage(Protocol):
+    """What a rollup needs of a closed interval: a `db.models.UsageInterval`, or its
+    columns read without building the ORM object (`computed_rollups` over a million)."""
+
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def ended_at(self) -> datetime | None: ...
+    @property
+    def user_id(self) -> int: ...
+    @property
+    def host_id(self) -> int: ...
+    @property
+    def market(self) -> str: ...
+    @property
+    def run_id(self) -> int | None: ...
+    @property
+    def usd_per_hour(self) -> float: ...
+
+
+@functools.lru_cache(maxsize=1024)
+def _exact(usd_per_hour: float) -> Fraction:
+    """The stored float price as the exact decimal it was written as, once per price."""
+    return Fraction(Decimal(str(usd_per_hour)))
+
+
+def _rate(iv: ClosedUsage) -> Fraction:
+    return _exact(iv.usd_per_hour)
+
+
+@functools.lru_cache(maxsize=1024)
+def _share(usd_per_hour: float, gpus: int) -> Fraction:
+    return gpu_share(_exact(usd_per_hour), gpus)
 
 
 def _period_share(p: HostPeriod) -> Fraction | None:
@@ -99,45 +133,61 @@ def _period_share(p: HostPeriod) -> Fraction | None:
     stopped or GPU-less, so no usage covers any of it)."""
     if p.state != "running" or p.gpus == 0:
         return None
-    return gpu_share(Fraction(Decimal(str(p.usd_per_hour))), p.gpus)
+    return _share(p.usd_per_hour, p.gpus)
 
 
-def _covered(periods: Sequence[HostPeriod], a: datetime, b: datetime) -> int:
+# A host's running periods as the meter reads them: (start, end or None, GPU share), in
+# epoch microseconds.
+_Spans = Sequence[tuple[int, int | None, Fraction]]
+_HOUR_US = 3_600_000_000
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _running_spans(periods: Iterable[HostPeriod]) -> list[tuple[int, int | None, Fraction]]:
+    out = []
+    for p in periods:
+        share = _period_share(p)
+        if share is not None:
+            end = None if p.ended_at is None else epoch_us(p.ended_at)
+            out.append((epoch_us(p.started_at), end, share))
+    return out
+
+
+def _covered(spans: _Spans, a: int, b: int) -> int:
     """[a, b) of one GPU at each overlapping running period's share: what it takes off
     the idle overhead (bot.domain.metering.idle_overhead, cut the same way)."""
     total = 0
-    for p in periods:
-        share = _period_share(p)
-        if share is None:
-            continue
-        lo = max(a, p.started_at)
-        hi = b if p.ended_at is None else min(b, p.ended_at)
+    for start, end, share in spans:
+        lo = max(a, start)
+        hi = b if end is None else min(b, end)
         if hi > lo:
-            total += metered_micro(share, lo, hi)
+            total += reading(share, hi) - reading(share, lo)
     return total
 
 
-def _pieces(iv: UsageInterval, periods: Sequence[HostPeriod]) -> Iterable[tuple[RollupKey, Sums]]:
-    """One closed interval, cut at UTC hours."""
+@functools.lru_cache(maxsize=1 << 16)
+def _hour(h_us: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=h_us)
+
+
+def _pieces(iv: ClosedUsage, spans: _Spans) -> Iterable[tuple[RollupKey, Sums]]:
+    """One closed interval, cut at UTC hours. In integer microseconds on the meter's own
+    clock (`bot.domain.metering.reading`): the same sums as metering each piece's times,
+    without the datetimes, which were most of a rebuild's time over a million intervals."""
     assert iv.ended_at is not None
     rate = _rate(iv)
-    t = iv.started_at
-    while t < iv.ended_at:
-        hour = floor_hour(t)
-        b = min(iv.ended_at, hour + HOUR)
-        key = (hour, iv.user_id, iv.host_id, iv.market, iv.run_id or 0)
-        yield (
-            key,
-            Sums(
-                metered_micro(rate, t, b),
-                (b - t) // timedelta(microseconds=1),
-                _covered(periods, t, b),
-            ),
-        )
-        t = b
+    t, end = epoch_us(iv.started_at), epoch_us(iv.ended_at)
+    tail = (iv.user_id, iv.host_id, iv.market, iv.run_id or 0)
+    at = reading(rate, t)
+    while t < end:
+        h = t - t % _HOUR_US
+        b = min(end, h + _HOUR_US)
+        bt = reading(rate, b)
+        yield (_hour(h), *tail), Sums(bt - at, b - t, _covered(spans, t, b))
+        t, at = b, bt
 
 
-def _periods_for(s: Session, ivs: Sequence[UsageInterval]) -> dict[int, list[HostPeriod]]:
+def _periods_for(s: Session, ivs: Sequence[ClosedUsage]) -> dict[int, list[HostPeriod]]:
     """The billed periods of the intervals' hosts that overlap them."""
     if not ivs:
         return {}
@@ -162,55 +212,60 @@ _DAY_KEY = ("day", "user_id", "market", "instance_type", "run_id")
 Rollup = UsageRollup | UsageRollupDay
 
 
+_SUMMED = ("micro_usd", "held_us", "covered_micro")
+
+
+@functools.cache
+def _upsert(dialect: str, table: type[Rollup], fields: tuple[str, ...]) -> Any:
+    """INSERT ... ON CONFLICT (the key) DO UPDATE adding the sums, built once per dialect
+    and table: building it was most of a release's time in rollups."""
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = insert(table)
+    c = stmt.table.c
+    return stmt.on_conflict_do_update(
+        index_elements=list(fields),
+        set_={name: c[name] + getattr(stmt.excluded, name) for name in _SUMMED},
+    )
+
+
 def _add_rows(
     s: Session, table: type[Rollup], fields: tuple[str, ...], sums: Mapping[tuple[Any, ...], Sums]
 ) -> None:
     """Adds to existing rows or makes new ones, hourly or daily alike: `fields` name the
-    key's columns in order (the time bucket first, then the user). The caller holds the
-    pool (db.session.lock_pool), so nobody else adds to the same rows meanwhile."""
+    key's columns in order (the table's unique key). One upsert (INSERT ... ON CONFLICT DO
+    UPDATE, on SQLite as on PostgreSQL) instead of reading the rows and writing each back:
+    closing a reservation ran four statements more for the two tables. The caller holds
+    the pool (db.session.lock_pool), so nobody else adds to the same rows meanwhile."""
     if not sums:
         return
-    bucket = col(getattr(table, fields[0]))
-    buckets = [k[0] for k in sums]
-    found = s.exec(
-        select(table).where(
-            bucket >= min(buckets),
-            bucket <= max(buckets),
-            col(table.user_id).in_({k[1] for k in sums}),
-        )
-    ).all()
-    # select() over a union of tables is typed as SQLModel; the rows are `table`'s.
-    existing = {tuple(getattr(r, f) for f in fields): cast(Rollup, r) for r in found}
-    for key, add in sums.items():
-        row = existing.get(key)
-        if row is None:
-            row = table(**dict(zip(fields, key, strict=True)))
-        row.micro_usd += add.micro_usd
-        row.held_us += add.held_us
-        row.covered_micro += add.covered_micro
-        s.add(row)
+    rows = [
+        {
+            **dict(zip(fields, key, strict=True)),
+            "micro_usd": add.micro_usd,
+            "held_us": add.held_us,
+            "covered_micro": add.covered_micro,
+        }
+        for key, add in sums.items()
+    ]
+    s.execute(_upsert(s.get_bind().dialect.name, table, fields), rows)
 
 
 def day_sums(s: Session, hourly: dict[RollupKey, Sums]) -> dict[DayKey, Sums]:
     """The hourly sums gathered by UTC day, user, market, instance type and run."""
     hosts = {k[2] for k in hourly}
-    itype = (
-        {h.id: h.instance_type or "" for h in s.exec(select(Host).where(col(Host.id).in_(hosts)))}
-        if hosts
-        else {}
-    )
-    out: dict[DayKey, Sums] = defaultdict(Sums)
-    for (hour, user_id, host_id, market, run_id), v in hourly.items():
-        out[(floor_day(hour), user_id, market, itype.get(host_id, ""), run_id)].add(v)
-    return dict(out)
+    days: dict[DayKey, Sums] = {}
+    if hosts:
+        add_day_sums(days, instance_types(s, hosts), hourly.items())
+    return days
 
 
 def _sums(
-    ivs: Sequence[UsageInterval], periods: dict[int, list[HostPeriod]]
+    ivs: Sequence[ClosedUsage], periods: dict[int, list[HostPeriod]]
 ) -> dict[RollupKey, Sums]:
     sums: dict[RollupKey, Sums] = defaultdict(Sums)
+    spans = {h: _running_spans(ps) for h, ps in periods.items()}
     for iv in ivs:
-        for key, piece in _pieces(iv, periods.get(iv.host_id, [])):
+        for key, piece in _pieces(iv, spans.get(iv.host_id, [])):
             sums[key].add(piece)
     return sums
 
@@ -269,46 +324,146 @@ def on_closed(s: Session, ivs: Sequence[UsageInterval]) -> None:
 
 # --- rebuild and compare ------------------------------------------------------------------
 
+# Rows fetched at a time when streaming the intervals.
 _BATCH = 5000
 
 
-def computed_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
-    """Every rollup row and fair-share counter as the raw closed intervals say they should
-    be, read in batches in id order."""
-    sums: dict[RollupKey, Sums] = defaultdict(Sums)
-    # Only what the counters need, not the rows: a rebuild of a million intervals
-    # holds a tuple each, not an ORM object.
-    ends: list[tuple[datetime, int, int, float]] = []  # end, id, user, seconds
-    last = 0
-    while True:
-        batch = list(
-            s.exec(
-                select(UsageInterval)
-                .where(col(UsageInterval.id) > last, col(UsageInterval.ended_at).is_not(None))
-                .order_by(col(UsageInterval.id))
-                .limit(_BATCH)
-            ).all()
-        )
-        if not batch:
-            break
-        last = batch[-1].id or last
-        for key, piece in _sums(batch, _periods_for(s, batch)).items():
-            sums[key].add(piece)
-        for iv in batch:
-            assert iv.ended_at is not None
-            secs = max(0.0, (iv.ended_at - iv.started_at).total_seconds())
-            ends.append((iv.ended_at, iv.id or 0, iv.user_id, secs))
-            s.expunge(iv)
+@dataclass(frozen=True)
+class ClosedRow:
+    """A closed interval's columns (`ClosedUsage`), as a plain row."""
+
+    started_at: datetime
+    ended_at: datetime | None
+    user_id: int
+    host_id: int
+    market: str
+    run_id: int | None
+    usd_per_hour: float
+
+
+class HourlyRollups:
+    """Hourly rollup rows of closed intervals given in the order they started, each
+    hour's rows handed out as soon as no interval still to come can add to it (each
+    starts no earlier than the last one given). Memory stays that of the hours still
+    open, not that of a million intervals and their rollups (a rebuild, the bench)."""
+
+    def __init__(self, periods: Iterable[HostPeriod]) -> None:
+        by_host: dict[int, list[HostPeriod]] = defaultdict(list)
+        for p in periods:
+            by_host[p.host_id].append(p)
+        self._spans = {h: _running_spans(ps) for h, ps in by_host.items()}
+        self._open: dict[datetime, dict[RollupKey, Sums]] = {}
+
+    def add(self, iv: ClosedUsage) -> list[tuple[RollupKey, Sums]]:
+        """Adds one interval; returns the rows of the hours now final."""
+        done: list[tuple[RollupKey, Sums]] = []
+        first = floor_hour(iv.started_at)
+        if any(h < first for h in self._open):
+            for hour in sorted(h for h in self._open if h < first):
+                done += self._open.pop(hour).items()
+        for key, piece in _pieces(iv, self._spans.get(iv.host_id, ())):
+            bucket = self._open.setdefault(key[0], {})
+            got = bucket.get(key)
+            if got is None:
+                bucket[key] = piece
+            else:
+                got.add(piece)
+        return done
+
+    def rest(self) -> list[tuple[RollupKey, Sums]]:
+        """The rows of the hours still open, once every interval was given."""
+        done: list[tuple[RollupKey, Sums]] = []
+        for hour in sorted(self._open):
+            done += self._open.pop(hour).items()
+        return done
+
+
+def iter_computed_rollups(s: Session) -> Iterator[tuple[RollupKey, Sums]]:
+    """Every hourly rollup row as the raw closed intervals say it should be, in hour
+    order, streamed (`HourlyRollups`): the intervals are read once, by start, as plain
+    rows."""
+    rollups = HourlyRollups(s.exec(select(HostPeriod)).all())
+    columns: tuple[Any, ...] = (
+        UsageInterval.started_at,
+        UsageInterval.ended_at,
+        UsageInterval.user_id,
+        UsageInterval.host_id,
+        UsageInterval.market,
+        UsageInterval.run_id,
+        UsageInterval.usd_per_hour,
+    )
+    stmt: Any = (
+        select(*columns)
+        .where(col(UsageInterval.ended_at).is_not(None))
+        .order_by(col(UsageInterval.started_at), col(UsageInterval.id))
+        .execution_options(yield_per=_BATCH)
+    )
+    for row in s.exec(stmt):
+        yield from rollups.add(ClosedRow(*row))
+    yield from rollups.rest()
+
+
+def computed_fair_share(s: Session) -> dict[int, tuple[float, datetime]]:
+    """Each user's fair-share counter as the raw closed intervals say it should be: the
+    intervals streamed in the order they ended (then by id), as the counters are kept."""
+    columns: tuple[Any, ...] = (
+        UsageInterval.ended_at,
+        UsageInterval.started_at,
+        UsageInterval.user_id,
+    )
+    stmt: Any = (
+        select(*columns)
+        .where(col(UsageInterval.ended_at).is_not(None))
+        .order_by(col(UsageInterval.ended_at), col(UsageInterval.id))
+        .execution_options(yield_per=_BATCH)
+    )
+    return fair_share_of(s.exec(stmt))
+
+
+def fair_share_of(
+    ends: Iterable[tuple[datetime, datetime, int]],
+) -> dict[int, tuple[float, datetime]]:
+    """The counters for closed intervals given as (ended, started, user) in the order
+    they ended."""
     fair: dict[int, tuple[float, datetime]] = {}
     h = FAIR_SHARE_HALF_LIFE_S
-    for ended_at, _, user_id, secs in sorted(ends):
+    for ended_at, started_at, user_id in ends:
+        secs = max(0.0, (ended_at - started_at).total_seconds())
         prev = fair.get(user_id)
         if prev is None:
             fair[user_id] = (secs, ended_at)
         else:
             value, as_of = prev
             fair[user_id] = (decay(value, (ended_at - as_of).total_seconds(), h) + secs, ended_at)
-    return dict(sums), fair
+    return fair
+
+
+def computed_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
+    """Every rollup row and fair-share counter as the raw closed intervals say they should
+    be (what the tests compare with what was kept)."""
+    return dict(iter_computed_rollups(s)), computed_fair_share(s)
+
+
+def instance_types(s: Session, host_ids: Iterable[int] | None = None) -> dict[int, str]:
+    """Each host's instance type ("" for machines without one), as the day rows key it."""
+    columns: tuple[Any, ...] = (Host.id, Host.instance_type)
+    stmt: Any = select(*columns)
+    if host_ids is not None:
+        stmt = stmt.where(col(Host.id).in_(set(host_ids)))
+    return {host_id: instance_type or "" for host_id, instance_type in s.exec(stmt)}
+
+
+def add_day_sums(
+    days: dict[DayKey, Sums], itype: Mapping[int, str], hourly: Iterable[tuple[RollupKey, Sums]]
+) -> None:
+    """Adds hourly rows into their (UTC day, user, market, instance type, run) sums."""
+    for (hour, user_id, host_id, market, run_id), v in hourly:
+        key = (floor_day(hour), user_id, market, itype.get(host_id, ""), run_id)
+        got = days.get(key)
+        if got is None:
+            days[key] = Sums(v.micro_usd, v.held_us, v.covered_micro)
+        else:
+            got.add(v)
 
 
 def stored_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
@@ -335,44 +490,68 @@ def stored_day_rollups(s: Session) -> dict[DayKey, Sums]:
 def rebuild_rollups(s: Session) -> int:
     """Throws the rollups and counters away and recomputes them from the intervals (after
     an upgrade from before rollups, or a repair). Returns how many rollup rows it wrote.
-    Run it with the pool held or the bot stopped, so nothing closes meanwhile."""
-    sums, fair = computed_rollups(s)
+    Run it with the pool held or the bot stopped, so nothing closes meanwhile. Streamed
+    (`iter_computed_rollups`): the hourly rows are written in batches as they are final."""
     s.execute(delete(UsageRollup))
     s.execute(delete(UsageRollupDay))
     s.execute(delete(FairShareUsage))
-    for (hour, user_id, host_id, market, run_id), v in sums.items():
-        s.add(
-            UsageRollup(
-                hour=hour,
-                user_id=user_id,
-                host_id=host_id,
-                market=market,
-                run_id=run_id,
-                micro_usd=v.micro_usd,
-                held_us=v.held_us,
-                covered_micro=v.covered_micro,
-            )
+    return write_rollups(s, iter_computed_rollups(s), computed_fair_share(s))
+
+
+def write_rollups(
+    s: Session,
+    hourly: Iterable[tuple[RollupKey, Sums]],
+    fair: Mapping[int, tuple[float, datetime]],
+) -> int:
+    """Inserts hourly rows (in batches, as they come), their day rows and the counters
+    into empty tables; returns how many hourly rows. The rebuild's and the bench's."""
+    itype = instance_types(s)
+    days: dict[DayKey, Sums] = {}
+    written = 0
+    batch: list[tuple[RollupKey, Sums]] = []
+
+    def flush() -> None:
+        _insert_rows(
+            s, UsageRollup, [dict(zip(_HOUR_KEY, k, strict=True)) | _values(v) for k, v in batch]
         )
-    for (day, user_id, market, instance_type, run_id), v in day_sums(s, sums).items():
-        s.add(
-            UsageRollupDay(
-                day=day,
-                user_id=user_id,
-                market=market,
-                instance_type=instance_type,
-                run_id=run_id,
-                micro_usd=v.micro_usd,
-                held_us=v.held_us,
-                covered_micro=v.covered_micro,
-            )
+        add_day_sums(days, itype, batch)
+        batch.clear()
+
+    for item in hourly:
+        batch.append(item)
+        written += 1
+        if len(batch) >= _BATCH:
+            flush()
+    if batch:
+        flush()
+    _insert_rows(
+        s,
+        UsageRollupDay,
+        [dict(zip(_DAY_KEY, k, strict=True)) | _values(v) for k, v in days.items()],
+    )
+    if fair:
+        s.execute(
+            FairShareUsage.__table__.insert(),  # type: ignore[attr-defined]
+            [
+                {
+                    "user_id": u,
+                    "decayed_s": value,
+                    "as_of": as_of,
+                    "half_life_s": FAIR_SHARE_HALF_LIFE_S,
+                }
+                for u, (value, as_of) in fair.items()
+            ],
         )
-    for user_id, (value, as_of) in fair.items():
-        s.add(
-            FairShareUsage(
-                user_id=user_id, decayed_s=value, as_of=as_of, half_life_s=FAIR_SHARE_HALF_LIFE_S
-            )
-        )
-    return len(sums)
+    return written
+
+
+def _insert_rows(s: Session, table: type[Rollup], rows: list[dict[str, Any]]) -> None:
+    """Many rows into a rollup table (db.session.insert_many: COPY on PostgreSQL)."""
+    insert_many(s, table.__table__, rows)  # type: ignore[union-attr]
+
+
+def _values(v: Sums) -> dict[str, int]:
+    return {"micro_usd": v.micro_usd, "held_us": v.held_us, "covered_micro": v.covered_micro}
 
 
 def backfill_rollups(engine: Engine) -> int | None:
@@ -548,7 +727,7 @@ def _raw(
             host_id=iv.host_id,
             start=start,
             end=end,
-            usd_per_hour=_rate(iv),
+            usd_per_hour=Decimal(str(iv.usd_per_hour)),
             kind="run" if iv.run_id is not None else "reservation",
             ref_id=iv.run_id or iv.reservation_id or 0,
         ),

@@ -5,7 +5,7 @@ notifications a change causes go into the outbox in that same transaction.
 
 Granting is the one contended path. It runs as a "grant pass" over the waiting
 line inside the caller's transaction, serialized by `BEGIN IMMEDIATE` on SQLite
-and by the pool lock (every GPU row, `db.session.lock_pool`) on PostgreSQL; a
+and by the pool lock (an advisory lock, `db.session.lock_pool`) on PostgreSQL; a
 partial unique index (one open usage interval per GPU) is the backstop that
 makes a GPU held twice impossible even if that serialization were wrong. Every
 use case that changes a reservation takes the pool first and re-reads what it
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -34,9 +34,9 @@ from bot.app import budgets
 from bot.app.access import audit
 from bot.app.billing import TeamBill, note_host_state, team_bill, window_costs
 from bot.app.config import Settings
-from bot.app.held import end_held, held_gpu_ids, who_holds
+from bot.app.held import GpuCount, end_held, free_gpus, gpu_counts, who_holds
 from bot.app.outbox import enqueue
-from bot.app.ports import FIXED_POOL, Provisioner, Supply
+from bot.app.ports import FIXED_POOL, GpuRef, Provisioner, Supply
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
 from bot.domain import views
 from bot.domain.best_fit import best_fit
@@ -112,10 +112,17 @@ _SYNC_LOCK_KEY = 0x6770756273796E63
 
 @dataclass(frozen=True)
 class _FreeGpu:
-    """A free GPU as the grant pass weighs it: its id and model, read as plain columns."""
+    """A free GPU as the grant pass weighs it: its id, model and index, read as plain
+    columns."""
 
     id: int
     model: str
+    index: int
+
+
+# Session.info key: the host and GPUs (index, model) of each reservation granted in this
+# transaction, so that its reply or DM (`_info`) does not read them back.
+_GRANTED = "gpubot.granted"
 
 
 class GpuService:
@@ -265,7 +272,10 @@ class GpuService:
                             self._info(s, prior), self.clock.now(), self.settings.timezone
                         )
                     )
-                self._check_feasible(s, model, cmd.count)
+                # The fleet's GPU counts, read once under the pool: for the check and for
+                # this request's grant pass.
+                counts = gpu_counts(s)
+                self._check_feasible(model, cmd.count, counts)
                 user = self.user_row(s, actor.key, actor.name)
                 now = self.clock.now()
                 # Budget (bot.app.budgets): refused here, before it waits or is granted. No
@@ -292,7 +302,7 @@ class GpuService:
                 )
                 s.add(res)
                 s.flush()
-                self.grant_pass(s, now, quiet_id=res.id)
+                self.grant_pass(s, now, quiet_id=res.id, counts=counts)
                 info = self._info(s, res)
                 if res.state == RES_ACTIVE:
                     return views.Reply(views.granted_view(info, now, self.settings.timezone))
@@ -314,23 +324,19 @@ class GpuService:
     def _by_request_key(self, s: Session, key: str) -> Reservation | None:
         return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
 
-    def _check_feasible(self, s: Session, model: str | None, count: int) -> None:
+    def _check_feasible(self, model: str | None, count: int, counts: list[GpuCount]) -> None:
         """Refuses up front what could never be granted, instead of an endless wait.
-        One grouped count, not the status read model: it runs in every reservation's
-        transaction, under the pool lock, so a burst of them waits on its length."""
+        From the grouped counts (bot.app.held.gpu_counts) that the reserve's grant pass
+        uses too, not the status read model: it runs in every reservation's transaction,
+        under the pool lock, so a burst of them waits on its length."""
         if model is not None and self.supply.can_have(model, count):
             return
         per_host: dict[int, int] = {}
         seen: set[str] = set()
-        for host_id, gpu_model, n in s.exec(
-            select(Gpu.host_id, Gpu.model, func.count())
-            .join(Host, col(Host.id) == col(Gpu.host_id))
-            .where(Host.state != "terminated", col(Gpu.present).is_(True))
-            .group_by(col(Gpu.host_id), col(Gpu.model))
-        ).all():
-            seen.add(gpu_model)
-            if model is None or gpu_model == model:
-                per_host[host_id] = per_host.get(host_id, 0) + int(n)
+        for c in counts:
+            seen.add(c.model)
+            if model is None or c.model == model:
+                per_host[c.host_id] = per_host.get(c.host_id, 0) + c.present
         biggest = max(per_host.values(), default=0)
         if biggest >= count:
             return
@@ -349,41 +355,40 @@ class GpuService:
 
     # --- the grant pass -------------------------------------------------------------
 
-    def grant_pass(self, s: Session, now: datetime, quiet_id: int | None = None) -> int:
+    def grant_pass(
+        self,
+        s: Session,
+        now: datetime,
+        quiet_id: int | None = None,
+        counts: list[GpuCount] | None = None,
+    ) -> int:
         """Grants waiting reservations in order while GPUs allow; returns how many.
 
         A request that cannot be granted blocks later requests for the same GPUs
         (first come, first served per model); a later request for another model
         may go ahead. `quiet_id` is the caller's own request: its reply says the
-        result, so it gets no DM.
+        result, so it gets no DM. `counts` are the fleet's GPU counts when the caller
+        read them already under the pool (a reserve).
         """
         # Serializes grant passes; the callers took it already, first (db.session).
         lock_pool(s)
         # Most ticks and every release with nobody in line: one indexed query, no fleet.
-        anyone = s.exec(select(Reservation.id).where(Reservation.state == RES_WAITING).limit(1))
-        if anyone.first() is None:
-            return 0
-        # Every ready host's present GPUs in one query of plain columns: the tick and each
-        # reserve stay flat as the fleet grows, and no ORM object is built for the GPUs
-        # of a hundred hosts when one host is chosen (that was most of a reserve's time).
-        hosts = [
-            h
-            for h in s.exec(select(Host.id).where(Host.state == HOST_READY).order_by(col(Host.id)))
-            if h is not None
-        ]
-        held = held_gpu_ids(s)
-        free: dict[int, list[_FreeGpu]] = {h: [] for h in hosts}
-        present: dict[int, int] = {h: 0 for h in hosts}  # a host's price is shared by these
-        if free:
-            columns: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.model)
-            for gpu_id, host_id, gpu_model in s.exec(
-                select(*columns)
-                .where(col(Gpu.host_id).in_(hosts), col(Gpu.present).is_(True))
-                .order_by(col(Gpu.host_id), col(Gpu.index))
-            ):
-                present[host_id] += 1
-                if gpu_id not in held:
-                    free[host_id].append(_FreeGpu(gpu_id, gpu_model))
+        # A reserve (`quiet_id`) has just put its own request in line, so it skips that.
+        if quiet_id is None:
+            anyone = s.exec(select(Reservation.id).where(Reservation.state == RES_WAITING).limit(1))
+            if anyone.first() is None:
+                return 0
+        # How many GPUs each ready host has free, per model, in one grouped query
+        # (bot.app.held.gpu_counts): best fit needs no more to choose a host, and only the
+        # chosen host's free GPUs are then read. The tick and each reserve stay flat as the
+        # fleet grows: reading (and weighing) every GPU of a hundred hosts was most of a
+        # reserve's time.
+        free: dict[tuple[int, str], int] = {}  # (host, model): free GPUs, in fit order
+        present: dict[int, int] = {}  # a host's price is shared by these
+        for c in counts if counts is not None else gpu_counts(s):
+            if c.host_state == HOST_READY:
+                present[c.host_id] = present.get(c.host_id, 0) + c.present
+                free[(c.host_id, c.model)] = c.free
         # Each waiting row is read under its lock (ids in order) before it is granted:
         # an extend or a cancel that committed meanwhile is seen, not written over.
         waiting = sorted(
@@ -404,16 +409,16 @@ class GpuService:
                 or (res.gpu_model is None and blocked_models)
             ):
                 continue
-            choice = self._pick(hosts, free, res.gpu_model, res.gpu_count)
+            choice = self._pick(free, res.gpu_model, res.gpu_count)
             if choice is None:
                 blocked_models.add(res.gpu_model)
                 continue
-            host_id, picked = choice
+            host_id, gpu_model = choice
             host = s.get(Host, host_id)
             assert host is not None
             # Budget (bot.app.budgets): a grant that would go over is cancelled, with a DM.
             rate = Decimal(str(gpu_share(host.hourly_usd, present[host_id])))
-            refusal = budgets.grant_refusal(s, res, rate * len(picked), now, self.settings)
+            refusal = budgets.grant_refusal(s, res, rate * res.gpu_count, now, self.settings)
             if refusal is not None:
                 if res.id == quiet_id:
                     raise UserError(refusal)
@@ -428,15 +433,15 @@ class GpuService:
                     dedupe=f"budget-cancel:{res.id}",
                 )
                 continue
-            gpus = list(
-                s.exec(
-                    select(Gpu)
-                    .where(col(Gpu.id).in_([g.id for g in picked]))
-                    .order_by(col(Gpu.index))
-                )
-            )
-            self._grant(s, res, host, gpus, now)
-            free[host_id] = [g for g in free[host_id] if g not in picked]
+            # The chosen host's free GPUs of that model, by index (what this pass granted
+            # already is flushed, so not among them).
+            picked = [
+                _FreeGpu(gpu_id, gpu_model, index)
+                for gpu_id, index in free_gpus(s, host_id, gpu_model)[: res.gpu_count]
+            ]
+            assert len(picked) == res.gpu_count, "the counts and the GPUs disagree"
+            self._grant(s, res, host, picked, now, present[host_id])
+            free[(host_id, gpu_model)] -= res.gpu_count
             granted += 1
             if res.id != quiet_id:
                 info = self._info(s, res)
@@ -451,22 +456,22 @@ class GpuService:
 
     @staticmethod
     def _pick(
-        hosts: list[int], free: dict[int, list[_FreeGpu]], model: str | None, count: int
-    ) -> tuple[int, list[_FreeGpu]] | None:
-        """The host (its id) and its first `count` free GPUs of one model, by best fit
-        (bot.domain.best_fit): a request for no model in particular may take any one model,
-        never a mix."""
-        options: list[tuple[tuple[int, list[_FreeGpu]], int]] = []
-        for h in hosts:
-            by_model: dict[str, list[_FreeGpu]] = {}
-            for g in free[h]:
-                by_model.setdefault(g.model, []).append(g)
-            options += [((h, gs), len(gs)) for m, gs in by_model.items() if model in (None, m)]
-        choice = best_fit(options, count)
-        return None if choice is None else (choice[0], choice[1][:count])
+        free: dict[tuple[int, str], int], model: str | None, count: int
+    ) -> tuple[int, str] | None:
+        """The host (its id) and the GPU model to take `count` free GPUs of, by best fit
+        (bot.domain.best_fit) over each host's free GPUs per model, in host id order: a
+        request for no model in particular may take any one model, never a mix."""
+        options = [(key, n) for key, n in free.items() if model in (None, key[1])]
+        return best_fit(options, count)
 
     def _grant(
-        self, s: Session, res: Reservation, host: Host, gpus: list[Gpu], now: datetime
+        self,
+        s: Session,
+        res: Reservation,
+        host: Host,
+        gpus: list[_FreeGpu],
+        now: datetime,
+        present: int,
     ) -> None:
         assert host.id is not None and res.id is not None
         res.state = RES_ACTIVE
@@ -474,25 +479,32 @@ class GpuService:
         res.ends_at = now + timedelta(seconds=res.duration_s)
         res.host_id = host.id
         s.add(res)
-        self.open_usage(s, host, gpus, res.user_id, now, reservation_id=res.id)
+        self.open_usage(s, host, gpus, res.user_id, now, reservation_id=res.id, gpu_count=present)
+        # What `_info` would read back for this reservation: its host (held here, as the
+        # session keeps only weak references) and its GPUs' indexes and models.
+        s.info.setdefault(_GRANTED, {})[res.id] = (host, sorted((g.index, g.model) for g in gpus))
         s.flush()
 
     def open_usage(
         self,
         s: Session,
         host: Host,
-        gpus: list[Gpu],
+        gpus: Sequence[GpuRef],
         user_id: int,
         now: datetime,
         *,
         reservation_id: int | None = None,
         run_id: int | None = None,
+        gpu_count: int | None = None,
     ) -> None:
         """Starts the clock on these GPUs for a reservation or a run: each at its share
         of the host's hourly price, in the host's market. The partial unique index
-        refuses a GPU that is already held."""
+        refuses a GPU that is already held. A caller that has counted the host's present
+        GPUs already (the grant pass) passes `gpu_count`, sparing the count query."""
         assert host.id is not None
-        per_gpu = gpu_share(host.hourly_usd, self.gpu_count(s, host.id))
+        if gpu_count is None:
+            gpu_count = self.gpu_count(s, host.id)
+        per_gpu = gpu_share(host.hourly_usd, gpu_count)
         for g in gpus:
             assert g.id is not None
             s.add(
@@ -756,22 +768,41 @@ class GpuService:
             return team_bill(s, window, now, catalog)
 
     def _hosts(self, s: Session) -> list[HostState]:
-        hosts = s.exec(select(Host).where(Host.state != "terminated").order_by(col(Host.id))).all()
-        # Plain columns, not Gpu objects: a fleet of hundreds of GPUs is read on every
-        # status, and building ORM objects was most of its time.
-        columns: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.index, Gpu.model, Gpu.memory_gb)
-        gpus: list[tuple[int, int, int, str, float]] = s.exec(
-            select(*columns)
+        """Every host that is not terminated, with its present GPUs and who holds them.
+
+        Plain columns run through the connection (Core), not the ORM: a fleet of hundreds
+        of GPUs is read on every status and App Home, and building ORM objects, or even
+        the ORM's per-row processing of plain columns, was most of their time."""
+        conn = s.connection()
+        host_cols: tuple[Any, ...] = (
+            Host.id,
+            Host.name,
+            Host.provider,
+            Host.state,
+            Host.address,
+            Host.ssh_user,
+            Host.ssh_port,
+            Host.market,
+            Host.hourly_usd,
+            Host.down_since,
+            Host.down_reason,
+        )
+        hosts = conn.execute(
+            select(*host_cols).where(Host.state != "terminated").order_by(col(Host.id))
+        ).all()
+        gpu_cols: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.index, Gpu.model, Gpu.memory_gb)
+        gpus = conn.execute(
+            select(*gpu_cols)
             .where(col(Gpu.present).is_(True))
             .order_by(col(Gpu.host_id), col(Gpu.index))
         ).all()
-        holder = {h.interval.gpu_id: h for h in who_holds(s)}
+        holder = {h.interval.gpu_id: h for h in who_holds(s)} if gpus else {}
         by_host: dict[int, list[GpuState]] = {}
         for gpu_id, host_id, index, model, memory_gb in gpus:
-            assert gpu_id is not None
             h = holder.get(gpu_id)
-            state = GpuState(gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb)
-            if h is not None:
+            if h is None:
+                state = GpuState(gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb)
+            else:
                 iv, u, r = h.interval, h.user, h.reservation
                 state = GpuState(
                     gpu_id=gpu_id,
@@ -785,7 +816,25 @@ class GpuService:
                     until=r.ends_at if r is not None else None,
                 )
             by_host.setdefault(host_id, []).append(state)
-        return [_host_state(h, by_host.get(h.id or -1, [])) for h in hosts]
+        out = []
+        for host_id, name, provider, state_, address, user, port, market, usd, down, why in hosts:
+            down_now = state_ == HOST_UNREACHABLE
+            out.append(
+                HostState(
+                    name=name,
+                    provider=provider,
+                    state=state_,
+                    address=address,
+                    ssh_user=user,
+                    ssh_port=port,
+                    market=market,
+                    hourly_usd=usd,
+                    gpus=tuple(by_host.get(host_id, ())),
+                    down_since=down if down_now else None,
+                    down_reason=why if down_now else None,
+                )
+            )
+        return out
 
     def _waiting(self, s: Session, hosts: list[HostState] | None = None) -> list[ReservationInfo]:
         rows = s.exec(
@@ -810,16 +859,25 @@ class GpuService:
         indexes: tuple[int, ...] = ()
         models: tuple[str, ...] = ()
         if res.state == RES_ACTIVE or res.host_id is not None:
-            rows = s.exec(
-                select(Gpu)
-                .join(UsageInterval, col(UsageInterval.gpu_id) == col(Gpu.id))
-                .where(UsageInterval.reservation_id == res.id)
-                .order_by(col(Gpu.index))
-            ).all()
-            seen: dict[int, Gpu] = {g.id: g for g in rows if g.id is not None}
-            indexes = tuple(g.index for g in seen.values())
-            models = tuple(g.model for g in seen.values())
-            host = s.get(Host, res.host_id) if res.host_id is not None else None
+            known_host: Host | None = None
+            cached: tuple[Host, list[tuple[int, str]]] | None = s.info.get(_GRANTED, {}).get(res.id)
+            if cached is not None:
+                known_host, granted = cached
+            else:
+                # Plain columns: a GPU once per interval on it, so deduplicated by id.
+                columns: tuple[Any, ...] = (Gpu.id, Gpu.index, Gpu.model)
+                rows = s.exec(
+                    select(*columns)
+                    .join(UsageInterval, col(UsageInterval.gpu_id) == col(Gpu.id))
+                    .where(UsageInterval.reservation_id == res.id)
+                    .order_by(col(Gpu.index))
+                ).all()
+                granted = list({gpu_id: (index, model) for gpu_id, index, model in rows}.values())
+            indexes = tuple(index for index, _ in granted)
+            models = tuple(model for _, model in granted)
+            host = known_host
+            if host is None and res.host_id is not None:
+                host = s.get(Host, res.host_id)
             if host is not None:
                 known = {h.name: h for h in hosts} if hosts is not None else {}
                 host_state = known.get(host.name) or _host_state(host, [])
@@ -864,7 +922,7 @@ class GpuService:
         """Ends what is due, warns what is near, grants what became free. Idempotent.
 
         Most ticks have nothing to do: one indexed read says so without the write
-        transaction and the pool lock (on PostgreSQL a lock on every GPU row). What
+        transaction and the pool lock. What
         becomes due after that read is done by the next tick, as it would be had this
         tick run a moment earlier; a request that starts waiting runs its own grant pass.
         """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class HostState:
     down_since: datetime | None = None
     down_reason: str | None = None
 
-    @property
+    @cached_property
     def free(self) -> int:
         """GPUs someone could be given now: only a ready host's count; a booting,
         stopped or unreachable host's GPUs are not free, whoever holds them."""

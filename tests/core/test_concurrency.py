@@ -1,7 +1,8 @@
 """50 teammates racing for 4 free GPUs, on SQLite and on PostgreSQL.
 
 PostgreSQL is where locking is really tested: SQLite serializes writers anyway,
-while on PostgreSQL the grant pass relies on `FOR UPDATE` row locks.
+while on PostgreSQL the grant pass relies on the pool (an advisory lock,
+`db.session.lock_pool`) and `FOR UPDATE` row locks.
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ from db.models import (
     RES_RELEASED,
     RES_WAITING,
     Gpu,
+    Host,
     Reservation,
     UsageInterval,
     User,
 )
-from db.session import RETRY_ATTEMPTS, is_postgres, retrying, transaction
+from db.session import (
+    POOL_LOCK_SQL,
+    RETRY_ATTEMPTS,
+    is_postgres,
+    lock_pool,
+    retrying,
+    transaction,
+)
 from tests.core.helpers import actor, host, make_service
 
 THREADS = 50
@@ -223,7 +232,7 @@ def test_release_all_never_overwrites_what_a_grant_pass_just_granted(pg_engine: 
 def test_release_all_and_a_release_that_grants_do_not_deadlock(pg_engine: Engine) -> None:
     """The deadlock seen under load: `release all` wrote its waiting row and then waited
     for the GPU rows, while another release held the GPU rows and its grant pass waited
-    for that same waiting row. Both queue behind a gate on the GPU rows here, in the
+    for that same waiting row. Both queue behind a gate on the pool here, in the
     order that deadlocked; both must answer, neither "failed on our side"."""
     svc, _ = make_service(pg_engine, [host("box", "A100", 1)])
     alice, bob = actor(svc, "alice"), actor(svc, "bob")
@@ -232,11 +241,45 @@ def test_release_all_and_a_release_that_grants_do_not_deadlock(pg_engine: Engine
     with Session(pg_engine) as s:
         held = s.exec(select(Reservation).where(Reservation.state == "active")).one()
     bob_text, alice_text = _release_then_release_all(
-        pg_engine, svc, "SELECT id FROM gpu ORDER BY id FOR UPDATE", bob, held.id, alice
+        pg_engine, svc, POOL_LOCK_SQL, bob, held.id, alice
     )
     assert "Done" in bob_text
     assert "Done" in alice_text
     _assert_all_free(pg_engine)
+
+
+@pytest.mark.postgres
+def test_a_reserve_waits_for_the_pool_and_then_sees_what_its_holder_granted(
+    pg_engine: Engine,
+) -> None:
+    """The pool is one advisory lock (db.session.lock_pool), no longer a lock on every GPU
+    row: a reserve must still wait while another transaction holds the pool, and then read
+    what that one committed. Here the holder gives the only GPU to Alice while Bob's
+    reserve waits; Bob must be told to wait, not granted the same GPU (the unique index
+    would refuse that grant, and his reserve would fail)."""
+    svc, _ = make_service(pg_engine, [host("box", "A100", 1)])
+    alice, bob = actor(svc, "alice"), actor(svc, "bob")
+    probe = pg_engine.connect()
+    call = _Call(svc, bob, "/gpu reserve")
+    try:
+        with transaction(pg_engine) as s:
+            lock_pool(s)
+            pid = int(s.execute(text("SELECT pg_backend_pid()")).scalar_one())
+            call.start()
+            _until_waiting(probe, pid, 1, [call])
+            gpu = s.exec(select(Gpu)).one()
+            box = s.get(Host, gpu.host_id)
+            user = s.exec(select(User).where(User.key == alice.key)).one()
+            assert box is not None and user.id is not None
+            svc.open_usage(s, box, [gpu], user.id, svc.clock.now())
+    finally:
+        probe.close()
+    assert "waiting" in call.text()
+    with Session(pg_engine) as s:
+        holders = s.exec(
+            select(UsageInterval.user_id).where(col(UsageInterval.ended_at).is_(None))
+        ).all()
+    assert holders == [user.id]
 
 
 # --- many clients reserving and releasing through the real service -------------------------

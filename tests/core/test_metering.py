@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from fractions import Fraction
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -22,6 +23,7 @@ from bot.domain.metering import (
     host_cost,
     idle_overhead,
     period_window,
+    reading,
     storage_usd_per_hour,
     to_cents,
 )
@@ -390,3 +392,19 @@ def test_users_plus_idle_equal_the_instances_cost_exactly(
     a, b = cost_by_user(usages, first, now), cost_by_user(usages, second, now)
     for user, cost in users.items():
         assert a.get(user, D(0)) + b.get(user, D(0)) == cost
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.fractions(min_value=0, max_value=10_000),
+    st.integers(min_value=-(10**17), max_value=10**17),
+)
+def test_the_integer_meter_reads_as_the_exact_fraction_rounded_half_to_even(
+    rate: Fraction, t_us: int
+) -> None:
+    """The meter's reading is computed in integers (a rebuild over a million intervals
+    spent its time building Fractions); it must be round(rate * t / 3600) exactly,
+    ties to even included."""
+    assert reading(rate, t_us) == round(rate * t_us / 3600)
+    half = Fraction(1800 * (2 * t_us + 1), 1) / max(1, abs(t_us))  # often lands on a tie
+    assert reading(half, t_us) == round(half * t_us / 3600)

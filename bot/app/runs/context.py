@@ -84,23 +84,6 @@ class LocalAccess:
         return HostSeat(self.runner, self.target, self.runs_dir, self.interpreter)
 
 
-def hosts_with_gpus(s: Session, which: Any) -> list[tuple[Host, list[Gpu]]]:
-    """The hosts `which` selects, by id, each with its present GPUs: two queries whatever
-    the number of hosts (a GPU query per host made the queue and the tick grow with
-    the fleet)."""
-    hosts = list(s.exec(select(Host).where(which).order_by(col(Host.id))))
-    ids = [h.id for h in hosts]
-    by_host: dict[int, list[Gpu]] = {}
-    if ids:
-        for g in s.exec(
-            select(Gpu)
-            .where(col(Gpu.host_id).in_(ids), col(Gpu.present).is_(True))
-            .order_by(col(Gpu.id))
-        ):
-            by_host.setdefault(g.host_id, []).append(g)
-    return [(h, by_host.get(h.id or -1, [])) for h in hosts]
-
-
 @dataclass(frozen=True)
 class FleetHost:
     """What the queue needs of a host that is not terminated: plain columns and its

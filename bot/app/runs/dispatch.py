@@ -81,6 +81,8 @@ class Dispatcher:
             usage=usage,
             preempt_due=due,
         )
+        # Each host's kind as the scheduler saw it (its instance type, else its provider).
+        kinds = {i.instance_id: i.instance_type for i in fleet}
         started = 0
         for action in actions:
             if isinstance(action, Launch | Start):
@@ -97,7 +99,7 @@ class Dispatcher:
             if not names or any(n not in hosts for n in names):
                 log.info("placement %s needs hosts this provider does not have; skipped", action)
                 continue
-            if len({hosts[n].instance_type or hosts[n].provider for n in names}) != 1:
+            if len({kinds[n] for n in names}) != 1:
                 log.info("placement %s spans instance types; skipped", action)
                 continue
             if self._start(int(action.run_id), names, action.gpus_per_instance):

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import math
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import and_, func, or_
 from sqlmodel import Session, col, select
 
-from bot.app.held import who_holds
+from bot.app.held import attained_s, held_for_scheduler
 from bot.app.rollups import fair_share_usage
-from bot.app.runs.context import RunContext, host_view, hosts_with_gpus
+from bot.app.runs.context import RunContext, host_view
 from bot.domain.scheduling import Allocation, FleetInstance, QueuedRun, RunHistory
 from db.models import (
     HOST_PENDING,
@@ -26,6 +27,7 @@ from db.models import (
     RUN_QUEUED,
     RUN_RUNNING,
     RUN_SUCCEEDED,
+    Gpu,
     Host,
     Reservation,
     TrainingRun,
@@ -52,131 +54,185 @@ def anything_to_decide(s: Session) -> bool:
 
 def scheduler_inputs(
     ctx: RunContext, s: Session, now: datetime
-) -> tuple[list[QueuedRun], list[FleetInstance], dict[str, Host], dict[str, float]]:
-    waiting_models = {
-        r.gpu_model for r in s.exec(select(Reservation).where(Reservation.state == RES_WAITING))
-    }
+) -> tuple[list[QueuedRun], list[FleetInstance], set[str], dict[str, float]]:
+    """(queued runs, fleet, names of the ready hosts runs can be placed on, decayed usage).
+
+    Plain columns throughout, no ORM objects: a dispatch with work to do read every ready
+    host and its GPUs, the open intervals with five objects each, and the runs as objects,
+    which grew with the fleet (800 GPU objects at a hundred hosts)."""
+    waiting_models = set(
+        s.exec(select(Reservation.gpu_model).where(Reservation.state == RES_WAITING).distinct())
+    )
     history = run_history(s, now)
     queue = []
-    for run, user in s.exec(
-        select(TrainingRun, User)
-        .join(User)
+    run_cols: tuple[Any, ...] = (
+        TrainingRun.id,
+        User.key,
+        TrainingRun.gpu_count,
+        TrainingRun.gpu_model,
+        TrainingRun.submitted_at,
+        TrainingRun.max_seconds,
+        TrainingRun.priority,
+        TrainingRun.spot,
+        TrainingRun.recipe,
+        TrainingRun.checkpoints,
+        TrainingRun.metrics,
+    )
+    queued: Any = (
+        select(*run_cols)
+        .join(User, col(User.id) == col(TrainingRun.user_id))
         .where(TrainingRun.state == RUN_QUEUED)
         .order_by(col(TrainingRun.id))
-    ):
+    )
+    for row in s.exec(queued):
+        run_id, user_key, gpus, model, submitted, max_s, priority, spot, recipe, ckpt = row[:10]
         # Someone waiting for a reservation of this model goes first: people at a
         # keyboard before batch work.
-        if run.gpu_model in waiting_models or None in waiting_models:
+        if model in waiting_models or None in waiting_models:
             continue
         queue.append(
             QueuedRun(
-                run_id=str(run.id),
-                user=user.key,
-                gpus=run.gpu_count,
-                gpu_model=run.gpu_model or "",
-                submit_s=run.submitted_at.timestamp(),
+                run_id=str(run_id),
+                user=user_key,
+                gpus=gpus,
+                gpu_model=model or "",
+                submit_s=submitted.timestamp(),
                 # the user's --max, else what the team's finished runs predict
-                est_duration_s=float(run.max_seconds)
-                if run.max_seconds
-                else history.predict_duration(user.key, run.gpu_count),
-                priority=run.priority,
-                spot=run.spot,
-                preemptible=run.recipe is not None or run.spot or run.checkpoints,
+                est_duration_s=float(max_s) if max_s else history.predict_duration(user_key, gpus),
+                priority=priority,
+                spot=spot,
+                preemptible=recipe is not None or spot or ckpt,
                 # how long its earlier segments ran (RunRecords.requeue keeps the sum): a
                 # resumed run queues behind ones that never ran, and is not moved again
                 # before it has run that long once more (the simulator's rule)
-                attained_s=attained_s(run),
+                attained_s=attained_s(row[10]),
             )
         )
-    hosts: dict[str, Host] = {}
     fleet = []
     now_s = now.timestamp()
     # Booting and stopped instances too: the scheduler must see what is on its way.
-    for host in s.exec(
-        select(Host).where(col(Host.state).in_((HOST_PENDING, HOST_STOPPED))).order_by(col(Host.id))
-    ):
+    away_cols: tuple[Any, ...] = (
+        Host.name,
+        Host.state,
+        Host.instance_type,
+        Host.market,
+        Host.hourly_usd,
+        Host.created_at,
+        Host.updated_at,
+    )
+    away: Any = (
+        select(*away_cols)
+        .where(col(Host.state).in_((HOST_PENDING, HOST_STOPPED)))
+        .order_by(col(Host.id))
+    )
+    for name, state, itype, market, usd_hr, created, updated in s.exec(away):
         view = host_view(
-            name=host.name,
-            state=host.state,
-            instance_type=host.instance_type,
-            market=host.market,
-            usd_hr=host.hourly_usd,
-            created_s=host.created_at.timestamp(),
-            updated_s=host.updated_at.timestamp(),
+            name=name,
+            state=state,
+            instance_type=itype,
+            market=market,
+            usd_hr=usd_hr,
+            created_s=created.timestamp(),
+            updated_s=updated.timestamp(),
             now=now_s,
             catalog=ctx.catalog,
             config=ctx.config,
         )
         if view is not None:
             fleet.append(view)
-    last_use = {
-        host_id: ended
-        for host_id, ended in s.exec(
-            select(UsageInterval.host_id, func.max(UsageInterval.ended_at)).group_by(
-                col(UsageInterval.host_id)
-            )
-        )
-    }
-    open_rows = who_holds(s)
-    for host, gpus in hosts_with_gpus(s, Host.state == HOST_READY):
-        if not gpus:
-            continue
-        hosts[host.name] = host
-        by_holder: dict[str, tuple[str, int, float | None]] = {}
-        # run -> (preemptible, stopping, started_s, attained_s), as Allocation takes them
-        flags: dict[str, tuple[bool, bool, float | None, float]] = {}
-        for hold in open_rows:
-            iv, user, res, held_by = hold.interval, hold.user, hold.reservation, hold.run
-            if iv.host_id != host.id:
-                continue
-            if res is not None:
-                key, end = f"res:{res.id}", res.ends_at.timestamp() if res.ends_at else None
-            else:
-                started = (
-                    held_by.started_at
-                    if held_by is not None and held_by.started_at
-                    else iv.started_at
-                )
-                limit = held_by.max_seconds if held_by is not None else None
-                key, end = f"{iv.run_id}", (started.timestamp() + limit) if limit else None
-                if end is None and held_by is not None:
+    # Who holds what now, per host: run -> (user, GPUs, expected end), and per run the
+    # flags Allocation takes (preemptible, stopping, started_s, attained_s).
+    by_host: dict[int, dict[str, tuple[str, int, float | None]]] = {}
+    flags: dict[str, tuple[bool, bool, float | None, float]] = {}
+    for h in held_for_scheduler(s):
+        if h.reservation_id is not None:
+            key = f"res:{h.reservation_id}"
+            end = h.reservation_ends_at.timestamp() if h.reservation_ends_at else None
+        else:
+            started = h.run_started_at or h.started_at
+            limit = h.run_max_seconds
+            key, end = f"{h.run_id}", (started.timestamp() + limit) if limit else None
+            if h.run_state is not None:
+                if end is None:
                     end = history.predict_end(
-                        user.key, held_by.gpu_count, started.timestamp(), now_s
+                        h.user_key, h.run_gpu_count, started.timestamp(), now_s
                     )
-                if held_by is not None:
-                    # Recipes checkpoint on SIGTERM (training.loop); a --spot or
-                    # --checkpoints run's owner said it resumes. Nothing else moves.
-                    flags[key] = (
-                        held_by.state == RUN_RUNNING
-                        and (held_by.recipe is not None or held_by.spot or held_by.checkpoints),
-                        held_by.state == RUN_CANCELLING or "interrupted" in held_by.placement,
-                        started.timestamp(),
-                        attained_s(held_by),
-                    )
-            _, n, _ = by_holder.get(key, (user.key, 0, end))
-            by_holder[key] = (user.key, n + 1, end)
-        models = sorted({g.model for g in gpus})
+                # Recipes checkpoint on SIGTERM (training.loop); a --spot or
+                # --checkpoints run's owner said it resumes. Nothing else moves.
+                flags[key] = (
+                    h.run_state == RUN_RUNNING and h.run_movable,
+                    h.run_state == RUN_CANCELLING or h.run_interrupted,
+                    started.timestamp(),
+                    h.run_attained_s,
+                )
+        holders = by_host.setdefault(h.host_id, {})
+        _, n, _ = holders.get(key, (h.user_key, 0, end))
+        holders[key] = (h.user_key, n + 1, end)
+    # Each ready host with its present GPUs counted (and its first model), one grouped
+    # query; a host without GPUs is not offered.
+    ready_cols: tuple[Any, ...] = (
+        Host.id,
+        Host.name,
+        Host.instance_type,
+        Host.provider,
+        Host.hourly_usd,
+        Host.market,
+        Host.created_at,
+        func.count(col(Gpu.id)),
+        func.min(col(Gpu.model)),
+    )
+    ready: Any = (
+        select(*ready_cols)
+        .join(Gpu, col(Gpu.host_id) == col(Host.id))
+        .where(Host.state == HOST_READY, col(Gpu.present).is_(True))
+        .group_by(
+            col(Host.id),
+            col(Host.name),
+            col(Host.instance_type),
+            col(Host.provider),
+            col(Host.hourly_usd),
+            col(Host.market),
+            col(Host.created_at),
+        )
+        .order_by(col(Host.id))
+    )
+    rows = s.exec(ready).all()
+    # Since when an unheld host has been idle: its last interval's end, asked only for
+    # hosts nobody holds anything on now.
+    idle_ids = [row[0] for row in rows if row[0] not in by_host]
+    last_use: dict[int, datetime] = {}
+    if idle_ids:
+        last: Any = (
+            select(UsageInterval.host_id, func.max(UsageInterval.ended_at))
+            .where(col(UsageInterval.host_id).in_(idle_ids))
+            .group_by(col(UsageInterval.host_id))
+        )
+        last_use = {host_id: ended for host_id, ended in s.exec(last) if ended is not None}
+    names: set[str] = set()
+    for host_id, name, itype, provider, usd_hr, market, created, n, model in rows:
+        names.add(name)
+        holders = by_host.get(host_id, {})
         fleet.append(
             FleetInstance(
-                instance_id=host.name,
-                instance_type=host.instance_type or host.provider,
-                gpu_model=models[0],
-                gpus=len(gpus),
-                usd_hr=host.hourly_usd,
-                market="spot" if host.market == "spot" else "ondemand",
+                instance_id=name,
+                instance_type=itype or provider,
+                gpu_model=model,
+                gpus=int(n),
+                usd_hr=usd_hr,
+                market="spot" if market == "spot" else "ondemand",
                 state="running",
-                ready_at_s=host.created_at.timestamp(),
+                ready_at_s=created.timestamp(),
                 allocations=tuple(
-                    Allocation(k, u, n, e, *flags.get(k, (False, False, None, 0.0)))
-                    for k, (u, n, e) in by_holder.items()
+                    Allocation(k, u, c, e, *flags.get(k, (False, False, None, 0.0)))
+                    for k, (u, c, e) in holders.items()
                 ),
                 # idle since its last GPU was let go (or since it came up)
                 idle_since_s=None
-                if by_holder
-                else _ts_or(last_use.get(host.id or -1), host.created_at).timestamp(),
+                if holders
+                else _ts_or(last_use.get(host_id), created).timestamp(),
             )
         )
-    return queue, fleet, hosts, fair_usage(ctx, s, now)
+    return queue, fleet, names, fair_usage(ctx, s, now)
 
 
 def run_history(s: Session, now: datetime) -> RunHistory:
@@ -184,20 +240,26 @@ def run_history(s: Session, now: datetime) -> RunHistory:
     size: the same predictions the simulator makes under --estimates none."""
     history = RunHistory()
     since = now - timedelta(days=30)
-    for run, user in s.exec(
-        select(TrainingRun, User)
-        .join(User)
+    cols: tuple[Any, ...] = (
+        User.key,
+        TrainingRun.gpu_count,
+        TrainingRun.started_at,
+        TrainingRun.finished_at,
+    )
+    stmt: Any = (
+        select(*cols)
+        .join(User, col(User.id) == col(TrainingRun.user_id))
         .where(
             col(TrainingRun.state).in_((RUN_SUCCEEDED, RUN_FAILED)),
             col(TrainingRun.finished_at).is_not(None),
             col(TrainingRun.started_at).is_not(None),
-            TrainingRun.finished_at > since,  # type: ignore[operator]
+            col(TrainingRun.finished_at) > since,
         )
         .order_by(col(TrainingRun.finished_at), col(TrainingRun.id))
-    ):
-        if run.started_at is not None and run.finished_at is not None:
-            took = (run.finished_at - run.started_at).total_seconds()
-            history.add(user.key, run.gpu_count, took)
+    )
+    for user_key, gpus, started, finished in s.exec(stmt):
+        if started is not None and finished is not None:
+            history.add(user_key, gpus, (finished - started).total_seconds())
     return history
 
 
@@ -226,9 +288,3 @@ def fair_usage(ctx: RunContext, s: Session, now: datetime) -> dict[str, float]:
 
 def _ts_or(value: datetime | None, default: datetime) -> datetime:
     return value if value is not None else default
-
-
-def attained_s(run: TrainingRun) -> float:
-    """Seconds the run ran in its earlier segments (before it was last sent back in line)."""
-    value = run.metrics.get("attained_s")
-    return float(value) if isinstance(value, int | float) and value > 0 else 0.0

@@ -12,10 +12,9 @@ from typing import Any
 from sqlmodel import Session, select
 
 from bot.app import runwatch
-from bot.app.held import end_held
+from bot.app.held import attained_s, end_held
 from bot.app.ports import Core, HostAccess
 from bot.app.runs.context import RunContext
-from bot.app.runs.inputs import attained_s
 from bot.domain import views
 from db.models import (
     RUN_OPEN_STATES,
@@ -87,7 +86,7 @@ class RunRecords:
             self.close_intervals(s, run_id, now)
             if run.started_at is not None:  # the segment it ran, for the scheduler's rules
                 ran = max(0.0, (now - run.started_at).total_seconds())
-                run.metrics = {**run.metrics, "attained_s": attained_s(run) + ran}
+                run.metrics = {**run.metrics, "attained_s": attained_s(run.metrics) + ran}
             run.state = RUN_QUEUED
             run.placement = {"resume_from": resume_from}
             run.host_id = None
