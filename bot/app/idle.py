@@ -25,6 +25,7 @@ from sqlmodel import Session, col, select
 from bot.app.access import audit
 from bot.app.held import who_holds
 from bot.app.service import Actor, GpuService
+from bot.app.service.common import end_reservation
 from bot.app.utilization import USAGE
 from bot.domain import timefmt, views
 from bot.domain.durations import format_duration
@@ -271,7 +272,7 @@ def _release_idle(
     """The same end as `/gpu release`: intervals closed, state released, the line granted."""
     assert res.id is not None
     what = _what(held, s.get(Host, held[0][0].host_id))
-    service._end(s, res, RES_RELEASED, now)
+    end_reservation(s, res, RES_RELEASED, now)
     res.idle_prompted_at = None
     s.add(res)
     user = s.get(User, res.user_id)

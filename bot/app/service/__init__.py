@@ -1,0 +1,297 @@
+"""The use cases: the one API that the Slack face, the terminal, the worker and
+the simulator call. Every method is one database transaction, so a crash
+between two lines loses nothing that a reply already promised; the
+notifications a change causes go into the outbox in that same transaction.
+
+Granting is the one contended path. It runs as a "grant pass" over the waiting
+line inside the caller's transaction, serialized by `BEGIN IMMEDIATE` on SQLite
+and by the pool lock (an advisory lock, `db.session.lock_pool`) on PostgreSQL; a
+partial unique index (one open usage interval per GPU) is the backstop that
+makes a GPU held twice impossible even if that serialization were wrong. Every
+use case that changes a reservation takes the pool first and re-reads what it
+changes under a row lock (the lock order is written down in `db.session`), and
+is wrapped in `retrying`, so a deadlock or a busy database is run again, not
+answered "failed on our side".
+
+The parts, one module each: `reservations` (reserve, release, extend, tick), `grants`
+(the grant pass, usage intervals), `status` (status, costs), `notices` (the outbox);
+`common` holds what they share. GpuService keeps users and hosts and composes the parts;
+it is the `Core` port the runs, the fleet and the faces hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING
+
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, select
+
+from bot.app.billing import TeamBill, note_host_state
+from bot.app.config import Settings
+from bot.app.held import GpuCount
+from bot.app.ports import FIXED_POOL, GpuRef, Provisioner, Supply
+from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
+from bot.app.service.common import IN_FLIGHT, OutboxItem, TickReport
+from bot.app.service.grants import Grants
+from bot.app.service.notices import Notices
+from bot.app.service.reservations import Reservations
+from bot.app.service.status import StatusBoard
+from bot.domain import views
+from bot.domain.clock import Clock
+from bot.domain.commands import Extend, Release, Reserve, Status
+from bot.domain.errors import UserError
+from bot.domain.metering import Window
+from db.models import Gpu, Host, User
+from db.session import is_postgres, lock_pool, retrying, transaction
+from provisioning.base import Instance
+from provisioning.catalog import Catalog
+
+if TYPE_CHECKING:
+    from bot.app.runs import RunService
+
+__all__ = ["IN_FLIGHT", "Actor", "GpuService", "OutboxItem", "TickReport"]
+
+log = logging.getLogger(__name__)
+
+# pg_advisory_xact_lock key for host syncs ("gpubsync" in ASCII, far from the leader's).
+_SYNC_LOCK_KEY = 0x6770756273796E63
+
+
+class GpuService:
+    """Users and hosts, and the use cases each handed to its part (a facade, not a base
+    class: the parts reach each other only through it)."""
+
+    def __init__(
+        self, engine: Engine, settings: Settings, clock: Clock, supply: Supply = FIXED_POOL
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.clock = clock
+        # What the pool can grow into (a cloud's catalog); a fixed pool refuses what no
+        # host fits, a cloud queues it for the fleet to launch.
+        self.supply = supply
+        # Training runs (bot.app.runs.RunService), set by the runtime when hosts can run them.
+        self.runs: RunService | None = None
+        # The fleet (bot.app.fleet.Fleet), attached by the runtime when a cloud provider is
+        # configured: runs hand it the scheduler's Launch/Start.
+        self.fleet: Provisioner | None = None
+        # Who wants to hear that work appeared or GPUs came free (the worker in this
+        # process: it places runs at once instead of on its next tick).
+        self._on_work: list[Callable[[], None]] = []
+        # The parts (bot.app.service.*): each holds this facade as its core.
+        self.grants = Grants(self)
+        self.reservations = Reservations(self, self.grants)
+        self.board = StatusBoard(self)
+        self.notices = Notices(self)
+
+    def on_work(self, listener: Callable[[], None]) -> None:
+        self._on_work.append(listener)
+
+    def nudge(self) -> None:
+        """A run was queued or GPUs were given back: ask for a placement now. Called after
+        the change committed; the worker's tick stays the safety net (another process's
+        worker hears nothing, and finds the change on its own next tick)."""
+        for listener in list(self._on_work):
+            try:
+                listener()
+            except Exception as exc:  # a listener must never fail the user's command
+                log.warning("a work listener failed: %s", exc)
+
+    @retrying
+    def actor(
+        self, key: str, display_name: str | None = None, *, name_if_new: str | None = None
+    ) -> Actor:
+        """Creates the user on first sight; admins come from configuration only.
+        `display_name` renames a known user; `name_if_new` only names a new one (the
+        Slack face's payload name, until users.info answers after the ack)."""
+        key = key.strip().lstrip("@")
+        if not key:
+            raise UserError("Who are you? A user name is needed.")
+        # Read first: nearly every request comes from someone known, and a read does
+        # not queue on SQLite's write lock or drop the status cache.
+        with transaction(self.engine, write=False) as s:
+            user = s.exec(select(User).where(User.key == key)).first()
+        if user is None or (display_name and user.display_name != display_name):
+            name = display_name or (name_if_new if user is None else None)
+            with transaction(self.engine) as s:
+                user = self.user_row(s, key, name)
+        return Actor(key=user.key, name=user.display_name, admin=self._is_admin(user))
+
+    def _is_admin(self, user: User) -> bool:
+        # Only Settings.admins (GPUBOT_ADMINS, the config file): `user.role` is a database
+        # row, and anything that can write a row (a run that once read DATABASE_URL, a
+        # psql session) must not be able to make itself an admin. The column stays unread.
+        return self.settings.is_admin(user.key)
+
+    def user_row(self, s: Session, key: str, display_name: str | None = None) -> User:
+        user = s.exec(select(User).where(User.key == key)).first()
+        if user is None:
+            user = User(key=key, display_name=display_name or key, created_at=self.clock.now())
+            try:
+                with s.begin_nested():
+                    s.add(user)
+            except IntegrityError:  # created by a concurrent first request
+                user = s.exec(select(User).where(User.key == key)).one()
+        elif display_name and user.display_name != display_name:
+            user.display_name = display_name
+            s.add(user)
+        return user
+
+    @retrying
+    def sync_hosts(self, instances: Iterable[Instance]) -> None:
+        """Makes the host and GPU rows match what the providers report."""
+        now = self.clock.now()
+        with transaction(self.engine) as s:
+            if is_postgres(self.engine):
+                # Replicas starting together would both insert the same new host (and
+                # its first billed period); one sync at a time. SQLite's write
+                # transaction (BEGIN IMMEDIATE) is that lock already.
+                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SYNC_LOCK_KEY})
+            # GPU rows change here (present, model): under the pool, like every change.
+            lock_pool(s)
+            for inst in instances:
+                host = s.exec(select(Host).where(Host.name == inst.name)).first()
+                if host is None:
+                    host = Host(name=inst.name, provider=inst.provider, created_at=now)
+                host.provider = inst.provider
+                host.instance_id = inst.instance_id
+                host.instance_type = inst.instance_type
+                host.market = inst.market
+                host.state = inst.state
+                host.address = inst.address
+                host.ssh_user = inst.ssh_user
+                host.ssh_port = inst.ssh_port
+                host.hourly_usd = inst.hourly_usd
+                host.tags = dict(inst.tags)
+                host.updated_at = now
+                s.add(host)
+                s.flush()
+                assert host.id is not None
+                existing = {g.index: g for g in s.exec(select(Gpu).where(Gpu.host_id == host.id))}
+                reported = {d.index for d in inst.gpus}
+                for dev in inst.gpus:
+                    gpu = existing.get(dev.index) or Gpu(
+                        host_id=host.id, index=dev.index, model=dev.model
+                    )
+                    gpu.model = dev.model
+                    gpu.memory_gb = dev.memory_gb
+                    gpu.present = True
+                    s.add(gpu)
+                for index, gpu in existing.items():
+                    if index not in reported and gpu.present:
+                        gpu.present = False
+                        s.add(gpu)
+                s.flush()
+                note_host_state(s, host, now, self.settings)
+
+    # --- the parts' verbs -------------------------------------------------------------
+
+    def reserve(self, actor: Actor, cmd: Reserve, request_key: str | None = None) -> views.Reply:
+        return self.reservations.reserve(actor, cmd, request_key)
+
+    def release(self, actor: Actor, cmd: Release) -> views.Reply:
+        return self.reservations.release(actor, cmd)
+
+    def extend(self, actor: Actor, cmd: Extend) -> views.Reply:
+        return self.reservations.extend(actor, cmd)
+
+    def tick(self) -> TickReport:
+        """Ends what is due, warns what is near, grants what became free. Idempotent."""
+        return self.reservations.tick()
+
+    def grant_pass(
+        self,
+        s: Session,
+        now: datetime,
+        quiet_id: int | None = None,
+        counts: list[GpuCount] | None = None,
+    ) -> int:
+        """Grants waiting reservations in order while GPUs allow; returns how many."""
+        return self.grants.grant_pass(s, now, quiet_id, counts)
+
+    def open_usage(
+        self,
+        s: Session,
+        host: Host,
+        gpus: Sequence[GpuRef],
+        user_id: int,
+        now: datetime,
+        *,
+        reservation_id: int | None = None,
+        run_id: int | None = None,
+        gpu_count: int | None = None,
+    ) -> None:
+        """Starts the clock on these GPUs for a reservation or a run: each at its share
+        of the host's hourly price, in the host's market. The partial unique index
+        refuses a GPU that is already held. A caller that has counted the host's present
+        GPUs already (the grant pass) passes `gpu_count`, sparing the count query."""
+        return self.grants.open_usage(
+            s,
+            host,
+            gpus,
+            user_id,
+            now,
+            reservation_id=reservation_id,
+            run_id=run_id,
+            gpu_count=gpu_count,
+        )
+
+    def gpu_count(self, s: Session, host_id: int) -> int:
+        """The host's present GPUs, among which its price is shared; public because runs
+        meter their GPUs by the same share (bot.app.ports.Core)."""
+        return self.grants.gpu_count(s, host_id)
+
+    def status(self, actor: Actor, cmd: Status) -> views.Reply:
+        return self.board.status(actor, cmd)
+
+    def costs(
+        self, period: str, user_key: str | None = None
+    ) -> tuple[Window, dict[str, Decimal], dict[str, str]]:
+        """Each user's cost over the calendar period (team time zone), from the usage
+        intervals: every GPU-second held at its share of the host's price. Returns the
+        window, cost per user key, and display names. Only `user_key` when given."""
+        return self.board.costs(period, user_key)
+
+    def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
+        """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.billing)."""
+        return self.board.team_bill(period, catalog)
+
+    def notify_dm(
+        self,
+        s: Session,
+        user_key: str,
+        view: views.View,
+        now: datetime,
+        dedupe: str | None,
+        attachment: tuple[str, bytes] | None = None,
+    ) -> None:
+        return self.notices.notify_dm(s, user_key, view, now, dedupe, attachment)
+
+    def notify_channel(
+        self,
+        view: views.View,
+        dedupe: str | None = None,
+        attachment: tuple[str, bytes] | None = None,
+    ) -> None:
+        """A post to the team channel; `attachment` is (file name, bytes), e.g. a chart."""
+        return self.notices.notify_channel(view, dedupe, attachment)
+
+    def pending_notifications(self, limit: int = 50) -> list[OutboxItem]:
+        return self.notices.pending_notifications(limit)
+
+    def mark_attempt(self, item_id: int, lease: timedelta = timedelta(seconds=60)) -> bool:
+        """Claims one notification for sending, before the send starts; False when
+        another deliverer (a replica, the worker) claimed it first."""
+        return self.notices.mark_attempt(item_id, lease)
+
+    def mark_sent(self, item_id: int) -> None:
+        return self.notices.mark_sent(item_id)
+
+    def mark_failed(self, item_id: int, error: str, retry_after: timedelta) -> None:
+        return self.notices.mark_failed(item_id, error, retry_after)

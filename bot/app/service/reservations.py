@@ -1,0 +1,359 @@
+"""Reservations: reserve (granted at once or put in line), release, extend, and the tick
+that expires them, warns before their end and grants the line. Each is one transaction
+that takes the pool first (db.session's lock order)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy import and_, or_
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from bot.app import budgets
+from bot.app.access import audit
+from bot.app.held import GpuCount, gpu_counts
+from bot.app.ports import Actor, Core
+from bot.app.service.common import TickReport, end_reservation, reservation_info
+from bot.app.service.grants import Grants
+from bot.domain import views
+from bot.domain.commands import Extend, Release, Reserve
+from bot.domain.durations import format_duration
+from bot.domain.errors import UserError
+from db.models import (
+    RES_ACTIVE,
+    RES_CANCELLED,
+    RES_EXPIRED,
+    RES_OPEN_STATES,
+    RES_RELEASED,
+    RES_WAITING,
+    Reservation,
+    User,
+)
+from db.session import lock_pool, locked, locked_rows, retrying, transaction
+
+log = logging.getLogger(__name__)
+
+
+class Reservations:
+    """The reservation verbs and their clock."""
+
+    def __init__(self, core: Core, grants: Grants) -> None:
+        self.core = core
+        # The grant pass these verbs end in, with the GPU counts a reserve already read.
+        self.grants = grants
+
+    @retrying
+    def reserve(self, actor: Actor, cmd: Reserve, request_key: str | None = None) -> views.Reply:
+        duration = cmd.duration or self.core.settings.default_duration
+        if duration > self.core.settings.max_duration:
+            raise UserError(
+                f"A reservation can last at most {format_duration(self.core.settings.max_duration)}; "
+                f"ask for less, and `/gpu extend` later if you need it.",
+                "/gpu reserve [COUNT] [MODEL] [for DURATION]",
+            )
+        model = cmd.model or self.core.settings.default_gpu
+        try:
+            with transaction(self.core.engine) as s:
+                # The pool first (db.session's lock order): the grant pass below needs it,
+                # and a second delivery of this request waits here and then finds the first.
+                lock_pool(s)
+                if request_key and (prior := self._by_request_key(s, request_key)) is not None:
+                    return views.Reply(
+                        views.already_view(
+                            reservation_info(s, prior),
+                            self.core.clock.now(),
+                            self.core.settings.timezone,
+                        )
+                    )
+                # The fleet's GPU counts, read once under the pool: for the check and for
+                # this request's grant pass.
+                counts = gpu_counts(s)
+                self._check_feasible(model, cmd.count, counts)
+                user = self.core.user_row(s, actor.key, actor.name)
+                now = self.core.clock.now()
+                # Budget (bot.app.budgets): refused here, before it waits or is granted. No
+                # estimate (a query, under the pool lock) for the many without a budget.
+                if user.budget_usd is not None:
+                    budgets.check_budget(
+                        s,
+                        user,
+                        budgets.reservation_estimate(
+                            s, model, cmd.count, int(duration.total_seconds())
+                        ),
+                        now,
+                        self.core.settings,
+                        what=f"Reserving {views.gpu_phrase(cmd.count, model)} for {format_duration(duration)}",
+                    )
+                res = Reservation(
+                    user_id=user.id,  # type: ignore[arg-type]
+                    gpu_model=model,
+                    gpu_count=cmd.count,
+                    duration_s=int(duration.total_seconds()),
+                    state=RES_WAITING,
+                    requested_at=now,
+                    request_key=request_key,
+                )
+                s.add(res)
+                s.flush()
+                self.grants.grant_pass(s, now, quiet_id=res.id, counts=counts)
+                info = reservation_info(s, res)
+                if res.state == RES_ACTIVE:
+                    return views.Reply(views.granted_view(info, now, self.core.settings.timezone))
+                return views.Reply(views.waiting_view(info))
+        except IntegrityError:
+            if not request_key:
+                raise
+            # The same request delivered twice at once: the other copy won the insert.
+            with transaction(self.core.engine, write=False) as s:
+                prior = self._by_request_key(s, request_key)
+                if prior is None:
+                    raise
+                return views.Reply(
+                    views.already_view(
+                        reservation_info(s, prior),
+                        self.core.clock.now(),
+                        self.core.settings.timezone,
+                    )
+                )
+
+    def _by_request_key(self, s: Session, key: str) -> Reservation | None:
+        return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
+
+    def _check_feasible(self, model: str | None, count: int, counts: list[GpuCount]) -> None:
+        """Refuses up front what could never be granted, instead of an endless wait.
+        From the grouped counts (bot.app.held.gpu_counts) that the reserve's grant pass
+        uses too, not the status read model: it runs in every reservation's transaction,
+        under the pool lock, so a burst of them waits on its length."""
+        if model is not None and self.core.supply.can_have(model, count):
+            return
+        per_host: dict[int, int] = {}
+        seen: set[str] = set()
+        for c in counts:
+            seen.add(c.model)
+            if model is None or c.model == model:
+                per_host[c.host_id] = per_host.get(c.host_id, 0) + c.present
+        biggest = max(per_host.values(), default=0)
+        if biggest >= count:
+            return
+        have = sorted(seen)
+        what = views.gpu_phrase(count, model)
+        if biggest == 0:
+            models = ", ".join(have) if have else "none"
+            raise UserError(
+                f"No host here has {model if model else 'any'} GPUs (this pool has: {models}).",
+                "/gpu reserve [COUNT] [MODEL] [for DURATION]",
+            )
+        raise UserError(
+            f"No single host has {what}; the most on one host is {biggest}.",
+            "/gpu reserve [COUNT] [MODEL] [for DURATION]",
+        )
+
+    @retrying
+    def release(self, actor: Actor, cmd: Release) -> views.Reply:
+        with transaction(self.core.engine) as s:
+            # The pool, then each reservation under its lock: what is ended is the state
+            # as it is now, never a "waiting" read before a grant pass made it active.
+            lock_pool(s)
+            user = self.core.user_row(s, actor.key, actor.name)
+            now = self.core.clock.now()
+            if cmd.reservation_id is not None:
+                res = locked(s, Reservation, cmd.reservation_id)
+                if res is None:
+                    raise UserError(
+                        f"There is no reservation #{cmd.reservation_id}.", "/gpu release [ID|all]"
+                    )
+                if res.user_id != user.id and not actor.admin:
+                    raise UserError(
+                        f"Reservation #{res.id} is not yours; only its holder or an admin can release it."
+                    )
+                if res.state not in RES_OPEN_STATES:
+                    raise UserError(
+                        f"Reservation #{res.id} is already {res.state}.", "/gpu release [ID|all]"
+                    )
+                targets = [res]
+            else:
+                targets = locked_rows(
+                    s,
+                    select(Reservation)
+                    .where(
+                        Reservation.user_id == user.id,
+                        col(Reservation.state).in_(RES_OPEN_STATES),
+                    )
+                    .order_by(col(Reservation.id)),
+                )
+                if not targets:
+                    raise UserError(
+                        "You hold no GPUs and are not waiting for any.", "/gpu release [ID|all]"
+                    )
+                if len(targets) > 1 and not cmd.all:
+                    ids = ", ".join(f"#{r.id}" for r in targets)
+                    raise UserError(
+                        f"You have {len(targets)} reservations ({ids}); say which, or `all`.",
+                        "/gpu release [ID|all]",
+                    )
+            done = []
+            for res in targets:
+                end_reservation(
+                    s, res, RES_RELEASED if res.state == RES_ACTIVE else RES_CANCELLED, now
+                )
+                info = reservation_info(s, res)
+                done.append(info)
+                if res.user_id != user.id:
+                    audit(actor, "release", f"reservation #{res.id} of {info.user_key}", session=s)
+                    self.core.notify_dm(
+                        s,
+                        info.user_key,
+                        views.released_by_admin_dm(info, actor.name),
+                        now,
+                        dedupe=f"admin-release:{res.id}",
+                    )
+            self.grants.grant_pass(s, now)
+            return views.Reply(views.released_view(done, actor.key))
+
+    @retrying
+    def extend(self, actor: Actor, cmd: Extend) -> views.Reply:
+        usage = "/gpu extend [ID] DURATION"
+        with transaction(self.core.engine) as s:
+            # The length decides when it ends and what a grant sets: under the pool, with
+            # the row read under its lock (db.session's lock order).
+            lock_pool(s)
+            user = self.core.user_row(s, actor.key, actor.name)
+            now = self.core.clock.now()
+            if cmd.reservation_id is not None:
+                found = locked(s, Reservation, cmd.reservation_id)
+                if found is None:
+                    raise UserError(f"There is no reservation #{cmd.reservation_id}.", usage)
+                res = found
+                if res.user_id != user.id and not actor.admin:
+                    raise UserError(
+                        f"Reservation #{res.id} is not yours; only its holder or an admin can extend it."
+                    )
+            else:
+                mine = list(
+                    s.exec(
+                        select(Reservation).where(
+                            Reservation.user_id == user.id,
+                            col(Reservation.state).in_(RES_OPEN_STATES),
+                        )
+                    )
+                )
+                if not mine:
+                    raise UserError("You have no reservation to extend.", usage)
+                if len(mine) > 1:
+                    ids = ", ".join(f"#{r.id}" for r in mine)
+                    raise UserError(f"You have {len(mine)} reservations ({ids}); say which.", usage)
+                found = locked(s, Reservation, mine[0].id)
+                assert found is not None  # the pool is held: nothing ended it meanwhile
+                res = found
+            if res.state not in RES_OPEN_STATES:
+                raise UserError(f"Reservation #{res.id} is already {res.state}.", usage)
+            total = timedelta(seconds=res.duration_s) + cmd.duration
+            if total > self.core.settings.max_duration:
+                left = self.core.settings.max_duration - timedelta(seconds=res.duration_s)
+                can = f"at most {format_duration(left)} more" if left > timedelta(0) else "no more"
+                raise UserError(
+                    f"A reservation can last at most {format_duration(self.core.settings.max_duration)}; "
+                    f"#{res.id} can take {can}.",
+                    usage,
+                )
+            if res.user_id != user.id:
+                holder = s.get(User, res.user_id)
+                target = f"reservation #{res.id} of {holder.key if holder else res.user_id}"
+                audit(actor, "extend", f"{target} by {format_duration(cmd.duration)}", session=s)
+            res.duration_s = int(total.total_seconds())
+            if res.state == RES_ACTIVE:
+                assert res.granted_at is not None
+                res.ends_at = res.granted_at + total
+                res.warned_at = None
+            s.add(res)
+            s.flush()
+            info = reservation_info(s, res)
+            if res.state == RES_WAITING:
+                text = f"Reservation #{res.id} is still waiting; it will last {format_duration(total)} once granted."
+                return views.message(text)
+            return views.Reply(
+                views.extended_view(info, now, self.core.settings.timezone, cmd.duration)
+            )
+
+    @retrying
+    def tick(self) -> TickReport:
+        """Ends what is due, warns what is near, grants what became free. Idempotent.
+
+        Most ticks have nothing to do: one indexed read says so without the write
+        transaction and the pool lock. What
+        becomes due after that read is done by the next tick, as it would be had this
+        tick run a moment earlier; a request that starts waiting runs its own grant pass.
+        """
+        now = self.core.clock.now()
+        lead = self.core.settings.expiry_warning
+        with transaction(self.core.engine, write=False) as s:
+            due = s.exec(
+                select(Reservation.id)
+                .where(
+                    or_(
+                        col(Reservation.state) == RES_WAITING,
+                        and_(
+                            col(Reservation.state) == RES_ACTIVE,
+                            or_(
+                                col(Reservation.ends_at) <= now,
+                                and_(
+                                    col(Reservation.warned_at).is_(None),
+                                    col(Reservation.ends_at) <= now + lead,
+                                ),
+                            ),
+                        ),
+                    )
+                )
+                .limit(1)
+            ).first()
+        if due is None:
+            return TickReport(expired=0, warned=0, granted=0)
+        with transaction(self.core.engine) as s:
+            lock_pool(s)  # expiry frees GPUs: the pool first (db.session's lock order)
+            now = self.core.clock.now()
+            expired = 0
+            for res in locked_rows(
+                s,
+                select(Reservation)
+                .where(Reservation.state == RES_ACTIVE, col(Reservation.ends_at) <= now)
+                .order_by(col(Reservation.id)),
+            ):
+                assert res.ends_at is not None
+                end_reservation(s, res, RES_EXPIRED, res.ends_at)
+                info = reservation_info(s, res)
+                self.core.notify_dm(
+                    s, info.user_key, views.expired_view(info), now, dedupe=f"expired:{res.id}"
+                )
+                expired += 1
+            warned = 0
+            lead = self.core.settings.expiry_warning
+            for res in locked_rows(
+                s,
+                select(Reservation)
+                .where(
+                    Reservation.state == RES_ACTIVE,
+                    col(Reservation.warned_at).is_(None),
+                    col(Reservation.ends_at) <= now + lead,
+                )
+                .order_by(col(Reservation.id)),
+            ):
+                assert res.ends_at is not None and res.granted_at is not None
+                res.warned_at = now
+                s.add(res)
+                # A reservation shorter than the warning lead needs no warning: its
+                # holder asked for that little time a moment ago.
+                if res.ends_at - res.granted_at <= lead:
+                    continue
+                info = reservation_info(s, res)
+                self.core.notify_dm(
+                    s,
+                    info.user_key,
+                    views.expiry_warning_view(info, now, self.core.settings.timezone),
+                    now,
+                    dedupe=f"warn:{res.id}:{res.ends_at.isoformat()}",
+                )
+                warned += 1
+            granted = self.grants.grant_pass(s, now)
+            return TickReport(expired=expired, warned=warned, granted=granted)
