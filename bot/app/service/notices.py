@@ -35,7 +35,7 @@ class Notices:
         dedupe: str | None,
         attachment: tuple[str, bytes] | None = None,
     ) -> None:
-        self._notify(s, "dm", user_key, view, now, dedupe, attachment)
+        enqueue(s, "dm", user_key, view, now, dedupe, attachment)
 
     def notify_channel(
         self,
@@ -45,7 +45,7 @@ class Notices:
     ) -> None:
         """A post to the team channel; `attachment` is (file name, bytes), e.g. a chart."""
         with transaction(self.core.engine) as s:
-            self._notify(
+            enqueue(
                 s,
                 "channel",
                 self.core.settings.channel,
@@ -54,18 +54,6 @@ class Notices:
                 dedupe,
                 attachment,
             )
-
-    def _notify(
-        self,
-        s: Session,
-        kind: str,
-        target: str,
-        view: views.View,
-        now: datetime,
-        dedupe: str | None,
-        attachment: tuple[str, bytes] | None = None,
-    ) -> None:
-        enqueue(s, kind, target, view, now, dedupe, attachment)
 
     def pending_notifications(self, limit: int = 50) -> list[OutboxItem]:
         with transaction(self.core.engine, write=False) as s:
