@@ -36,8 +36,14 @@ lint: $(VENV)/.dev-installed
 typecheck: $(VENV)/.dev-installed
 	$(BIN)/mypy
 
+# The suite over PYTEST_WORKERS processes (pytest-xdist): many tests wait on sshd, on
+# subprocesses and on PostgreSQL, so two processes pay even on a 2-core machine. loadgroup
+# keeps the tests of each thing this machine has once (the isolated host accounts, the run
+# account) in one worker: tests/conftest.py groups them. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+
 pytest: $(VENV)/.dev-installed services
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 test: lint typecheck pytest
 

@@ -31,10 +31,69 @@ def _postgres_reachable() -> bool:
         return False
 
 
+# --- parallel runs (pytest-xdist, `make test` runs `-n 2 --dist loadgroup`) -----------
+#
+# Each worker is its own process with its own session fixtures, so a fixture that holds
+# something of this machine's that exists once must never be set up by two workers at
+# once. Such tests share an `xdist_group`, which loadgroup sends whole to one worker; the
+# group follows from the fixtures a test uses (its closure), so a new test that takes one
+# of them is grouped without anyone remembering to. Without xdist the mark does nothing.
+XDIST_GROUPS: dict[str, frozenset[str]] = {
+    # The two host accounts (gpubot-host-a/-b): `isolated_lab` empties their homes and
+    # kills their processes, `bootstrapped` (from nothing, over a minute) fills lab-a's.
+    "isolated-hosts": frozenset({"isolated_lab", "bootstrapped"}),
+    # The run account (gpubot-run): its one prepared venv (~/.gpubot) is shared by every
+    # run as that account, and one test breaks it on purpose to see it mended.
+    "run-account": frozenset({"run_account"}),
+    # The workers' leader lock on PostgreSQL: an advisory lock spans the database, not a
+    # test's schema, so two tests running `gpubot worker`s there would fight for one lead.
+    "pg-leader": frozenset({"pg_leader_key"}),
+}
+# `bench` asks for the run account only in its "local-as" case (request.getfixturevalue).
+_PARAM_GROUPS = {("bench", "local-as"): "run-account"}
+
+
+def xdist_group_of(item: pytest.Item) -> str | None:
+    """The group of a test that uses a resource of this machine's that exists once."""
+    names = set(getattr(item, "fixturenames", ()))
+    for group, fixtures in XDIST_GROUPS.items():
+        if names & fixtures:
+            return group
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        for (name, value), group in _PARAM_GROUPS.items():
+            if callspec.params.get(name) == value:
+                return group
+    return None
+
+
+def _name_with_group(item: pytest.Item, group: str) -> None:
+    """Give `item` the id xdist's loadgroup expects, "<nodeid>@<group>", as xdist does.
+
+    pytest-xdist 3.8 renames an item by assigning `item._nodeid`, which pytest 9.2 no
+    longer reads (the id is `item._id`, a NodeId): the rename is lost, every test is a
+    group of its own, and the grouped tests would run in both workers at once. Only on an
+    xdist worker with --dist loadgroup; a no-op where xdist's own rename took."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest before 9.2: xdist's rename works
+        return
+    if item.nodeid.endswith(f"@{group}") or not isinstance(getattr(item, "_id", None), NodeId):
+        return
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+# First: xdist's own hook (on each worker) reads the groups to rename the items.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda = None
     postgres = None
     for item in items:
+        group = xdist_group_of(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+            if getattr(config.option, "loadgroup", False):
+                _name_with_group(item, group)
         if "gpu" in item.keywords:
             if cuda is None:
                 cuda = _cuda_available()
@@ -93,6 +152,31 @@ def pg_engine() -> Iterator[Engine]:
         with admin.begin() as conn:
             conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
         admin.dispose()
+
+
+@pytest.fixture
+def run_account() -> str:
+    """The unprivileged account runs go to (GPUBOT_RUN_AS); skips where it cannot be used.
+
+    Every test that acts as it takes this fixture, which puts it in the "run-account"
+    xdist group (above)."""
+    from tests.provisioning.conftest import RUN_ACCOUNT, run_account_missing
+
+    reason = run_account_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    return RUN_ACCOUNT
+
+
+@pytest.fixture
+def pg_leader_key() -> int:
+    """The advisory lock key every `gpubot worker` on PostgreSQL contends for to lead.
+
+    It spans the database, not a test's schema: a test that runs workers on PostgreSQL
+    takes this fixture, which puts it in the "pg-leader" xdist group (above)."""
+    from bot.adapters.leader import _ADVISORY_KEY
+
+    return _ADVISORY_KEY
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -29,7 +29,18 @@ from pathlib import Path
 # GPUBOT_SSHD points at another sshd binary (or a missing one, to see the tests skip).
 SSHD = os.environ.get("GPUBOT_SSHD", "/usr/sbin/sshd")
 SSH_KEYGEN = "ssh-keygen"
-DEFAULT_PORT = 2222
+
+
+def _default_port() -> int:
+    """2222, or 2222 + 20·N in pytest-xdist's worker gwN: two workers starting their labs
+    at once would both find 2222 free, and the loser's sshd would fail to bind (or its
+    client would meet the winner's daemon, which knows another key)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return 2222 + 20 * index
+
+
+DEFAULT_PORT = _default_port()
 
 
 class SshdUnavailable(Exception):

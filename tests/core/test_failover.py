@@ -105,7 +105,9 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float
 
 
 @pytest.fixture
-def env(pg_engine: Engine, tmp_path: Path) -> dict[str, str]:
+def env(pg_engine: Engine, tmp_path: Path, pg_leader_key: int) -> dict[str, str]:
+    """A `gpubot worker`'s environment on this test's schema. Its workers lead by the
+    database-wide advisory lock (`pg_leader_key`): no other test may hold it meanwhile."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLACK_", "GPUBOT_", "PORT"))}
     e.update(
         GPUBOT_HOME=str(tmp_path),  # shared: both workers see the runs' directories

@@ -43,7 +43,7 @@ from db.models import Notification, Reservation, TrainingRun, User
 from provisioning import shell
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from tests.core.helpers import make_service
-from tests.provisioning.conftest import RUN_ACCOUNT, run_account_missing
+from tests.provisioning.conftest import RUN_ACCOUNT
 
 SECRETS = {
     "SLACK_BOT_TOKEN": "xoxb-iso-bot-token-60913",
@@ -99,12 +99,9 @@ def bot(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bot]:
 
 
 @pytest.fixture
-def as_account(bot: Bot, monkeypatch: pytest.MonkeyPatch) -> Iterator[Runtime]:
+def as_account(bot: Bot, monkeypatch: pytest.MonkeyPatch, run_account: str) -> Iterator[Runtime]:
     """`gpubot serve`'s runtime with GPUBOT_RUN_AS; its runs in a directory of their own."""
-    reason = run_account_missing()
-    if reason is not None:
-        pytest.skip(reason)
-    monkeypatch.setenv("GPUBOT_RUN_AS", RUN_ACCOUNT)
+    monkeypatch.setenv("GPUBOT_RUN_AS", run_account)
     rt = build_runtime(load_settings(), runs_as_self=False)
     runs = rt.service.runs
     assert runs is not None and type(runs) is RunService
@@ -263,14 +260,13 @@ def test_a_role_admin_row_makes_nobody_an_admin(engine: Engine) -> None:
     svc.release(root, Release(res_id))
 
 
-def test_a_stale_lent_path_is_lent_again_when_the_run_account_is_prepared() -> None:
+def test_a_stale_lent_path_is_lent_again_when_the_run_account_is_prepared(
+    run_account: str,
+) -> None:
     """The run account's staged venv borrows the bot's site-packages through a .pth; a
     bot venv that moved since (another checkout, a rebuild) must not leave it without
     torch for good because the bootstrap marker remembers torch from the first time."""
-    reason = run_account_missing()
-    if reason is not None:
-        pytest.skip(reason)
-    runner = LocalRunner(run_as=RUN_ACCOUNT)
+    runner = LocalRunner(run_as=run_account)
     first = prepare_run_account(runner)
     if first.python == sys.executable:
         pytest.skip("the run account runs the bot's own interpreter: nothing is lent")

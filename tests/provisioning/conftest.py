@@ -122,10 +122,9 @@ def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
     if request.param == "local-as":
         # The LocalRunner as GPUBOT_RUN_AS sets it up: every command and file operation
         # as the unprivileged run account, in a directory of its own home.
-        reason = run_account_missing()
-        if reason is not None:
-            pytest.skip(reason)
-        runner = LocalRunner(command_timeout=20, run_as=RUN_ACCOUNT)
+        # (the "local-as" case is in the run-account xdist group: tests/conftest.py)
+        account: str = request.getfixturevalue("run_account")
+        runner = LocalRunner(command_timeout=20, run_as=account)
         made = runner.run(LOCAL_TARGET, 'mktemp -d "$HOME/gpubot-bench.XXXXXX"', timeout=20)
         assert made.ok, made.stderr
         root = made.stdout.strip()

@@ -17,7 +17,7 @@ import pytest
 
 from provisioning.local_runner import LOCAL_TARGET, Account, LocalRunner, run_environment
 from provisioning.ssh import SshError
-from tests.provisioning.conftest import RUN_ACCOUNT, Bench, run_account_missing
+from tests.provisioning.conftest import RUN_ACCOUNT, Bench
 
 SECRETS = {
     "SLACK_BOT_TOKEN": "xoxb-secret-bot-token-4417",
@@ -97,11 +97,8 @@ def test_the_environment_is_the_allowlist_and_the_account() -> None:
 
 
 @pytest.fixture
-def as_account() -> LocalRunner:
-    reason = run_account_missing()
-    if reason is not None:
-        pytest.skip(reason)
-    return LocalRunner(command_timeout=20, run_as=RUN_ACCOUNT)
+def as_account(run_account: str) -> LocalRunner:
+    return LocalRunner(command_timeout=20, run_as=run_account)
 
 
 @pytest.fixture
