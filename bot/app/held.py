@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, bindparam, case, update
+from sqlalchemy import ColumnElement, and_
 from sqlmodel import Session, col, func, select
 
 from bot.app.rollups import on_closed
@@ -36,7 +36,6 @@ from db.models import (
     UsageInterval,
     User,
 )
-from db.types import UTCDateTime
 
 
 def _held(
@@ -192,19 +191,10 @@ def end_held(
     neither. Returns the intervals it ended."""
     if host_id is None and reservation_id is None and run_id is None:
         raise ValueError("end_held needs a host, a reservation or a run")
-    # One UPDATE … RETURNING, not a read and then an UPDATE per interval: every release,
-    # expiry and finished run ends intervals here. "fetch" makes intervals this session
-    # already holds show the end too (the rollups below read `ended_at`).
-    end = bindparam("end_at", at, type_=UTCDateTime)
-    started = col(UsageInterval.started_at)
-    stmt: Any = (
-        update(UsageInterval)
-        .where(*_held(host_ids=_one(host_id), reservation_id=reservation_id, run_id=run_id))
-        .values(ended_at=case((started > end, started), else_=end))
-        .returning(UsageInterval)
-        .execution_options(synchronize_session="fetch")
-    )
-    ended: list[UsageInterval] = sorted(s.scalars(stmt).all(), key=lambda iv: iv.id or 0)
+    ended = held_intervals(s, host_id=host_id, reservation_id=reservation_id, run_id=run_id)
+    for iv in ended:
+        iv.ended_at = max(at, iv.started_at)
+        s.add(iv)
     on_closed(s, ended)
     return ended
 
