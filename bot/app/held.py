@@ -24,7 +24,10 @@ from sqlalchemy import ColumnElement, and_
 from sqlmodel import Session, col, func, select
 
 from bot.app.rollups import on_closed
+from bot.domain.readmodels import FleetCounts
 from db.models import (
+    HOST_PENDING,
+    HOST_READY,
     HOST_TERMINATED,
     Gpu,
     Host,
@@ -99,6 +102,40 @@ def gpu_counts(s: Session) -> list[GpuCount]:
         GpuCount(host_id, state, model, int(n), int(n) - int(h))
         for host_id, state, model, n, h in s.exec(stmt).all()
     ]
+
+
+def fleet_counts(s: Session) -> FleetCounts:
+    """The fleet summed up by host state, as `/gpu status` counts it in its first line
+    (bot.domain.readmodels.FleetCounts): one grouped query, a row per host state, where
+    the status reads a row per GPU. Hosts with no present GPU count as hosts too, so
+    the outer joins (the GPUs' presence and the open intervals are join conditions)."""
+    held = func.count(col(UsageInterval.id))
+    columns: tuple[Any, ...] = (
+        Host.state,
+        func.count(func.distinct(col(Host.id))),
+        func.count(col(Gpu.id)),
+        held,
+    )
+    stmt: Any = (
+        select(*columns)
+        .join(Gpu, and_(col(Gpu.host_id) == col(Host.id), col(Gpu.present).is_(True)), isouter=True)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.gpu_id) == col(Gpu.id), *_held()),
+            isouter=True,
+        )
+        .where(col(Host.state) != HOST_TERMINATED)
+        .group_by(col(Host.state))
+    )
+    ready_hosts = ready = free = starting = away = 0
+    for state, hosts, present, busy in s.connection().execute(stmt).all():
+        if state == HOST_READY:
+            ready_hosts, ready, free = int(hosts), int(present), int(present) - int(busy)
+        elif state == HOST_PENDING:
+            starting += int(present)
+        else:
+            away += int(present)
+    return FleetCounts(ready_hosts, ready, free, starting, away)
 
 
 def free_gpus(s: Session, host_id: int, model: str) -> list[tuple[int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from functools import cached_property
 
 
@@ -65,6 +66,45 @@ class ReservationInfo:
     gpu_models: tuple[str, ...] = ()
     # Filled when waiting: 1-based place in line.
     position: int | None = None
+
+
+@dataclass(frozen=True)
+class FleetCounts:
+    """The fleet in the counts `/gpu status` sums up in its first line: hosts that are
+    ready and their GPUs (all present, and free), GPUs starting up, GPUs away (stopped
+    or unreachable). Home reads these grouped in the database instead of a row per GPU."""
+
+    ready_hosts: int = 0
+    ready_gpus: int = 0
+    free_gpus: int = 0
+    starting_gpus: int = 0
+    away_gpus: int = 0
+
+    @staticmethod
+    def of(hosts: tuple[HostState, ...]) -> FleetCounts:
+        """The counts of hosts already read GPU by GPU (the status view's own)."""
+        ready = [h for h in hosts if h.state == "ready"]
+        return FleetCounts(
+            ready_hosts=len(ready),
+            ready_gpus=sum(len(h.gpus) for h in ready),
+            free_gpus=sum(h.free for h in ready),
+            starting_gpus=sum(len(h.gpus) for h in hosts if h.state == "pending"),
+            away_gpus=sum(len(h.gpus) for h in hosts if h.state not in ("ready", "pending")),
+        )
+
+
+@dataclass(frozen=True)
+class HomeSnapshot:
+    """What App Home shows of the pool: the status's first line (from counts), the
+    waiting line and the caller's open reservations, read as the status reads them
+    but without a row per GPU; and the caller's cost this week."""
+
+    now: datetime
+    fleet: FleetCounts
+    waiting: tuple[ReservationInfo, ...]
+    mine: tuple[ReservationInfo, ...]
+    week_usd: Decimal = Decimal(0)
+    tz: str = "UTC"
 
 
 @dataclass(frozen=True)

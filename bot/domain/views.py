@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from bot.domain.commands import VERBS
 from bot.domain.durations import format_duration
-from bot.domain.readmodels import HostState, ReservationInfo, StatusSnapshot
+from bot.domain.readmodels import FleetCounts, HostState, ReservationInfo, StatusSnapshot
 from bot.domain.timefmt import days, when
 from provisioning.catalog import Catalog
 
@@ -341,19 +341,7 @@ def expired_view(res: ReservationInfo) -> View:
 def status_view(snap: StatusSnapshot) -> View:
     now = snap.now
     blocks: list[Block] = [Header("GPU status")]
-    ready = [h for h in snap.hosts if h.state == "ready"]
-    total = sum(len(h.gpus) for h in ready)
-    free = sum(h.free for h in ready)
-    summary = f"{free} of {total} free on {len(ready)} host" + ("s" if len(ready) != 1 else "")
-    booting = sum(len(h.gpus) for h in snap.hosts if h.state == "pending")
-    if booting:
-        summary += f"; {booting} starting up"
-    # Stopped or unreachable: listed below with their state, never counted as free.
-    away = sum(len(h.gpus) for h in snap.hosts if h.state not in ("ready", "pending"))
-    if away:
-        summary += f"; {away} unavailable"
-    if snap.waiting:
-        summary += f"; {len(snap.waiting)} waiting"
+    summary = fleet_summary(FleetCounts.of(snap.hosts), len(snap.waiting))
     blocks.append(Context(summary))
     hosts = snap.hosts
     if snap.mine_only:
@@ -377,19 +365,8 @@ def status_view(snap: StatusSnapshot) -> View:
     if not hosts:
         blocks.append(Text(_no_hosts(snap)))
     if snap.waiting and not snap.mine_only:
-        waiting_rows = tuple(
-            (
-                str(r.position or i + 1),
-                f"#{r.id}",
-                r.user_name,
-                gpu_phrase(r.gpu_count, r.gpu_model),
-                format_duration(timedelta(seconds=r.duration_s)),
-                f"{format_duration(now - r.requested_at)}",
-            )
-            for i, r in enumerate(snap.waiting)
-        )
         blocks.append(Text("*Waiting*"))
-        blocks.append(Table(("pos", "id", "who", "wants", "for", "waiting"), waiting_rows))
+        blocks.append(waiting_table(snap.waiting, now))
         for host in snap.hosts:
             if host.down_since is not None:
                 blocks.append(
@@ -399,18 +376,55 @@ def status_view(snap: StatusSnapshot) -> View:
                     )
                 )
     if snap.mine:
-        mine = []
-        for r in snap.mine:
-            if r.state == "active" and r.ends_at is not None:
-                mine.append(
-                    f"#{r.id}: {_devices(r)} on {r.host.name if r.host else '?'} until {when(r.ends_at, now, snap.tz)}"
-                )
-            else:
-                mine.append(
-                    f"#{r.id}: waiting for {gpu_phrase(r.gpu_count, r.gpu_model)}, position {r.position}"
-                )
-        blocks.append(Text("*Yours*\n" + "\n".join(mine)))
+        blocks.append(Text("*Yours*\n" + yours_lines(snap.mine, now, snap.tz)))
     return View(text=summary, blocks=tuple(blocks))
+
+
+def fleet_summary(fleet: FleetCounts, waiting: int) -> str:
+    """The status's first line, which App Home shows too: one function, so the two
+    never word it, or count it, differently."""
+    summary = f"{fleet.free_gpus} of {fleet.ready_gpus} free on {fleet.ready_hosts} host" + (
+        "s" if fleet.ready_hosts != 1 else ""
+    )
+    if fleet.starting_gpus:
+        summary += f"; {fleet.starting_gpus} starting up"
+    # Stopped or unreachable: listed with their state, never counted as free.
+    if fleet.away_gpus:
+        summary += f"; {fleet.away_gpus} unavailable"
+    if waiting:
+        summary += f"; {waiting} waiting"
+    return summary
+
+
+def waiting_table(waiting: tuple[ReservationInfo, ...], now: datetime) -> Table:
+    """The waiting line as the status and App Home both show it."""
+    rows = tuple(
+        (
+            str(r.position or i + 1),
+            f"#{r.id}",
+            r.user_name,
+            gpu_phrase(r.gpu_count, r.gpu_model),
+            format_duration(timedelta(seconds=r.duration_s)),
+            f"{format_duration(now - r.requested_at)}",
+        )
+        for i, r in enumerate(waiting)
+    )
+    return Table(("pos", "id", "who", "wants", "for", "waiting"), rows)
+
+
+def yours_lines(mine: tuple[ReservationInfo, ...], now: datetime, tz: str) -> str:
+    """The caller's open reservations, a line each, as the status and App Home show them."""
+    lines = []
+    for r in mine:
+        if r.state == "active" and r.ends_at is not None:
+            lines.append(
+                f"#{r.id}: {_devices(r)} on {r.host.name if r.host else '?'} until {when(r.ends_at, now, tz)}"
+            )
+        else:
+            lines.append(
+                f"#{r.id}: waiting for {gpu_phrase(r.gpu_count, r.gpu_model)}, position {r.position}"
+            )
+    return "\n".join(lines)
 
 
 def _idle_word(host_state: str) -> str:

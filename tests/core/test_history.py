@@ -157,6 +157,7 @@ def test_every_window_and_queue_query_uses_an_index(engine: Engine, tmp_path: Pa
         lambda: svc.tick(),
         lambda: svc.runs.dispatch() if svc.runs else None,
         lambda: svc.status(actor(svc, "alice"), Status()),
+        lambda: home_view(svc, actor(svc, "alice")),
         lambda: svc.runs.queue(actor(svc, "alice"), Queue()) if svc.runs else None,
     ]
     svc.runs.submit(actor(svc, "carol"), Run(command=("true",), model="A100", gpus=4))

@@ -36,6 +36,9 @@ from provisioning.ssh import SshError
 
 log = logging.getLogger(__name__)
 
+_NONE = "No runs are queued or running."
+_NONE_MINE = "You have no runs queued or running."
+
 
 class RunBoard:
     """The read side of the run queue."""
@@ -54,9 +57,19 @@ class RunBoard:
                     .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
                 )
             )
+            shown = [r for r, u in rows if not cmd.mine_only or u.key == actor.key]
+            if not shown:
+                # Nothing to show (App Home asks `queue me` of everyone who opens it, and
+                # most have no run): the fleet and the estimates would be read for nothing.
+                return views.message(_NONE_MINE if cmd.mine_only else _NONE)
             fleet = read_fleet(s)
             prices = self._per_gpu_prices(fleet)
-            ahead = self._estimates(s, now, [run for run, _ in rows], fleet)  # bot.domain.estimates
+            # The estimates (bot.domain.estimates) only where a waiting run is shown.
+            ahead = (
+                self._estimates(s, now, [run for run, _ in rows], fleet)
+                if any(r.state == RUN_QUEUED for r in shown)
+                else {}
+            )
             down, ready_models = self._down_hosts(fleet)
             table = []
             waiting = 0  # the line position: counts everyone's queued runs
@@ -109,13 +122,6 @@ class RunBoard:
                         cost,
                     )
                 )
-        if not table:
-            text = (
-                "No runs are queued or running."
-                if not cmd.mine_only
-                else "You have no runs queued or running."
-            )
-            return views.message(text)
         summary = f"{shown_waiting} waiting, {len(table) - shown_waiting} running"
         blocks: tuple[views.Block, ...] = (
             views.Header("Training queue"),

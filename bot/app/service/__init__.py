@@ -47,6 +47,7 @@ from bot.domain.clock import Clock
 from bot.domain.commands import Extend, Release, Reserve, Status
 from bot.domain.errors import UserError
 from bot.domain.metering import Window
+from bot.domain.readmodels import HomeSnapshot
 from db.models import Gpu, Host, User
 from db.session import is_postgres, lock_pool, retrying, transaction
 from provisioning.base import Instance
@@ -249,6 +250,11 @@ class GpuService:
 
     def status(self, actor: Actor, cmd: Status) -> views.Reply:
         return self.board.status(actor, cmd)
+
+    def home(self, actor: Actor) -> HomeSnapshot:
+        """App Home's read: the pool summed up, the line, the caller's reservations and
+        cost this week (bot.app.service.status.StatusBoard.home)."""
+        return self.board.home(actor)
 
     def costs(
         self, period: str, user_key: str | None = None

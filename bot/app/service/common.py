@@ -143,6 +143,25 @@ def reservation_info(
     )
 
 
+def released_info(res: Reservation, holder: User) -> ReservationInfo:
+    """A reservation just ended by its own holder, as the release reply names it: the
+    holder is known, and the host and GPUs it held are not shown, so not read back."""
+    assert res.id is not None
+    return ReservationInfo(
+        id=res.id,
+        user_key=holder.key,
+        user_name=holder.display_name,
+        state=res.state,
+        gpu_model=res.gpu_model,
+        gpu_count=res.gpu_count,
+        duration_s=res.duration_s,
+        requested_at=res.requested_at,
+        granted_at=res.granted_at,
+        ends_at=res.ends_at,
+        ended_at=res.ended_at,
+    )
+
+
 def end_reservation(s: Session, res: Reservation, state: str, at: datetime) -> None:
     """Ends an open reservation: its usage closed, its state final. The caller holds
     the pool and read `res` under its lock, so the state checked is the current one."""

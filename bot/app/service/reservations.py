@@ -15,7 +15,12 @@ from bot.app import budgets
 from bot.app.access import audit
 from bot.app.held import GpuCount, gpu_counts
 from bot.app.ports import Actor, Core
-from bot.app.service.common import TickReport, end_reservation, reservation_info
+from bot.app.service.common import (
+    TickReport,
+    end_reservation,
+    released_info,
+    reservation_info,
+)
 from bot.app.service.grants import Grants
 from bot.domain import views
 from bot.domain.commands import Extend, Release, Reserve
@@ -198,17 +203,22 @@ class Reservations:
                 end_reservation(
                     s, res, RES_RELEASED if res.state == RES_ACTIVE else RES_CANCELLED, now
                 )
+                if res.user_id == user.id:
+                    # The reply names the reservation only: the host and its GPUs are
+                    # not read back (two statements of every release).
+                    done.append(released_info(res, user))
+                    continue
+                # An admin's release: its holder gets a DM that says which GPUs.
                 info = reservation_info(s, res)
                 done.append(info)
-                if res.user_id != user.id:
-                    audit(actor, "release", f"reservation #{res.id} of {info.user_key}", session=s)
-                    self.core.notify_dm(
-                        s,
-                        info.user_key,
-                        views.released_by_admin_dm(info, actor.name),
-                        now,
-                        dedupe=f"admin-release:{res.id}",
-                    )
+                audit(actor, "release", f"reservation #{res.id} of {info.user_key}", session=s)
+                self.core.notify_dm(
+                    s,
+                    info.user_key,
+                    views.released_by_admin_dm(info, actor.name),
+                    now,
+                    dedupe=f"admin-release:{res.id}",
+                )
             self.grants.grant_pass(s, now)
             return views.Reply(views.released_view(done, actor.key))
 

@@ -7,17 +7,28 @@ import logging
 import threading
 import time
 from decimal import Decimal
+from typing import Any
 
+from sqlalchemy.engine import Connection
 from sqlmodel import Session, col, select
 
 from bot.app.billing import TeamBill, team_bill, window_costs
+from bot.app.held import fleet_counts
 from bot.app.ports import Actor, Core
 from bot.app.service.common import read_hosts, reservation_info
 from bot.domain import views
 from bot.domain.commands import Status
 from bot.domain.metering import Window, period_window
-from bot.domain.readmodels import HostState, ReservationInfo, StatusSnapshot
-from db.models import RES_OPEN_STATES, RES_WAITING, Reservation, User
+from bot.domain.readmodels import HomeSnapshot, HostState, ReservationInfo, StatusSnapshot
+from db.models import (
+    RES_OPEN_STATES,
+    RES_WAITING,
+    Gpu,
+    Host,
+    Reservation,
+    UsageInterval,
+    User,
+)
 from db.session import transaction, write_generation
 from provisioning.catalog import Catalog
 
@@ -106,6 +117,155 @@ class StatusBoard:
             .order_by(col(Reservation.requested_at), col(Reservation.id))
         ).all()
         return [reservation_info(s, r, hosts, position=i + 1) for i, r in enumerate(rows)]
+
+    def home(self, actor: Actor) -> HomeSnapshot:
+        """What App Home shows of the pool and the caller's cost this week, in one read.
+
+        Home showed the whole status (every GPU of every host, with its holder) to keep
+        only its first line, the waiting line and the caller's part, and then read the
+        cost in a transaction of its own: at 100 hosts most of its time. Here the first
+        line comes from counts grouped by host state (bot.app.held.fleet_counts), and
+        the lines are worded by the status's own functions (bot.domain.views), so Home
+        and `/gpu status` still agree. The rows are plain columns through the
+        connection; a statement count that does not grow with the hosts."""
+        now = self.core.clock.now()
+        window = period_window("week", now, self.core.settings.timezone)
+        with transaction(self.core.engine, write=False) as s:
+            conn = s.connection()
+            fleet = fleet_counts(s)
+            waiting = self._waiting_rows(conn)
+            user_cols: tuple[Any, ...] = (User.id, User.display_name)
+            user = conn.execute(select(*user_cols).where(User.key == actor.key)).first()
+            mine: list[ReservationInfo] = []
+            cost = Decimal(0)
+            if user is not None:
+                user_id, name = user
+                positions = {r.id: r.position for r in waiting}
+                mine = self._mine_rows(conn, user_id, actor.key, name, positions)
+                cost = window_costs(s, window, now, user_id).users().get(actor.key, Decimal(0))
+        return HomeSnapshot(
+            now=now,
+            fleet=fleet,
+            waiting=tuple(waiting),
+            mine=tuple(mine),
+            week_usd=cost,
+            tz=self.core.settings.timezone,
+        )
+
+    @staticmethod
+    def _waiting_rows(conn: Connection) -> list[ReservationInfo]:
+        """The waiting line with each one's name, in one query (`_waiting` reads it as
+        reservations and their users, a row and a lookup each)."""
+        columns: tuple[Any, ...] = (
+            Reservation.id,
+            User.key,
+            User.display_name,
+            Reservation.gpu_model,
+            Reservation.gpu_count,
+            Reservation.duration_s,
+            Reservation.requested_at,
+        )
+        rows = conn.execute(
+            select(*columns)
+            .join(User, col(User.id) == col(Reservation.user_id))
+            .where(Reservation.state == RES_WAITING)
+            .order_by(col(Reservation.requested_at), col(Reservation.id))
+        ).all()
+        return [
+            ReservationInfo(
+                id=rid,
+                user_key=key,
+                user_name=name,
+                state=RES_WAITING,
+                gpu_model=model,
+                gpu_count=count,
+                duration_s=duration,
+                requested_at=requested,
+                position=i + 1,
+            )
+            for i, (rid, key, name, model, count, duration, requested) in enumerate(rows)
+        ]
+
+    @staticmethod
+    def _mine_rows(
+        conn: Connection,
+        user_id: int,
+        user_key: str,
+        user_name: str,
+        positions: dict[int, int | None],
+    ) -> list[ReservationInfo]:
+        """The caller's open reservations with the host and the GPUs each holds, in one
+        query (a row per GPU of each; a GPU once per interval of the reservation on it,
+        so deduplicated as `reservation_info` does). The host is named only: what Home's
+        lines show of it."""
+        columns: tuple[Any, ...] = (
+            Reservation.id,
+            Reservation.state,
+            Reservation.gpu_model,
+            Reservation.gpu_count,
+            Reservation.duration_s,
+            Reservation.requested_at,
+            Reservation.granted_at,
+            Reservation.ends_at,
+            Reservation.ended_at,
+            Host.name,
+            Host.provider,
+            Host.state,
+            Host.address,
+            Host.ssh_user,
+            Host.ssh_port,
+            Host.market,
+            Host.hourly_usd,
+            Gpu.id,
+            Gpu.index,
+            Gpu.model,
+        )
+        rows = conn.execute(
+            select(*columns)
+            .join(Host, col(Host.id) == col(Reservation.host_id), isouter=True)
+            .join(
+                UsageInterval,
+                col(UsageInterval.reservation_id) == col(Reservation.id),
+                isouter=True,
+            )
+            .join(Gpu, col(Gpu.id) == col(UsageInterval.gpu_id), isouter=True)
+            .where(Reservation.user_id == user_id, col(Reservation.state).in_(RES_OPEN_STATES))
+            .order_by(col(Reservation.id), col(Gpu.index))
+        ).all()
+        by_id: dict[int, tuple[Any, dict[int, tuple[int, str]]]] = {}
+        for row in rows:
+            held = by_id.setdefault(row[0], (row, {}))[1]
+            if row[17] is not None:
+                held.setdefault(row[17], (row[18], row[19]))
+        out = []
+        for rid, (row, held) in by_id.items():
+            state, model, count, duration, requested, granted, ends, ended = row[1:9]
+            name, provider, host_state, address, ssh_user, port, market, usd = row[9:17]
+            host = (
+                HostState(name, provider, host_state, address, ssh_user, port, market, usd, ())
+                if name is not None
+                else None
+            )
+            out.append(
+                ReservationInfo(
+                    id=rid,
+                    user_key=user_key,
+                    user_name=user_name,
+                    state=state,
+                    gpu_model=model,
+                    gpu_count=count,
+                    duration_s=duration,
+                    requested_at=requested,
+                    granted_at=granted,
+                    ends_at=ends,
+                    ended_at=ended,
+                    host=host,
+                    gpu_indexes=tuple(index for index, _ in held.values()),
+                    gpu_models=tuple(m for _, m in held.values()),
+                    position=positions.get(rid) if state == RES_WAITING else None,
+                )
+            )
+        return out
 
     def costs(
         self, period: str, user_key: str | None = None

@@ -1,8 +1,9 @@
 """The App Home tab: your reservations and runs, your GPU cost this week, and the
 team's waiting line.
 
-It is composed from the core's status view rather than from database reads of its
-own, so Home can never disagree with `/gpu status`.
+The pool's part is the core's Home read (`GpuService.home`: counts, not a row per
+GPU), worded by the status view's own functions (`views.fleet_summary`,
+`yours_lines`, `waiting_table`), so Home can never disagree with `/gpu status`.
 """
 
 from __future__ import annotations
@@ -14,24 +15,20 @@ from slack_sdk.errors import SlackApiError
 
 from bot.app.service import Actor, GpuService
 from bot.domain import views
-from bot.domain.commands import Queue, Status
+from bot.domain.commands import Queue
 from bot.faces.slack.blocks import VIEW, render_blocks
 
 log = logging.getLogger(__name__)
 
 
 def home_view(service: GpuService, actor: Actor) -> views.View:
-    full = service.status(actor, Status(mine_only=False)).view
+    snap = service.home(actor)
     blocks: list[views.Block] = [views.Header("gpubot")]
-    summary = next((b.text for b in full.blocks if isinstance(b, views.Context)), full.text)
+    summary = views.fleet_summary(snap.fleet, len(snap.waiting))
     blocks.append(views.Context(summary))
     blocks.append(views.Text("*Your reservations*"))
-    yours = next(
-        (b for b in full.blocks if isinstance(b, views.Text) and b.text.startswith("*Yours*")),
-        None,
-    )
-    if yours is not None:
-        blocks.append(views.Text(yours.text.removeprefix("*Yours*\n")))
+    if snap.mine:
+        blocks.append(views.Text(views.yours_lines(snap.mine, snap.now, snap.tz)))
     else:
         blocks.append(
             views.Text("You hold no GPUs and are not waiting. `/gpu reserve` asks for one.")
@@ -45,27 +42,13 @@ def home_view(service: GpuService, actor: Actor) -> views.View:
     blocks.append(views.Divider())
     blocks.append(views.Text("*Your runs*"))
     blocks.extend(_runs_blocks(service, actor))
-    _, costs, _ = service.costs("week", actor.key)
     blocks.append(
-        views.Text(f"*Your cost this week*\n${costs.get(actor.key, 0):,.2f} (`/gpu cost` for more)")
+        views.Text(f"*Your cost this week*\n${snap.week_usd:,.2f} (`/gpu cost` for more)")
     )
     blocks.append(views.Divider())
     blocks.append(views.Text("*The team's waiting line*"))
-    waiting_at = next(
-        (
-            i
-            for i, b in enumerate(full.blocks)
-            if isinstance(b, views.Text) and b.text == "*Waiting*"
-        ),
-        None,
-    )
-    table = (
-        full.blocks[waiting_at + 1]
-        if waiting_at is not None and waiting_at + 1 < len(full.blocks)
-        else None
-    )
-    if isinstance(table, views.Table):
-        blocks.append(table)
+    if snap.waiting:
+        blocks.append(views.waiting_table(snap.waiting, snap.now))
     else:
         blocks.append(views.Text("Nobody is waiting."))
     blocks.append(views.Context("`/gpu status` shows every host and GPU."))
