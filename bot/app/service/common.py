@@ -5,7 +5,7 @@ choosing GPUs by best fit)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -124,18 +124,8 @@ def reservation_info(
             )
         ).one()
         position = int(ahead) + 1
-    return ReservationInfo(
-        id=res.id,
-        user_key=user.key,
-        user_name=user.display_name,
-        state=res.state,
-        gpu_model=res.gpu_model,
-        gpu_count=res.gpu_count,
-        duration_s=res.duration_s,
-        requested_at=res.requested_at,
-        granted_at=res.granted_at,
-        ends_at=res.ends_at,
-        ended_at=res.ended_at,
+    return replace(
+        released_info(res, user),
         host=host_state,
         gpu_indexes=indexes,
         gpu_models=models,
@@ -144,8 +134,9 @@ def reservation_info(
 
 
 def released_info(res: Reservation, holder: User) -> ReservationInfo:
-    """A reservation just ended by its own holder, as the release reply names it: the
-    holder is known, and the host and GPUs it held are not shown, so not read back."""
+    """The reservation's own fields with its holder, nothing read back: what the release
+    reply names (the host and GPUs it held are not shown) and what `reservation_info`
+    fills in the rest of."""
     assert res.id is not None
     return ReservationInfo(
         id=res.id,
