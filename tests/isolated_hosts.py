@@ -9,6 +9,7 @@ bootstraps again measures the no-op.
 
 from __future__ import annotations
 
+import contextlib
 import pwd
 import subprocess
 import time
@@ -20,7 +21,14 @@ import pytest
 
 from provisioning.bootstrap import BootstrapReport, bootstrap
 from provisioning.ssh import SshClient, SshTarget
-from tests.ssh_hosts import SshdUnavailable, SshLab, pip_env, start_isolated_lab
+from tests.ssh_hosts import (
+    SshdUnavailable,
+    SshLab,
+    end_account_processes,
+    pip_env,
+    start_isolated_lab,
+    wipe_home,
+)
 
 
 def isolated_target(lab: SshLab, name: str) -> SshTarget:
@@ -81,6 +89,25 @@ def bootstrapped(isolated_lab: SshLab) -> Iterator[Bootstrapped]:
         again=again,
         again_seconds=again_seconds,
     )
+
+
+@contextlib.contextmanager
+def emptied(lab: SshLab, name: str) -> Iterator[SshTarget]:
+    """Host `name` as a new machine: nothing of its account runs and its home is empty.
+
+    For a test that bootstraps from nothing itself, whatever ran on that account before
+    it in the session (a clone, a bootstrap without torch, an agent). Emptied again
+    afterwards, so the tests after it find the host as `isolated_lab` left it."""
+    account = lab.hosts[name].account
+    if account is None:
+        raise ValueError(f"{name} is not an isolated host")
+    end_account_processes(account)
+    wipe_home(account)
+    try:
+        yield isolated_target(lab, name)
+    finally:
+        end_account_processes(account)
+        wipe_home(account)
 
 
 def clone_prepared(lab: SshLab, source: str, dest: str, root: str = ".gpubot") -> Path:

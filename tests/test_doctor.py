@@ -13,7 +13,7 @@ import typer
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from bot.app.config import Settings, load_settings
+from bot.app.config import ConfigError, Settings, load_settings
 from bot.faces.doctor import (
     Check,
     Note,
@@ -227,6 +227,17 @@ def test_ec2_settings_from_env_maps_every_variable() -> None:
     assert settings.subnet_ids == ("subnet-a", "subnet-b")
     assert settings.security_group_ids == ("sg-1",)
     assert (settings.key_name, settings.ami_id) == ("bot-key", "ami-123")
+
+
+def test_the_metadata_url_defaults_to_ec2s_and_can_be_pointed_elsewhere() -> None:
+    """The host agent's spot watch asks it: IPv6-only subnets (and the journey test's
+    loopback fake) need another address; a value that is no URL is refused by name."""
+    base = {"GPUBOT_AWS_REGION": "us-east-1", "GPUBOT_AWS_SUBNETS": "subnet-a"}
+    assert ec2_settings_from_env(base).metadata_url == "http://169.254.169.254"
+    v6 = ec2_settings_from_env({**base, "GPUBOT_AWS_METADATA_URL": "http://[fd00:ec2::254]"})
+    assert v6.metadata_url == "http://[fd00:ec2::254]"
+    with pytest.raises(ConfigError, match="metadata_url must be an http:// URL"):
+        ec2_settings_from_env({**base, "GPUBOT_AWS_METADATA_URL": "169.254.169.254"})
 
 
 def test_aws_without_subnets_names_the_variable() -> None:
