@@ -1,5 +1,7 @@
 """Fixtures for hosts that are not the bot's machine: real sshd, each its own unix account.
 
+`stranger_lab` is the SSH layer's: two accounts per xdist worker, never bootstrapped.
+
 `isolated_lab` starts them once per session with empty homes; `bootstrapped` runs the
 real bootstrap from nothing on lab-a once per session (a venv from the system python3,
 the `train` extra from the shared wheel cache, the training package, the marker), so
@@ -28,6 +30,7 @@ from tests.ssh_hosts import (
     pip_env,
     start_isolated_lab,
     wipe_home,
+    worker_accounts,
 )
 
 
@@ -47,6 +50,28 @@ def isolated_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
     """lab-a (127.0.0.4) and lab-b (127.0.0.5), each logging in as its own account."""
     try:
         lab = start_isolated_lab(tmp_path_factory.mktemp("isolated-sshd"))
+    except SshdUnavailable as exc:
+        pytest.skip(f"no isolated SSH hosts: {exc}")
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+@pytest.fixture(scope="session")
+def stranger_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
+    """gpu-a (127.0.0.6) and gpu-b (127.0.0.7) for the SSH layer's own tests: each its own
+    account, this xdist worker's (`worker_accounts`), never bootstrapped. Running a
+    command, moving files, timeouts, drops and the doctor's login need nothing of the
+    bot's on the host, so they meet what a team's server offers and no more; with an
+    account pair per worker they run beside the bootstrapped hosts' tests."""
+    try:
+        lab = start_isolated_lab(
+            tmp_path_factory.mktemp("stranger-sshd"),
+            {"gpu-a": "127.0.0.6", "gpu-b": "127.0.0.7"},
+            accounts=worker_accounts(),
+            wheels=False,
+        )
     except SshdUnavailable as exc:
         pytest.skip(f"no isolated SSH hosts: {exc}")
     try:
