@@ -144,8 +144,8 @@ def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
         host.root.mkdir(parents=True, exist_ok=True)
         root = tempfile.mkdtemp(dir=host.root)
         if host.account is not None:  # a stranger's home: the directory is its own
-            account = pwd.getpwnam(host.account)
-            os.chown(root, account.pw_uid, account.pw_gid)
+            owner = pwd.getpwnam(host.account)
+            os.chown(root, owner.pw_uid, owner.pw_gid)
         runner = SshClient(connect_timeout=5, command_timeout=20)
         target = target_for(lab, "gpu-a")
     else:
