@@ -1,7 +1,10 @@
 """Where a run's code comes from (bot.app.sources): the --git/--path grammar, staging a
 local directory, `gpubot submit` end to end on this machine, and a git source cloned
 from a bare repository in tmp on a real sshd host (file:// only because the test
-allows it; nothing dials the network)."""
+allows it; nothing dials the network).
+
+The sshd host is a shortcut (the default lab, the bot's own user): a clone there runs with
+the bot's interpreter; these tests are about where code comes from, not what a host has."""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Utilization sampling: recorded telemetry becomes attributed samples; a host without a
 driver, or one that does not answer, is reported and skipped; the real probe through the
 real `LocalRunner` (no GPU here: "no NVIDIA driver") and through a real sshd; thinning
-of the rolling history, pure and in the database; `/gpu util` and the channel post."""
+of the rolling history, pure and in the database; `/gpu util` and the channel post.
+
+The sshd case is a shortcut: its host logs in as the bot's own user (the default lab) and
+probes with the bot's interpreter, which only a bootstrap would put on a real host; the
+probe with a bootstrapped host's own venv is in the journey (tests/provisioning_aws)."""
 
 from __future__ import annotations
 

@@ -3,6 +3,11 @@
 Listed from GPUBOT_SSH_HOSTS with the GPUs each entry declares, synced into host rows,
 and reachable through the runtime's `HostAccess`; a host without declared GPUs is
 probed with `training.inventory` over SSH, one that does not answer is `unreachable`.
+
+A shortcut: the hosts log in as the bot's own user (the default lab), so the inventory
+probe runs with the bot's interpreter and code without a bootstrap; these tests are about
+listing, syncing and reaching hosts. A host without a GPU list probed after a real
+bootstrap is tests/provisioning/test_host_health.py's last test.
 """
 
 from __future__ import annotations
