@@ -344,6 +344,8 @@ def isolated_unavailable(
 # How long a lab waits for another test session on this machine to let go of its accounts.
 LOCK_WAIT_S = float(os.environ.get("GPUBOT_TEST_LOCK_WAIT", "1800"))
 _LOCK_DIR = Path("/var/lock") if os.access("/var/lock", os.W_OK) else Path("/tmp")
+# How long a process that holds a later account waits for an earlier one (AccountLock).
+OUT_OF_ORDER_WAIT_S = 60.0
 # The accounts this process holds: a second lab on one of them here would wait for itself.
 _held: set[str] = set()
 
@@ -354,17 +356,27 @@ class AccountLock:
 
     Two test sessions on one machine (two developers, a CI job beside a `make test`)
     would otherwise empty each other's homes and kill each other's processes mid-test:
-    the second waits here instead. Taken in name order, so two labs over the same
-    accounts cannot each hold one and wait for the other. The kernel drops a flock when
-    its process dies, so a killed session never leaves a stale lock."""
+    the second waits here instead. The kernel drops a flock when its process dies, so a
+    killed session never leaves a stale lock.
+
+    Locks are taken in name order, within a lab and across the labs of one process (an
+    xdist worker holds its `stranger_lab` and may later start `isolated_lab`). Waiting in
+    that order cannot deadlock; a process that already holds a later name and now wants
+    an earlier one might wait for a session that waits for it, so that wait is short
+    (`out_of_order_s`) and then the lab is unavailable (its tests skip, saying why)."""
 
     accounts: tuple[str, ...]
     fds: list[int] = field(default_factory=list)
 
-    def acquire(self, wait_s: float = LOCK_WAIT_S) -> None:
+    def acquire(
+        self, wait_s: float = LOCK_WAIT_S, out_of_order_s: float = OUT_OF_ORDER_WAIT_S
+    ) -> None:
         again = sorted(set(self.accounts) & _held)
         if again:
             raise SshdUnavailable(f"this process already has a lab on {', '.join(again)}")
+        later = sorted(a for a in _held if a > min(self.accounts))
+        if later:
+            wait_s = min(wait_s, out_of_order_s)
         deadline = time.monotonic() + wait_s
         try:
             for account in sorted(self.accounts):
@@ -378,9 +390,16 @@ class AccountLock:
                         break
                     except BlockingIOError:
                         if time.monotonic() > deadline:
+                            order = (
+                                f"; this process holds {', '.join(later)}, so it waits only "
+                                "briefly (a longer wait could be a deadlock)"
+                                if later
+                                else ""
+                            )
                             raise SshdUnavailable(
                                 f"another test session on this machine has held {account} "
                                 f"for over {wait_s:.0f} s ({_LOCK_DIR}/gpubot-test-{account}.lock)"
+                                + order
                             ) from None
                         time.sleep(0.5)
         except BaseException:

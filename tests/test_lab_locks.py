@@ -82,6 +82,35 @@ def test_one_process_cannot_start_two_labs_on_one_account(names: tuple[str, str]
     again.release()
 
 
+def test_waiting_out_of_name_order_is_short_and_says_why(names: tuple[str, str]) -> None:
+    """Holding "…-b" and wanting "…-a", held by another session that may want "…-b":
+    a long wait could be a deadlock, so it gives up after `out_of_order_s`."""
+    later, earlier = sorted(names, reverse=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.ssh_hosts import AccountLock;"
+            f"AccountLock(({earlier!r},)).acquire(); print('held', flush=True); sys.stdin.read()",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    mine = AccountLock((later,))
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        mine.acquire(wait_s=5)
+        # A half-hour wait asked for; held out of order, it is cut to one second.
+        with pytest.raises(SshdUnavailable, match=f"this process holds {later}"):
+            AccountLock((earlier,)).acquire(wait_s=1800, out_of_order_s=1)
+    finally:
+        mine.release()
+        holder.kill()
+        holder.wait(timeout=30)
+
+
 def test_each_xdist_worker_has_its_own_accounts() -> None:
     assert worker_accounts(0) == (f"{SSH_ACCOUNT_PREFIX}0-a", f"{SSH_ACCOUNT_PREFIX}0-b")
     assert set(worker_accounts(0)).isdisjoint(worker_accounts(1))
