@@ -27,7 +27,7 @@ run: $(VENV)/.run-installed
 	$(BIN)/gpubot shell
 
 services:
-	bash scripts/ensure_services.sh
+	PYTEST_WORKERS=$(PYTEST_WORKERS) bash scripts/ensure_services.sh
 
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .

@@ -44,6 +44,7 @@ from botocore.exceptions import (
 )
 
 from provisioning.base import GpuDevice, Instance, ProvisioningError
+from provisioning.bootstrap import DEFAULT_METADATA_URL
 from provisioning.catalog import Catalog, InstanceType
 from provisioning.compute import LaunchSpec
 
@@ -167,6 +168,10 @@ class Ec2Settings:
     name_prefix: str = "gpubot"
     # Login user of the AMI (the DLAMI on Ubuntu: "ubuntu").
     ssh_user: str = "ubuntu"
+    # The instance metadata service the host agent asks for spot notices: EC2's own
+    # address, or its IPv6 one (http://[fd00:ec2::254]) in an IPv6-only subnet. Tests
+    # point it at a loopback fake, so the agent's spot watch is the production one.
+    metadata_url: str = DEFAULT_METADATA_URL
     # Other catalog models that may serve a request for a model, tried after its own types,
     # e.g. (("A100", "A100-80GB"),). Empty by default: the catalog treats A100 and A100-80GB
     # as different models and the bot grants by exact model, so a substitute launched for an
@@ -182,6 +187,8 @@ class Ec2Settings:
             raise ValueError("Ec2Settings.root_volume_gb must be >= 8")
         if not self.spot_max_price_factor > 0:
             raise ValueError("Ec2Settings.spot_max_price_factor must be positive")
+        if not self.metadata_url.startswith(("http://", "https://")):
+            raise ValueError("Ec2Settings.metadata_url must be an http:// URL")
 
 
 def aws_error_text(exc: Exception, action: str) -> str:

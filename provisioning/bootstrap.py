@@ -621,6 +621,9 @@ class _Bootstrap:
 # lost runs after a reboot), so it must outlive SSH sessions and reboots: a systemd unit
 # where systemd runs, else a shell loop that restarts it, brought back at boot by cron.
 
+# Where an EC2 instance reaches its instance metadata service (IMDSv2): the agent's spot
+# watch asks it; Ec2Settings.metadata_url (GPUBOT_AWS_METADATA_URL) points elsewhere.
+DEFAULT_METADATA_URL = "http://169.254.169.254"
 AGENT_UNIT = "gpubot-agent.service"
 AGENT_CRON_TAG = "# gpubot-agent"
 _SYSTEMD_UP = ("running", "degraded", "starting", "initializing", "maintenance")
@@ -638,7 +641,7 @@ class AgentInstall:
     lease_s: float = 900.0  # ... and no lease renewal for this long: stop
     interval_s: float = 15.0  # seconds between the agent's checks
     # The spot-notice endpoint; None where there is no EC2 metadata service.
-    imds_endpoint: str | None = "http://169.254.169.254"
+    imds_endpoint: str | None = DEFAULT_METADATA_URL
     runs_dirs: tuple[str, ...] = ()  # where run directories live; () = <root>/runs
     use_systemd: bool | None = None  # None: systemd when `systemctl is-system-running` answers
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes the unix accounts that the isolated SSH test hosts log in as, and the wheel
-# cache their bootstrap installs from (tests/ssh_hosts.py, start_isolated_lab).
+# cache their bootstrap installs from (tests/ssh_hosts.py, start_isolated_lab): the two
+# bootstrapped hosts' and two per xdist worker for the SSH layer's own tests.
 #
 # Each account is a stranger to the bot: its own home (0700), a login shell, no group
 # of the bot's, and nothing on PATH but the system's /usr/bin/python3. So a test that
@@ -14,6 +15,16 @@
 set -uo pipefail
 
 ACCOUNTS=${GPUBOT_TEST_HOST_ACCOUNTS:-gpubot-host-a gpubot-host-b}
+# The SSH layer's strangers, two per pytest-xdist worker (tests/ssh_hosts.py,
+# worker_accounts): PYTEST_WORKERS as `make test` passes it, at least 2 ("auto": the CPUs).
+workers=${PYTEST_WORKERS:-2}
+[ "$workers" = "auto" ] && workers=$(nproc)
+case "$workers" in ''|*[!0-9]*) workers=2 ;; esac
+[ "$workers" -lt 2 ] && workers=2
+PREFIX=${GPUBOT_TEST_SSH_ACCOUNT_PREFIX:-gpubot-ssh}
+for i in $(seq 0 $((workers - 1))); do
+    ACCOUNTS="$ACCOUNTS $PREFIX$i-a $PREFIX$i-b"
+done
 WHEELS=${GPUBOT_TEST_WHEELS:-/var/cache/gpubot-test-wheels}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}

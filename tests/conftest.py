@@ -12,7 +12,11 @@ import pytest
 os.environ["GPUBOT_SSH_LOOPBACK_ONLY"] = "1"
 
 from tests.fakes.fixtures import fake_slack  # noqa: F401  (the fake Slack Web API, for every test)
-from tests.isolated_hosts import bootstrapped, isolated_lab  # noqa: F401  (hosts not this machine)
+from tests.isolated_hosts import (  # noqa: F401  (hosts not this machine)
+    bootstrapped,
+    isolated_lab,
+    stranger_lab,
+)
 
 
 def _cuda_available() -> bool:
@@ -41,6 +45,7 @@ def _postgres_reachable() -> bool:
 XDIST_GROUPS: dict[str, frozenset[str]] = {
     # The two host accounts (gpubot-host-a/-b): `isolated_lab` empties their homes and
     # kills their processes, `bootstrapped` (from nothing, over a minute) fills lab-a's.
+    # (`stranger_lab` is not here: each worker has accounts of its own, see ssh_hosts.)
     "isolated-hosts": frozenset({"isolated_lab", "bootstrapped"}),
     # The run account (gpubot-run): its one prepared venv (~/.gpubot) is shared by every
     # run as that account, and one test breaks it on purpose to see it mended.

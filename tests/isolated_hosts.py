@@ -1,5 +1,7 @@
 """Fixtures for hosts that are not the bot's machine: real sshd, each its own unix account.
 
+`stranger_lab` is the SSH layer's: two accounts per xdist worker, never bootstrapped.
+
 `isolated_lab` starts them once per session with empty homes; `bootstrapped` runs the
 real bootstrap from nothing on lab-a once per session (a venv from the system python3,
 the `train` extra from the shared wheel cache, the training package, the marker), so
@@ -9,6 +11,7 @@ bootstraps again measures the no-op.
 
 from __future__ import annotations
 
+import contextlib
 import pwd
 import subprocess
 import time
@@ -20,7 +23,15 @@ import pytest
 
 from provisioning.bootstrap import BootstrapReport, bootstrap
 from provisioning.ssh import SshClient, SshTarget
-from tests.ssh_hosts import SshdUnavailable, SshLab, pip_env, start_isolated_lab
+from tests.ssh_hosts import (
+    SshdUnavailable,
+    SshLab,
+    end_account_processes,
+    pip_env,
+    start_isolated_lab,
+    wipe_home,
+    worker_accounts,
+)
 
 
 def isolated_target(lab: SshLab, name: str) -> SshTarget:
@@ -39,6 +50,28 @@ def isolated_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
     """lab-a (127.0.0.4) and lab-b (127.0.0.5), each logging in as its own account."""
     try:
         lab = start_isolated_lab(tmp_path_factory.mktemp("isolated-sshd"))
+    except SshdUnavailable as exc:
+        pytest.skip(f"no isolated SSH hosts: {exc}")
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+@pytest.fixture(scope="session")
+def stranger_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
+    """gpu-a (127.0.0.6) and gpu-b (127.0.0.7) for the SSH layer's own tests: each its own
+    account, this xdist worker's (`worker_accounts`), never bootstrapped. Running a
+    command, moving files, timeouts, drops and the doctor's login need nothing of the
+    bot's on the host, so they meet what a team's server offers and no more; with an
+    account pair per worker they run beside the bootstrapped hosts' tests."""
+    try:
+        lab = start_isolated_lab(
+            tmp_path_factory.mktemp("stranger-sshd"),
+            {"gpu-a": "127.0.0.6", "gpu-b": "127.0.0.7"},
+            accounts=worker_accounts(),
+            wheels=False,
+        )
     except SshdUnavailable as exc:
         pytest.skip(f"no isolated SSH hosts: {exc}")
     try:
@@ -81,6 +114,25 @@ def bootstrapped(isolated_lab: SshLab) -> Iterator[Bootstrapped]:
         again=again,
         again_seconds=again_seconds,
     )
+
+
+@contextlib.contextmanager
+def emptied(lab: SshLab, name: str) -> Iterator[SshTarget]:
+    """Host `name` as a new machine: nothing of its account runs and its home is empty.
+
+    For a test that bootstraps from nothing itself, whatever ran on that account before
+    it in the session (a clone, a bootstrap without torch, an agent). Emptied again
+    afterwards, so the tests after it find the host as `isolated_lab` left it."""
+    account = lab.hosts[name].account
+    if account is None:
+        raise ValueError(f"{name} is not an isolated host")
+    end_account_processes(account)
+    wipe_home(account)
+    try:
+        yield isolated_target(lab, name)
+    finally:
+        end_account_processes(account)
+        wipe_home(account)
 
 
 def clone_prepared(lab: SshLab, source: str, dest: str, root: str = ".gpubot") -> Path:

@@ -16,6 +16,7 @@ shell and only the system python3, so a bootstrap there starts from nothing.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import shutil
@@ -31,13 +32,17 @@ SSHD = os.environ.get("GPUBOT_SSHD", "/usr/sbin/sshd")
 SSH_KEYGEN = "ssh-keygen"
 
 
+def worker_index() -> int:
+    """N in pytest-xdist's worker gwN; 0 without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+
+
 def _default_port() -> int:
     """2222, or 2222 + 20·N in pytest-xdist's worker gwN: two workers starting their labs
     at once would both find 2222 free, and the loser's sshd would fail to bind (or its
     client would meet the winner's daemon, which knows another key)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
-    return 2222 + 20 * index
+    return 2222 + 20 * worker_index()
 
 
 DEFAULT_PORT = _default_port()
@@ -77,9 +82,11 @@ def _keygen(path: Path, comment: str) -> None:
     )
 
 
-def _children_of(pid: int) -> list[int]:
-    """The per-connection sshd processes: they call setsid, so a group kill misses them."""
-    found = []
+def _descendants_of(pid: int) -> list[int]:
+    """Every process below the listener: the per-connection sshd (it calls setsid, so a
+    group kill misses it) and, where the login is another account, its unprivileged child
+    and the command it runs, which outlive the root-owned per-connection process alone."""
+    parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -88,8 +95,14 @@ def _children_of(pid: int) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and fields[1] == str(pid):
-            found.append(int(entry.name))
+        if len(fields) > 1 and fields[1].isdigit():
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
     return found
 
 
@@ -206,7 +219,7 @@ class SshHost:
         if proc is None:
             return
         self.process = None
-        for child in _children_of(proc.pid):
+        for child in _descendants_of(proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
         proc.kill()
@@ -230,6 +243,8 @@ class SshLab:
     user: str
     # Where the isolated lab keeps the authorized keys the accounts may read; None otherwise.
     keys_dir: Path | None = None
+    # The isolated lab's hold on its accounts (AccountLock); released by `stop`.
+    lock: AccountLock | None = None
 
     def stop(self) -> None:
         for host in self.hosts.values():
@@ -243,6 +258,9 @@ class SshLab:
                 end_account_processes(host.account)
         if self.keys_dir is not None:
             shutil.rmtree(self.keys_dir, ignore_errors=True)
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def user_of(self, name: str) -> str:
         """The login name for host `name`."""
@@ -287,23 +305,113 @@ HOST_ACCOUNTS = tuple(
     os.environ.get("GPUBOT_TEST_HOST_ACCOUNTS", "gpubot-host-a gpubot-host-b").split()
 )
 WHEELS = Path(os.environ.get("GPUBOT_TEST_WHEELS", "/var/cache/gpubot-test-wheels"))
+# The SSH layer's own accounts, two per xdist worker (gpubot-ssh0-a, gpubot-ssh0-b, …):
+# tests about running commands, files and connections need no bootstrap, so each worker
+# has its own strangers and those tests are not queued behind the bootstrapped hosts'.
+SSH_ACCOUNT_PREFIX = os.environ.get("GPUBOT_TEST_SSH_ACCOUNT_PREFIX", "gpubot-ssh")
 
 
-def isolated_unavailable() -> str | None:
+def worker_accounts(index: int | None = None) -> tuple[str, str]:
+    """This xdist worker's two SSH-layer accounts (scripts/ssh_accounts.sh makes them)."""
+    n = worker_index() if index is None else index
+    return (f"{SSH_ACCOUNT_PREFIX}{n}-a", f"{SSH_ACCOUNT_PREFIX}{n}-b")
+
+
+def isolated_unavailable(
+    accounts: tuple[str, ...] = HOST_ACCOUNTS, *, wheels: bool = True
+) -> str | None:
     """None when the isolated hosts can run here; otherwise why not (a skip reason)."""
     reason = sshd_available()
     if reason is not None:
         return reason
     if os.geteuid() != 0:
         return "the isolated SSH hosts need root (to log in as other accounts and reset them)"
-    for account in HOST_ACCOUNTS:
+    for account in accounts:
         try:
             pwd.getpwnam(account)
         except KeyError:
-            return f"no account {account} (run `bash scripts/ssh_accounts.sh`)"
-    if not (WHEELS / ".requirements").exists():
+            return (
+                f"no account {account} (run `bash scripts/ssh_accounts.sh`; with more "
+                "than two xdist workers, `PYTEST_WORKERS=N bash scripts/ssh_accounts.sh`)"
+            )
+    if wheels and not (WHEELS / ".requirements").exists():
         return f"no wheel cache at {WHEELS} (run `bash scripts/ssh_accounts.sh`)"
     return None
+
+
+# --- one test session at a time on an account ------------------------------------------------
+
+# How long a lab waits for another test session on this machine to let go of its accounts.
+LOCK_WAIT_S = float(os.environ.get("GPUBOT_TEST_LOCK_WAIT", "1800"))
+_LOCK_DIR = Path("/var/lock") if os.access("/var/lock", os.W_OK) else Path("/tmp")
+# How long a process that holds a later account waits for an earlier one (AccountLock).
+OUT_OF_ORDER_WAIT_S = 60.0
+# The accounts this process holds: a second lab on one of them here would wait for itself.
+_held: set[str] = set()
+
+
+@dataclass
+class AccountLock:
+    """An exclusive flock per account, held while a lab uses it.
+
+    Two test sessions on one machine (two developers, a CI job beside a `make test`)
+    would otherwise empty each other's homes and kill each other's processes mid-test:
+    the second waits here instead. The kernel drops a flock when its process dies, so a
+    killed session never leaves a stale lock.
+
+    Locks are taken in name order, within a lab and across the labs of one process (an
+    xdist worker holds its `stranger_lab` and may later start `isolated_lab`). Waiting in
+    that order cannot deadlock; a process that already holds a later name and now wants
+    an earlier one might wait for a session that waits for it, so that wait is short
+    (`out_of_order_s`) and then the lab is unavailable (its tests skip, saying why)."""
+
+    accounts: tuple[str, ...]
+    fds: list[int] = field(default_factory=list)
+
+    def acquire(
+        self, wait_s: float = LOCK_WAIT_S, out_of_order_s: float = OUT_OF_ORDER_WAIT_S
+    ) -> None:
+        again = sorted(set(self.accounts) & _held)
+        if again:
+            raise SshdUnavailable(f"this process already has a lab on {', '.join(again)}")
+        later = sorted(a for a in _held if a > min(self.accounts))
+        if later:
+            wait_s = min(wait_s, out_of_order_s)
+        deadline = time.monotonic() + wait_s
+        try:
+            for account in sorted(self.accounts):
+                fd = os.open(
+                    _LOCK_DIR / f"gpubot-test-{account}.lock", os.O_RDWR | os.O_CREAT, 0o600
+                )
+                self.fds.append(fd)
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            order = (
+                                f"; this process holds {', '.join(later)}, so it waits only "
+                                "briefly (a longer wait could be a deadlock)"
+                                if later
+                                else ""
+                            )
+                            raise SshdUnavailable(
+                                f"another test session on this machine has held {account} "
+                                f"for over {wait_s:.0f} s ({_LOCK_DIR}/gpubot-test-{account}.lock)"
+                                + order
+                            ) from None
+                        time.sleep(0.5)
+        except BaseException:
+            self.release()
+            raise
+        _held.update(self.accounts)
+
+    def release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)  # closing the only descriptor drops the flock
+        self.fds.clear()
+        _held.difference_update(self.accounts)
 
 
 def pip_env() -> dict[str, str]:
@@ -344,19 +452,44 @@ def wipe_home(account: str) -> None:
 
 
 def start_isolated_lab(
-    directory: Path, addresses: dict[str, str] | None = None, *, fresh: bool = True
+    directory: Path,
+    addresses: dict[str, str] | None = None,
+    *,
+    fresh: bool = True,
+    accounts: tuple[str, ...] = HOST_ACCOUNTS,
+    wheels: bool = True,
 ) -> SshLab:
-    """One sshd per host, each logging in as its own account (HOST_ACCOUNTS in order).
+    """One sshd per host, each logging in as its own account (`accounts` in order).
 
-    `fresh` empties the accounts' homes first, so what a test sees there was made by
-    this session. The authorized keys live in a world-readable directory of their own:
-    sshd reads them as the logging-in account, which may not read the bot's temp dirs."""
-    reason = isolated_unavailable()
+    The accounts are locked for the lab's life (AccountLock: another test session on
+    this machine waits). `fresh` then empties their homes, so what a test sees there was
+    made by this session. `wheels`: the hosts will bootstrap, so the wheel cache must be
+    there. The authorized keys live in a world-readable directory of their own: sshd
+    reads them as the logging-in account, which may not read the bot's temp dirs."""
+    reason = isolated_unavailable(accounts, wheels=wheels)
     if reason is not None:
         raise SshdUnavailable(reason)
     addresses = addresses or {"lab-a": "127.0.0.4", "lab-b": "127.0.0.5"}
-    if len(addresses) > len(HOST_ACCOUNTS):
-        raise SshdUnavailable(f"only {len(HOST_ACCOUNTS)} host accounts for {len(addresses)} hosts")
+    if len(addresses) > len(accounts):
+        raise SshdUnavailable(f"only {len(accounts)} host accounts for {len(addresses)} hosts")
+    accounts = accounts[: len(addresses)]
+    lock = AccountLock(accounts)
+    lock.acquire()
+    try:
+        return _start_isolated(directory, addresses, accounts, lock, fresh=fresh)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _start_isolated(
+    directory: Path,
+    addresses: dict[str, str],
+    accounts: tuple[str, ...],
+    lock: AccountLock,
+    *,
+    fresh: bool,
+) -> SshLab:
     directory.mkdir(parents=True, exist_ok=True)
     client_key = directory / "client_ed25519"
     _keygen(client_key, "gpubot-test-client")
@@ -369,10 +502,15 @@ def start_isolated_lab(
     user = pwd.getpwuid(os.geteuid()).pw_name
     hosts: dict[str, SshHost] = {}
     lab = SshLab(
-        directory=directory, client_key=client_key, hosts=hosts, user=user, keys_dir=keys_dir
+        directory=directory,
+        client_key=client_key,
+        hosts=hosts,
+        user=user,
+        keys_dir=keys_dir,
+        lock=lock,
     )
     try:
-        for (name, address), account in zip(addresses.items(), HOST_ACCOUNTS, strict=False):
+        for (name, address), account in zip(addresses.items(), accounts, strict=True):
             if fresh:
                 end_account_processes(account)
                 wipe_home(account)

@@ -13,7 +13,7 @@ import typer
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from bot.app.config import Settings, load_settings
+from bot.app.config import ConfigError, Settings, load_settings
 from bot.faces.doctor import (
     Check,
     Note,
@@ -41,7 +41,7 @@ from tests.provisioning_aws.conftest import (  # noqa: F401  (fixtures)
     aws_env,
     inprocess_lab,
 )
-from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+from tests.ssh_hosts import SshLab
 
 
 def _dead_port() -> int:
@@ -229,6 +229,17 @@ def test_ec2_settings_from_env_maps_every_variable() -> None:
     assert (settings.key_name, settings.ami_id) == ("bot-key", "ami-123")
 
 
+def test_the_metadata_url_defaults_to_ec2s_and_can_be_pointed_elsewhere() -> None:
+    """The host agent's spot watch asks it: IPv6-only subnets (and the journey test's
+    loopback fake) need another address; a value that is no URL is refused by name."""
+    base = {"GPUBOT_AWS_REGION": "us-east-1", "GPUBOT_AWS_SUBNETS": "subnet-a"}
+    assert ec2_settings_from_env(base).metadata_url == "http://169.254.169.254"
+    v6 = ec2_settings_from_env({**base, "GPUBOT_AWS_METADATA_URL": "http://[fd00:ec2::254]"})
+    assert v6.metadata_url == "http://[fd00:ec2::254]"
+    with pytest.raises(ConfigError, match="metadata_url must be an http:// URL"):
+        ec2_settings_from_env({**base, "GPUBOT_AWS_METADATA_URL": "169.254.169.254"})
+
+
 def test_aws_without_subnets_names_the_variable() -> None:
     checks = check_aws_section(Settings(provider="aws"), {"GPUBOT_AWS_REGION": "us-east-1"})
     assert len(checks) == 1 and not checks[0].ok
@@ -282,23 +293,14 @@ def test_aws_without_credentials_says_so_plainly(
 # --- SSH -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def doctor_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    """One sshd of our own, on a loopback address the SSH suite's hosts do not use."""
-    try:
-        lab = start_lab(tmp_path_factory.mktemp("doctor-sshd"), {"gpu-doc": "127.0.0.23"})
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test host: {exc}")
-    try:
-        yield lab
-    finally:
-        lab.stop()
-
-
-def test_ssh_to_a_real_host_is_green(doctor_host: SshLab) -> None:
-    checks = check_ssh([target_for(doctor_host, "gpu-doc")])
+def test_ssh_to_a_real_host_is_green(stranger_lab: SshLab) -> None:
+    """A host that is its own account (only the system's tools, nothing of the bot's):
+    what the doctor checks is the login, which needs nothing on the host."""
+    target = target_for(stranger_lab, "gpu-a")
+    assert target.user != stranger_lab.user
+    checks = check_ssh([target])
     assert len(checks) == 1 and checks[0].ok, checks
-    assert checks[0].name == "SSH gpu-doc"
+    assert checks[0].name == "SSH gpu-a"
 
 
 def test_ssh_to_a_port_nobody_listens_on_is_plain_words() -> None:

@@ -25,7 +25,7 @@ from bot.app.ports import HostAccess, HostSeat, Interpreter
 from db.models import HOST_STOPPED, HOST_TERMINATED, Host
 from db.session import transaction
 from provisioning.base import Instance, ProvisioningError
-from provisioning.bootstrap import AgentInstall, bootstrap
+from provisioning.bootstrap import DEFAULT_METADATA_URL, AgentInstall, bootstrap
 from provisioning.ssh import Resolver, SshError, SshRunner, SshTarget
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ def bootstrap_prepare(
     *,
     cloud: bool | None = None,
     env: Mapping[str, str] | None = None,
+    metadata_url: str = DEFAULT_METADATA_URL,
 ) -> PreparedHost:
     """The production preparation: the idempotent bootstrap (a marker read when current),
     with the host agent (training.agent; bot.app.agentwatch reads it). On an EC2 instance it
@@ -63,14 +64,15 @@ def bootstrap_prepare(
     no stop, no metadata service. `cloud` None: an EC2 host is one named by its instance
     id (the EC2 fleet's host names); static hosts carry the names the team gave them.
     The agent's runs dir is the bootstrap root's ``runs``, where `RemoteAccess` puts runs.
-    `env` goes to the bootstrap's commands: a pip index, proxy or wheel directory."""
+    `env` goes to the bootstrap's commands: a pip index, proxy or wheel directory.
+    `metadata_url` is where an EC2 agent asks for spot notices (Ec2Settings.metadata_url)."""
     if cloud is None:
         ident = target.name.removeprefix("i-")
         cloud = target.name.startswith("i-") and len(ident) in (8, 17)
         cloud = cloud and all(c in "0123456789abcdef" for c in ident)
     if cloud:  # EC2: `shutdown -h` stops (not terminates); a non-root login needs sudo
         stop = "shutdown -h now" if target.user == "root" else "sudo -n shutdown -h now"
-        agent = AgentInstall(stop_command=stop)
+        agent = AgentInstall(stop_command=stop, imds_endpoint=metadata_url)
     else:
         agent = AgentInstall(stop_command=None, imds_endpoint=None)
     report = bootstrap(runner, target, remote_root="~/.gpubot", agent=agent, env=env)

@@ -15,6 +15,8 @@ The AWS and SSH settings the doctor reads (until `bot.app.config` carries them):
     GPUBOT_AWS_KEY_NAME        the EC2 key pair the bot logs in with
     GPUBOT_AWS_AMI             a fixed AMI id (optional; else the DLAMI SSM parameter)
     GPUBOT_AWS_AMI_PARAMETER   another SSM parameter naming the AMI (optional)
+    GPUBOT_AWS_METADATA_URL    the instance metadata service the host agent asks for spot
+                               notices (default http://169.254.169.254)
     GPUBOT_SSH_HOSTS           comma list of [name=][user@]host[:port][/4xA100[+2xT4]] GPU hosts
     GPUBOT_SSH_USER            login user where a host names none (default root)
     GPUBOT_SSH_KEY             private key file (default: ssh-agent and ~/.ssh)
@@ -48,6 +50,7 @@ from db.migrate import current_revision, head_revision
 from db.session import make_engine
 from provisioning.aws import DLAMI_SSM_PARAMETER, Ec2Settings
 from provisioning.aws_doctor import Check, check_aws
+from provisioning.bootstrap import DEFAULT_METADATA_URL
 from provisioning.hosts import HostEntryError, StaticHost, parse_host_entries
 from provisioning.ssh import SshClient, SshError, SshTarget
 from training.telemetry import NO_DRIVER, parse_snapshot
@@ -70,6 +73,7 @@ AWS_ENV = (
     "GPUBOT_AWS_KEY_NAME",
     "GPUBOT_AWS_AMI",
     "GPUBOT_AWS_AMI_PARAMETER",
+    "GPUBOT_AWS_METADATA_URL",
 )
 SSH_TIMEOUT_S = 5.0
 TELEMETRY_TIMEOUT_S = 60.0
@@ -441,6 +445,7 @@ def ec2_settings_from_env(env: Mapping[str, str]) -> Ec2Settings:
             ami_id=env.get("GPUBOT_AWS_AMI", "").strip() or None,
             ami_ssm_parameter=env.get("GPUBOT_AWS_AMI_PARAMETER", "").strip()
             or DLAMI_SSM_PARAMETER,
+            metadata_url=env.get("GPUBOT_AWS_METADATA_URL", "").strip() or DEFAULT_METADATA_URL,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -156,11 +156,16 @@ def _static_listing(engine: Engine, compute: StaticHostsCompute) -> list[Instanc
     return out
 
 
-def _for_hosts(prepare: Prepare | None, *, cloud: bool) -> Prepare | None:
+def _for_hosts(
+    prepare: Prepare | None, *, cloud: bool, metadata_url: str | None = None
+) -> Prepare | None:
     """The production preparation told which kind of host it prepares (an EC2 instance
     gets the stopping agent, a team's own server a watching one) rather than guessing it
-    from the host's name; a test's own preparation is passed through as it is."""
+    from the host's name, and on EC2 where the agent asks for spot notices; a test's own
+    preparation is passed through as it is."""
     if prepare is bootstrap_prepare:
+        if metadata_url is not None:
+            return functools.partial(bootstrap_prepare, cloud=cloud, metadata_url=metadata_url)
         return functools.partial(bootstrap_prepare, cloud=cloud)
     return prepare
 
@@ -379,7 +384,9 @@ def _cloud_wiring(compute: Ec2Compute, parts: _Parts) -> _Wiring:
             parts.engine,
             parts.runner,
             parts.resolver or InstanceResolver(user=compute.settings.ssh_user, key_path=_ssh_key()),
-            prepare=_for_hosts(parts.prepare, cloud=True),
+            prepare=_for_hosts(
+                parts.prepare, cloud=True, metadata_url=compute.settings.metadata_url
+            ),
         )
         service.runs = RunService(service, access, compute.catalog)
         fleet = Fleet(service, compute, access, catalog=compute.catalog)

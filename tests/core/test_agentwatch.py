@@ -4,6 +4,10 @@ Real sshd hosts on loopback (127.0.0.2, 127.0.0.3) declared as static hosts, the
 own `build_runtime` → `RunService.poll`/`dispatch`, and the real host agent run over SSH
 with ``--once`` (a reboot is a new boot id in a file plus the run's processes killed).
 The spot-notice path end to end is tests/provisioning/test_spot_resume.py.
+
+A shortcut: the hosts log in as the bot's own user (the default lab) and run the agent and
+runs with the bot's interpreter and code, without a bootstrap; these tests are about what
+the worker does with the agent's reports.
 """
 
 from __future__ import annotations

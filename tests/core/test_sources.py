@@ -1,7 +1,12 @@
 """Where a run's code comes from (bot.app.sources): the --git/--path grammar, staging a
 local directory, `gpubot submit` end to end on this machine, and a git source cloned
 from a bare repository in tmp on a real sshd host (file:// only because the test
-allows it; nothing dials the network)."""
+allows it; nothing dials the network).
+
+The sshd host is a shortcut (the default lab, the bot's own user): the bare repository
+lies in the test's tmp dir, which only the bot's user may read, and the run test starts
+the bot's own interpreter there; these tests are about where code comes from, not what a
+host has."""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Utilization sampling: recorded telemetry becomes attributed samples; a host without a
 driver, or one that does not answer, is reported and skipped; the real probe through the
 real `LocalRunner` (no GPU here: "no NVIDIA driver") and through a real sshd; thinning
-of the rolling history, pure and in the database; `/gpu util` and the channel post."""
+of the rolling history, pure and in the database; `/gpu util` and the channel post.
+
+The sshd case logs in as a stranger (`stranger_lab`) whose "python" is a script the test
+puts there; the probe with a bootstrapped host's own venv is in the journey
+(tests/provisioning_aws)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import json
 import os
 import stat
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -41,7 +45,7 @@ from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.ssh import RunResult, SshClient, SshError, SshRunner, SshTarget
 from tests.core.helpers import actor, host, make_service
 from tests.e2e.shell_driver import run_shell
-from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+from tests.ssh_hosts import SshLab
 from training.telemetry import GpuProcess, GpuSnapshot, HostSnapshot, take_snapshot
 
 # --- recorded telemetry --------------------------------------------------------------
@@ -313,24 +317,18 @@ def test_gpu_util_in_the_piped_shell_says_no_driver(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    try:
-        started = start_lab(tmp_path_factory.mktemp("sshd-util"))
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test hosts: {exc}")
-    try:
-        yield started
-    finally:
-        started.stop()
-
-
-def test_collection_over_real_ssh(sqlite_engine: Engine, lab: SshLab) -> None:
-    """The same collection through `SshClient` and a real sshd; the host's "python" is a
-    script placed there that prints the recorded JSON, whatever it is asked."""
+def test_collection_over_real_ssh(sqlite_engine: Engine, stranger_lab: SshLab) -> None:
+    """The same collection through `SshClient` and a real sshd, logging in as a stranger
+    (an account of its own, nothing of the bot's); the host's "python" is a script placed
+    there that prints the recorded JSON, whatever it is asked."""
+    lab = stranger_lab
     h = lab.hosts["gpu-a"]
     target = SshTarget(
-        host=h.address, port=h.port, user=lab.user, key_path=str(lab.client_key), name="gpu-a"
+        host=h.address,
+        port=h.port,
+        user=lab.user_of("gpu-a"),
+        key_path=str(lab.client_key),
+        name="gpu-a",
     )
     client = SshClient(connect_timeout=5, command_timeout=20)
     try:

@@ -1,8 +1,8 @@
 """Fixtures for the SSH layer: real sshd hosts, and one bench per `SshRunner`.
 
 The contract tests take `bench`, which is parametrized over the real `SshClient`
-(against the sshd on 127.0.0.2) and the `LocalRunner` double, so both are held to
-the same behaviour.
+(against gpu-a of the module's `ssh_lab`) and the `LocalRunner` double, so both are held
+to the same behaviour.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def ssh_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    """Two fake GPU hosts, gpu-a on 127.0.0.2 and gpu-b on 127.0.0.3, for the whole run."""
+    """Two fake GPU hosts, gpu-a on 127.0.0.2 and gpu-b on 127.0.0.3, for the whole run.
+
+    The shortcut lab: both log in as the bot's own user, with its venv and code readable,
+    for tests whose hosts must run `training` (runs, agents, probes) without paying for a
+    bootstrap. A module about the SSH layer itself overrides it with `stranger_lab`
+    (tests/isolated_hosts.py), as test_ssh.py does."""
     try:
         lab = start_lab(tmp_path_factory.mktemp("sshd"))
     except SshdUnavailable as exc:
@@ -45,7 +50,11 @@ def ssh_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
 def target_for(lab: SshLab, name: str) -> SshTarget:
     host = lab.hosts[name]
     return SshTarget(
-        host=host.address, port=host.port, user=lab.user, key_path=str(lab.client_key), name=name
+        host=host.address,
+        port=host.port,
+        user=lab.user_of(name),
+        key_path=str(lab.client_key),
+        name=name,
     )
 
 
@@ -134,6 +143,9 @@ def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
         host = lab.hosts["gpu-a"]
         host.root.mkdir(parents=True, exist_ok=True)
         root = tempfile.mkdtemp(dir=host.root)
+        if host.account is not None:  # a stranger's home: the directory is its own
+            owner = pwd.getpwnam(host.account)
+            os.chown(root, owner.pw_uid, owner.pw_gid)
         runner = SshClient(connect_timeout=5, command_timeout=20)
         target = target_for(lab, "gpu-a")
     else:

@@ -5,6 +5,12 @@ The host is the real sshd on 127.0.0.2. The bot's side is `bot.app.hostagent` ov
 `run` for step-by-step checks, `start_detached` for the daemon). Time comes from a file
 on the host, so hours pass in a test without sleeping; "stopping the host" appends a line
 to a file, so a stop is observable and counted, and nothing real is ever shut down.
+
+A shortcut: the host logs in as the bot's own user (the default lab) and runs the agent
+with the bot's interpreter and code, which only a bootstrap would otherwise put there;
+these tests are about the lease and the stop, not about what a host has. The agent a
+real bootstrap installs on a stranger is checked in the journey and in
+tests/provisioning/test_forget_host.py.
 """
 
 from __future__ import annotations

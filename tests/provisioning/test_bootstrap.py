@@ -3,6 +3,13 @@
 Nothing is downloaded: the image's torch is a tiny fake module on the remote
 PYTHONPATH (with PIP_NO_INDEX=1 so a slip into pip fails instead of fetching), and
 PATH holds only what a test puts there, so "no nvidia-smi" is true even on a GPU box.
+
+A shortcut, on purpose: the hosts are the default lab (the bot's own user), because these
+tests are about the bootstrap's steps and their failures in seconds: "the image's python"
+is the bot's own interpreter (its venv has numpy, scikit-learn and NVML), and the fake
+torch and the remote root lie in the test's tmp dir, which only the bot's user may read.
+A bootstrap from nothing on a host that is not this machine is
+tests/provisioning/test_isolated_hosts.py (and the journey's, in tests/provisioning_aws).
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 A host's sshd is killed and started again, as a reboot or a network drop would; the
 checks run on the checker's threads and the tests wait for them (`HostChecker.wait`)
-rather than for time. The health tests prepare hosts without a bootstrap (a shortcut:
-they are about marking down and back, not about what a host has); the last test is the
-bootstrap one, on an isolated host with only the system python3.
+rather than for time. The health tests prepare hosts without a bootstrap (they are about
+marking down and back, not about what a host has). Where a check only dials (`true`) and
+the host's GPUs are given, the hosts are strangers (`stranger_lab`: their own accounts,
+nothing of the bot's); the slow-bootstrap test reads an inventory with the bot's own
+interpreter, so it keeps the shortcut lab (`ssh_lab`, the bot's user). The last test is
+the bootstrap one, on an isolated host with only the system python3.
 """
 
 from __future__ import annotations
@@ -78,6 +81,16 @@ def _no_bootstrap(root: Path) -> object:
     return prepare
 
 
+@pytest.fixture
+def stranger_b(stranger_lab: SshLab) -> Iterator[SshHost]:
+    """The strangers' gpu-b, which a test may stop; it is up again for the next test."""
+    host = stranger_lab.hosts["gpu-b"]
+    try:
+        yield host
+    finally:
+        host.start()
+
+
 def _host(rt: Runtime, name: str) -> Host:
     with Session(rt.engine) as s:
         return s.exec(select(Host).where(Host.name == name)).one()
@@ -106,15 +119,16 @@ def test_backoff_doubles_and_is_capped() -> None:
 
 
 def test_a_host_that_stops_answering_is_marked_down_and_comes_back_by_itself(
-    ssh_lab: SshLab,
-    droppable_host: SshHost,
+    stranger_lab: SshLab,
+    stranger_b: SshHost,
     client: SshClient,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    hosts = ",".join([_entry(ssh_lab, "gpu-a", "1xA100"), _entry(ssh_lab, "gpu-b", "1xT4")])
+    lab = stranger_lab
+    hosts = ",".join([_entry(lab, "gpu-a", "1xA100"), _entry(lab, "gpu-b", "1xT4")])
     rt, clock, checker = _runtime(
-        monkeypatch, tmp_path, ssh_lab, hosts, client, _no_bootstrap(tmp_path)
+        monkeypatch, tmp_path, lab, hosts, client, _no_bootstrap(tmp_path)
     )
     svc = rt.service
     assert sorted(_check(checker)) == ["gpu-a", "gpu-b"]
@@ -123,7 +137,7 @@ def test_a_host_that_stops_answering_is_marked_down_and_comes_back_by_itself(
     assert "gpu-b" in svc.reserve(alice, Reserve(1, "T4")).view.text
     svc.reserve(bob, Reserve(1, "T4"))  # waits behind alice
 
-    droppable_host.stop()
+    stranger_b.stop()
     first_failure = clock.now()
     seen = []
     for failures in (1, 2, 3):
@@ -174,7 +188,7 @@ def test_a_host_that_stops_answering_is_marked_down_and_comes_back_by_itself(
     with Session(rt.engine) as s:
         assert s.exec(select(Reservation).where(Reservation.state == "waiting")).all()
 
-    droppable_host.start()
+    stranger_b.start()
     clock.advance(backoff(4))
     _check(checker)
     host = _host(rt, "gpu-b")
@@ -223,13 +237,14 @@ def test_the_tick_never_waits_for_a_slow_bootstrap(
 
 
 def test_a_failed_setup_marks_the_host_down_at_once_and_tells_the_channel(
-    ssh_lab: SshLab, client: SshClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stranger_lab: SshLab, client: SshClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(runner: SshRunner, target: SshTarget) -> PreparedHost:
         raise ProvisioningError(f"bootstrap of {target.name}: pip install failed: No space left")
 
+    lab = stranger_lab
     rt, _clock, checker = _runtime(
-        monkeypatch, tmp_path, ssh_lab, _entry(ssh_lab, "gpu-a", "1xA100"), client, broken
+        monkeypatch, tmp_path, lab, _entry(lab, "gpu-a", "1xA100"), client, broken
     )
     rt.service.reserve(rt.service.actor("carol"), Reserve(1, "A100"))
     _check(checker)

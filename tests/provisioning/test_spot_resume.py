@@ -14,6 +14,8 @@ when it goes on, exactly as it would be on the next training step.
 
 Both hosts are this machine underneath: each keeps its files under its own root (see
 tests/ssh_hosts.py), so "the old host's disk" and "the new host's disk" are apart.
+A shortcut (the bot's own user, its interpreter and code, no bootstrap): the test is about
+the notice and the resume, not about what a host has.
 """
 
 from __future__ import annotations

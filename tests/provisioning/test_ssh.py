@@ -1,8 +1,11 @@
 """The SSH layer's contract, held against real sshd hosts and the local double alike.
 
-Tests taking `bench` run twice: on `SshClient` over the sshd at 127.0.0.2:2222 and on
-`LocalRunner`. Tests taking `ssh_client` are about what only a network link does
-(reuse, drops, refusing to dial).
+Tests taking `bench` run on `SshClient` over an sshd host and on `LocalRunner`. Tests
+taking `ssh_client` are about what only a network link does (reuse, drops, refusing to
+dial). The hosts are strangers (`stranger_lab`: each its own unix account, its own home,
+only the system's tools), not the bot's own user: nothing here needs the bot's code on
+the host, and a command, a path or a permission that works only as the bot's user would
+pass against the shortcut lab and fail on a team's server.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from provisioning.ssh import (
 )
 from tests.provisioning.conftest import Bench
 from tests.ssh_hosts import SshHost, SshLab
+
+
+@pytest.fixture(scope="session")
+def ssh_lab(stranger_lab: SshLab) -> SshLab:
+    """This module's hosts (and `bench`'s, `ssh_targets`', `droppable_host`'s): strangers."""
+    return stranger_lab
 
 
 def wait_for(check: Callable[[], bool], timeout: float = 5.0, step: float = 0.05) -> bool:
@@ -353,7 +362,9 @@ def test_a_host_that_comes_back_with_another_key_is_refused(
 def test_unreachable_host_and_wrong_key_are_plain_errors(
     ssh_client: SshClient, ssh_lab: SshLab, ssh_targets: dict[str, SshTarget], tmp_path: Path
 ) -> None:
-    nobody = SshTarget(host="127.0.0.9", port=ssh_targets["gpu-a"].port, user=ssh_lab.user)
+    nobody = SshTarget(
+        host="127.0.0.9", port=ssh_targets["gpu-a"].port, user=ssh_targets["gpu-a"].user
+    )
     started = time.monotonic()
     with pytest.raises(SshError, match=r"cannot reach .*127\.0\.0\.9.*connection refused"):
         ssh_client.run(nobody, "true")
@@ -364,7 +375,7 @@ def test_unreachable_host_and_wrong_key_are_plain_errors(
     wrong = SshTarget(
         host=ssh_targets["gpu-a"].host,
         port=ssh_targets["gpu-a"].port,
-        user=ssh_lab.user,
+        user=ssh_targets["gpu-a"].user,
         key_path=str(stranger),
     )
     with pytest.raises(SshError, match="did not accept the SSH key") as caught:
@@ -415,7 +426,7 @@ def test_static_resolver_maps_invented_cloud_addresses_to_loopback_hosts(
     resolver = StaticResolver({"10.0.3.7": ssh_targets["gpu-a"], "54.12.1.1": ssh_targets["gpu-b"]})
     private = resolver.resolve(cloud_instance("train-1", "10.0.3.7"))
     public = resolver.resolve(cloud_instance("train-2", "54.12.1.1"))
-    assert (private.host, public.host) == ("127.0.0.2", "127.0.0.3")
+    assert (private.host, public.host) == (ssh_targets["gpu-a"].host, ssh_targets["gpu-b"].host)
     assert ssh_client.run(private, "echo a").stdout == "a\n"
     assert ssh_client.run(public, "echo b").stdout == "b\n"
     with pytest.raises(SshError, match="no SSH address is known for train-3"):

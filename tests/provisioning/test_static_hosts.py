@@ -3,11 +3,15 @@
 Listed from GPUBOT_SSH_HOSTS with the GPUs each entry declares, synced into host rows,
 and reachable through the runtime's `HostAccess`; a host without declared GPUs is
 probed with `training.inventory` over SSH, one that does not answer is `unreachable`.
+
+A shortcut where a run or a preparation needs the bot's interpreter and code on the host:
+those hosts log in as the bot's own user (the default lab), without a bootstrap; the tests
+are about listing, syncing and reaching hosts. The probe of a host without a GPU list runs
+on a stranger after a real bootstrap (the session's `bootstrapped` lab-a), with its venv.
 """
 
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -21,6 +25,7 @@ from bot.app.remote import PreparedHost, home_prepare
 from bot.domain.commands import Logs, Reserve, Run, Status
 from bot.faces.runtime import build_runtime
 from db.models import Gpu, Host, TrainingRun
+from provisioning import shell
 from provisioning.hosts import (
     HostEntryError,
     StaticHostsCompute,
@@ -28,9 +33,8 @@ from provisioning.hosts import (
     probe_local_gpus,
 )
 from provisioning.ssh import SshClient, SshRunner, SshTarget
+from tests.isolated_hosts import Bootstrapped
 from tests.ssh_hosts import SshLab
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_entries_parse_names_users_ports_and_gpus() -> None:
@@ -65,7 +69,7 @@ def test_bad_entries_are_named(raw: str, words: str) -> None:
 
 def _entry(lab: SshLab, name: str, gpus: str = "") -> str:
     host = lab.hosts[name]
-    return f"{name}={lab.user}@{host.address}:{host.port}" + (f"/{gpus}" if gpus else "")
+    return f"{name}={lab.user_of(name)}@{host.address}:{host.port}" + (f"/{gpus}" if gpus else "")
 
 
 @pytest.fixture
@@ -136,24 +140,31 @@ def test_static_hosts_are_listed_synced_and_reachable(env: Path, client: SshClie
 
 
 def test_hosts_without_declared_gpus_are_probed_and_dead_ones_marked(
-    ssh_lab: SshLab, client: SshClient
+    bootstrapped: Bootstrapped, client: SshClient
 ) -> None:
-    raw = ",".join([_entry(ssh_lab, "gpu-a"), f"dead={ssh_lab.user}@127.0.0.9:1/1xA100"])
-    hosts = parse_host_entries(raw, key_path=str(ssh_lab.client_key))
-    # The probe as bootstrap leaves it runnable: the training package on the path.
+    """Not a shortcut: lab-a is a stranger (its own account) after a real bootstrap, and
+    the probe runs with what that bootstrap left there, the host's venv and code."""
+    lab, report = bootstrapped.lab, bootstrapped.report
+    user = lab.user_of("lab-a")
+    raw = ",".join([_entry(lab, "lab-a"), f"dead={user}@127.0.0.9:1/1xA100"])
+    hosts = parse_host_entries(raw, key_path=str(lab.client_key))
+    assert report.code_dir is not None
     command = (
-        f"cd {shlex.quote(str(ROOT))} && {shlex.quote(sys.executable)} -m training.inventory --json"
+        shell.cd(report.code_dir)
+        + " && "
+        + shell.join([report.venv_python, "-m", "training.inventory", "--json"])
     )
     compute = StaticHostsCompute(hosts, client, inventory_command=command)
     listed = {i.name: i for i in compute.list_instances()}
-    assert listed["gpu-a"].state == "ready"
-    # gpu-a is this machine underneath: the probe over SSH sees what a local probe sees.
-    assert listed["gpu-a"].gpus == tuple(probe_local_gpus())
+    assert listed["lab-a"].state == "ready"
+    # lab-a is this machine's hardware underneath: the probe over SSH, as another account
+    # with its own venv, sees what a local probe sees.
+    assert listed["lab-a"].gpus == tuple(probe_local_gpus())
     # Declared GPUs are taken as configured; nothing is dialed for them.
     assert listed["dead"].state == "ready" and len(listed["dead"].gpus) == 1
 
     unreachable = StaticHostsCompute(
-        parse_host_entries(f"gone={ssh_lab.user}@127.0.0.9:1", key_path=str(ssh_lab.client_key)),
+        parse_host_entries(f"gone={user}@127.0.0.9:1", key_path=str(lab.client_key)),
         client,
     )
     (gone,) = unreachable.list_instances()

@@ -2,6 +2,10 @@
 
 Reuse order, pool limits, idle stop/terminate on a virtual clock, reconcile (adopt an
 unrecorded launch, end what vanished), and capacity errors told to the user in words.
+
+A shortcut: the instances map to the default lab (the bot's own user) and are prepared
+without a bootstrap; these tests are about the fleet's money and lifecycle. The fleet's
+own preparation from nothing on a stranger is tests/provisioning_aws/test_journey.py.
 """
 
 from __future__ import annotations

@@ -3,12 +3,16 @@ pool, to the bill.
 
 EC2 is a moto server on 127.0.0.1 (`server_lab`: boto3 reaches it over a socket through
 AWS_ENDPOINT_URL, as the bot's own process would); the instance it launches is reached on
-lab-a, an isolated sshd host (its own unix account, only the system python3 before the
-session's bootstrap). The host is prepared by the production preparation
-(`bootstrap_prepare`, offline from the shared wheel cache). The suite pays for one
-bootstrap from nothing: the session's `bootstrapped` fixture does it on this account, and
-the fleet's preparation here is the same idempotent bootstrap finding its marker (plus the
-host agent); `tests/provisioning/test_isolated_hosts.py` checks what the first one left.
+lab-b, an isolated sshd host: its own unix account, its home emptied for this test, only
+the system python3. The fleet prepares it with the production preparation
+(`bootstrap_prepare` as the EC2 wiring passes it: cloud, stopping agent), so the journey
+pays for a bootstrap from nothing itself: venv, torch and the rest of the `train` extra
+(offline, from the shared wheel cache: the one difference from production), the code and
+the host agent. The session's `bootstrapped` fixture prepares lab-a, not this host.
+
+The agent runs in its EC2 form: the instance metadata address (Ec2Settings.metadata_url)
+points at a loopback fake of IMDSv2, so its spot watch asks it as it asks EC2's; nothing
+dials 169.254.169.254.
 
 Time is the virtual clock: the run takes wall time on the host, the clock is advanced by
 the test, and nothing is asserted about how long anything took.
@@ -17,12 +21,15 @@ the test, and nothing is asserted about how long anything took.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -49,12 +56,19 @@ from db.models import (
     LaunchRequest,
     TrainingRun,
 )
-from provisioning.bootstrap import agent_supervisor_alive
-from provisioning.ssh import SshClient
+from provisioning.bootstrap import (
+    BOOTSTRAP_VERSION,
+    MARKER_NAME,
+    agent_supervisor_alive,
+    torch_requirement,
+    train_requirements,
+)
+from provisioning.ssh import SshClient, SshTarget
 from tests.core.fleet_helpers import LoopbackResolver, notes
-from tests.isolated_hosts import Bootstrapped
+from tests.isolated_hosts import emptied
 from tests.provisioning_aws.conftest import AwsLab
-from tests.ssh_hosts import pip_env
+from tests.ssh_hosts import SshLab, pip_env
+from tests.training.test_agent import FakeImds, _imds_handler
 from training.telemetry import NO_DRIVER
 
 pytestmark = [
@@ -79,6 +93,28 @@ def _host(engine: Engine, name: str) -> Host:
 
 
 @pytest.fixture
+def imds() -> Iterator[FakeImds]:
+    """IMDSv2 on loopback: the agent's token PUT and spot GET, with no notice (404)."""
+    state = FakeImds()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _imds_handler(state))
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def new_host(isolated_lab: SshLab) -> Iterator[SshTarget]:
+    """lab-b as a new instance: nothing of its account runs, its home is empty."""
+    with emptied(isolated_lab, "lab-b") as target:
+        yield target
+
+
+@pytest.fixture
 def client() -> Iterator[SshClient]:
     c = SshClient(connect_timeout=5, command_timeout=120)
     try:
@@ -89,7 +125,9 @@ def client() -> Iterator[SshClient]:
 
 def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     server_lab: AwsLab,
-    bootstrapped: Bootstrapped,
+    isolated_lab: SshLab,
+    new_host: SshTarget,
+    imds: FakeImds,
     sqlite_engine: Engine,
     client: SshClient,
 ) -> None:
@@ -97,10 +135,13 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     compute = server_lab.compute()
     clock = VirtualClock()
     svc = GpuService(engine, Settings(admins=("root",)), clock, CatalogSupply(compute.catalog))
-    # Not an EC2 machine: no metadata service to watch, no `shutdown` to call (cloud=False);
-    # everything else is what production prepares.
-    prepare = functools.partial(bootstrap_prepare, cloud=False, env=pip_env())
-    access = RemoteAccess(engine, client, LoopbackResolver(bootstrapped.target), prepare=prepare)
+    home = isolated_lab.hosts["lab-b"].root
+    assert list(home.iterdir()) == []  # a new machine: nothing of ours, nothing at all
+    # What the EC2 wiring (bot.faces.runtime) prepares an instance with, its metadata
+    # address the loopback fake's; `env` points pip at the wheel cache (the suite is
+    # offline), where production gives its index or proxy the same way.
+    prepare = functools.partial(bootstrap_prepare, cloud=True, env=pip_env(), metadata_url=imds.url)
+    access = RemoteAccess(engine, client, LoopbackResolver(new_host), prepare=prepare)
     fleet = Fleet(svc, compute, access, catalog=compute.catalog)
     attach(svc, fleet)
     svc.runs = runs = RunService(svc, access, compute.catalog)
@@ -129,17 +170,27 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     assert tags["gpubot:managed"] == "true"
     assert tags["gpubot:owner"] == "alice" and tags["gpubot:job"] == str(rid)
 
-    # 3. Ready once SSH answers and the host is prepared: the bootstrap's venv and code.
+    # 3. Ready once SSH answers and the host is prepared: the fleet's own call bootstrapped
+    # it from nothing (venv, the train extra, code, marker) and started the host agent.
     fleet.refresh()
     assert _host(engine, iid).state == HOST_READY
     prepared = access.prepared(iid)
     assert prepared is not None
-    assert prepared.python == bootstrapped.report.venv_python
-    assert prepared.python.startswith(str(bootstrapped.lab.hosts["lab-a"].root))
-    assert prepared.code_dir == bootstrapped.report.code_dir
-    # The fleet's preparation is the production one: it left the host agent running, which
-    # the session's bootstrap from nothing does not install.
-    assert agent_supervisor_alive(client, bootstrapped.target, prepared.root)
+    root = home / ".gpubot"
+    assert prepared.root == str(root)
+    assert prepared.python == str(root / "venv" / "bin" / "python")
+    assert prepared.code_dir is not None and prepared.code_dir.startswith(str(root))
+    marker = json.loads((root / MARKER_NAME).read_text())
+    assert marker["version"] == BOOTSTRAP_VERSION
+    # torch from the pinned wheel, in a venv of the host's own python3 (not the bot's).
+    pinned = torch_requirement(train_requirements()).split("==")[1]
+    assert str(marker["torch"]).startswith(pinned)
+    assert marker["base_python"] == "python3" and not marker["system_site_packages"]
+    # The agent in its EC2 form: it stops the instance when the bot is gone (sudo, as the
+    # AMI's user) and watches the metadata service, here the fake.
+    assert marker["agent"]["stop_command"] == "sudo -n shutdown -h now"
+    assert marker["agent"]["imds_endpoint"] == imds.url
+    assert agent_supervisor_alive(client, new_host, prepared.root)
 
     # 4. Placed and run there; telemetry asked for while it runs.
     util_reports: list[CollectReport] = []
@@ -174,6 +225,16 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     util = handle_text(svc, svc.actor("alice"), f"/gpu util {iid}")
     assert f"{iid}: {NO_DRIVER} on {iid}, so there is nothing to sample" in util.view.text
     assert float(run.metrics["samples_per_s"]) > 0 and run.metrics["precision"] == "fp32"
+
+    # The agent asked the metadata service as on EC2 (a token, then the spot notice) and
+    # heard no notice; its heartbeat, which the bot reads, says so.
+    assert ("PUT", "/latest/api/token", "21600") in imds.requests
+    assert any(
+        r[:2] == ("GET", "/latest/meta-data/spot/instance-action") and r[2] == imds.token
+        for r in imds.requests
+    ), imds.requests
+    heartbeat = json.loads((root / "agent" / "heartbeat.json").read_text())
+    assert heartbeat["seen"]["imds"] == "no notice" and heartbeat["limits"]["stops_host"]
 
     # 6. The result DM: the accuracy the host measured and what the run cost.
     dms = notes(engine, "dm", "alice")
