@@ -608,6 +608,27 @@ def test_a_draining_fleet_is_consolidated_so_an_instance_can_stop() -> None:
     assert decide([], fleet, NOW, catalog=CAT, config=cfg(preempt=False)) == []
 
 
+def test_consolidation_moves_nothing_onto_an_instance_being_emptied() -> None:
+    """An instance whose runs were all told to stop (an earlier decision emptying it) is
+    about to stop: a run moved there would only be sent back in line, losing its work."""
+    fleet = [
+        inst("i0", tuple(held("a", 2, end=NOW + 40_000))),
+        # the tightest gap, the one best fit would choose
+        inst("i1", tuple(held("b", 5, end=NOW + 50_000, stopping=True))),
+        inst("i2", tuple(held("c", 4, end=NOW + 50_000))),
+    ]
+    actions = decide([], fleet, NOW, catalog=CAT, config=cfg(max_gpus=24))
+    onto = {iid for a in actions if isinstance(a, Place) for iid in a.instance_ids}
+    assert "i1" not in onto
+    # i2 has the room for i0's two runs: emptying i0 there is still worth it
+    assert onto == {"i2"}
+    assert {a.run_id for a in actions if isinstance(a, Preempt)} == {"a-0", "a-1"}
+    # without the stopping runs, i1 is an ordinary target (the test is about them)
+    calm = [fleet[0], inst("i1", tuple(held("b", 5, end=NOW + 50_000))), fleet[2]]
+    calm_actions = decide([], calm, NOW, catalog=CAT, config=cfg(max_gpus=24))
+    assert "i1" in {iid for a in calm_actions if isinstance(a, Place) for iid in a.instance_ids}
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     heavy=st.integers(0, 8),

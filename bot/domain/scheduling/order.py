@@ -55,6 +55,9 @@ _user_key = attrgetter("user")
 _priority_key = attrgetter("priority")
 
 
+_attained_key = attrgetter("attained_s")
+
+
 def order_queue(
     queue: Sequence[QueuedRun], now: float, usage: Mapping[str, float], config: SchedulerConfig
 ) -> list[QueuedRun]:
@@ -85,33 +88,38 @@ class Ordering:
         self.usage = usage
         las = config.las_after_s
         demoted = False
+        # one priority level (the usual case): the stable sort by it changes nothing
+        one_prio = len(set(map(_priority_key, queue))) <= 1
+        limit = config.scan_limit
         for runs in self.by_user.values():
             runs.sort(key=submit_key)
-            if las is not None and any(r.attained_s >= las for r in runs):
+            if las is not None and max(map(_attained_key, runs)) >= las:
                 # the long queue of least-attained-service: a run that has already run
                 # that long goes after its user's runs that have not (see preemption)
                 runs.sort(key=lambda r: r.attained_s >= las)
                 demoted = True
-            runs.sort(key=_priority_key, reverse=True)
-            del runs[config.scan_limit :]
-        prios = {r.priority for r in queue}
+            if not one_prio:
+                runs.sort(key=_priority_key, reverse=True)
+            del runs[limit:]
         # With one priority level the merge is a plain sort by `key` (score falls with
         # submit time within a user), so a subset can be ordered directly.
-        self.uniform = len(prios) <= 1 and not demoted
+        self.uniform = one_prio and not demoted
         self.now = now
         self.config = config
+        # `key` runs for every run a decision looks at: its constants, read once
+        self._max_age = config.max_age_s
+        self._w = (config.w_fairshare, config.w_priority, config.w_age)
 
     def key(self, run: QueuedRun) -> tuple[float, float, float, str, str]:
-        c = self.config
-        age = min(max(0.0, self.now - run.submit_s) / c.max_age_s, 1.0) if c.max_age_s > 0 else 1.0
-        score = (
-            c.w_fairshare * self.factors.get(run.user, 1.0)
-            + c.w_priority * run.priority
-            + c.w_age * age
-        )
+        max_age = self._max_age
+        submit = run.submit_s
+        age = min(max(0.0, self.now - submit) / max_age, 1.0) if max_age > 0 else 1.0
+        w_fairshare, w_priority, w_age = self._w
+        user = run.user
+        score = w_fairshare * self.factors.get(user, 1.0) + w_priority * run.priority + w_age * age
         # Raw usage breaks ties of the score: the factor rounds to 1.0 for tiny shares,
         # and less recent usage must still go first among equals.
-        return (-score, self.usage.get(run.user, 0.0), run.submit_s, run.run_id, run.user)
+        return (-score, self.usage.get(user, 0.0), submit, run.run_id, user)
 
     def runs(self) -> Iterator[QueuedRun]:
         for runs in self.by_user.values():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
 
 from bot.domain.scheduling.model import (
     Action,
@@ -23,7 +24,7 @@ from bot.domain.scheduling.model import (
 )
 from bot.domain.scheduling.order import Lazy, Ordering
 from bot.domain.scheduling.provision import provision
-from bot.domain.scheduling.slots import Slot, hosts_for, instance_horizon
+from bot.domain.scheduling.slots import Slot, hosts_for
 from provisioning.catalog import Catalog
 
 
@@ -63,17 +64,26 @@ def place_fair(
         return actions  # nothing can start and nothing can be provisioned
 
     slots: dict[tuple[str, str], list[Slot]] = {}  # (model, market) -> slots
+    unknown_end = now + config.unknown_duration_s
     for inst in warm:
-        slots.setdefault((inst.gpu_model, inst.market), []).append(
+        # `instance_horizon`, inlined: this runs for every instance on every decision
+        ready = max(now, inst.ready_at_s)
+        horizon = max(ready, inst.latest_end)
+        if inst.unknown_end_gpus:
+            horizon = max(horizon, unknown_end)
+        group = slots.get((inst.gpu_model, inst.market))
+        if group is None:
+            group = slots[(inst.gpu_model, inst.market)] = []
+        group.append(
             Slot(
                 inst,
                 inst.instance_id,
                 inst.gpus,
-                max(now, inst.ready_at_s),
+                ready,
                 inst.usd_hr,
                 inst.instance_type,
                 inst.free_gpus,
-                instance_horizon(inst, config, now),
+                horizon,
             )
         )
     ordering = Ordering(queue, now, usage, config)
@@ -205,6 +215,9 @@ def place_fair(
     return actions
 
 
+_gpus_key = attrgetter("gpus")
+
+
 def _backfill_candidates(
     ordering: Ordering,
     ordered: Lazy,
@@ -243,9 +256,19 @@ def _backfill_candidates(
         return []
     seen = {r.run_id for r in ordered.items}
     out: list[QueuedRun] = []
+    # by (model, spot) as the runs carry them, so the scan below builds no key strings;
+    # a multi-host run's test depends only on its size and duration: asked once each
+    by_run_key = {(model, market == "spot"): g for (model, market), g in groups.items()}
+    multi_ok: dict[tuple[str, bool, int, float], bool] = {}
+    # A user whose runs all need more than any instance has free (and fit on one) has
+    # none to offer: most users, behind a blocked head; skipped at C speed.
+    most_free = max(g[1] for g in groups.values())
+    least_big = min(g[3] for g in groups.values())
     for runs in ordering.by_user.values():
+        if min(map(_gpus_key, runs)) > most_free and max(map(_gpus_key, runs)) <= least_big:
+            continue
         for r in runs:
-            g = groups.get((r.gpu_model, "spot" if r.spot else "ondemand"))
+            g = by_run_key.get((r.gpu_model, r.spot))
             if g is None:
                 continue
             any_cap, max_free, short, big, open_ = g
@@ -258,20 +281,24 @@ def _backfill_candidates(
                     if not any(gpus <= f and dur <= lim for f, lim in short):
                         continue
             else:
-                k = split_hosts(gpus, big)
-                per = gpus // k
                 dur = unknown if r.est_duration_s is None else r.est_duration_s
-                n = sum(
-                    1
-                    for s in open_
-                    if s.free >= per
-                    and (
-                        s.ref not in head_extra
-                        or head_extra[s.ref] >= per
-                        or s.ready + dur <= head_t
+                mkey = (r.gpu_model, r.spot, gpus, dur)
+                ok = multi_ok.get(mkey)
+                if ok is None:
+                    k = split_hosts(gpus, big)
+                    per = gpus // k
+                    n = sum(
+                        1
+                        for s in open_
+                        if s.free >= per
+                        and (
+                            s.ref not in head_extra
+                            or head_extra[s.ref] >= per
+                            or s.ready + dur <= head_t
+                        )
                     )
-                )
-                if n < k:
+                    ok = multi_ok[mkey] = n >= k
+                if not ok:
                     continue
             if r.run_id not in seen:
                 out.append(r)

@@ -753,7 +753,15 @@ class PreemptionPlanner:
             )
         if sum(max(0, v) for v in idle.values()) == 0:
             return
-        emptied: set[str] = set()
+        # An instance whose every run was told to stop is being emptied (by an earlier
+        # decision's consolidation, the worker still checkpointing them): it is about to
+        # stop, so nothing moves onto it; moving a run there only sends it back in line
+        # to land wherever placement puts it next, losing its work since its checkpoint.
+        emptied: set[str] = {
+            inst.instance_id
+            for inst in group
+            if inst.allocations and all(al.stopping for al in inst.allocations)
+        }
         for inst in sorted(group, key=lambda i: (i.used_gpus, i.instance_id)):
             iid = inst.instance_id
             als = inst.allocations

@@ -75,13 +75,6 @@ def free_profile(
     return steps
 
 
-def instance_horizon(inst: FleetInstance, config: SchedulerConfig, now: float) -> float:
-    h = max(now, inst.ready_at_s, inst.latest_end)
-    if inst.unknown_end_gpus:
-        h = max(h, now + config.unknown_duration_s)
-    return h
-
-
 def earliest_start(profile: list[tuple[float, int]], need: int, dur: float) -> float:
     """Earliest t with free >= need during [t, t + dur) on a step profile."""
     n = len(profile)
