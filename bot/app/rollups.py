@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy import delete, func
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -49,7 +49,7 @@ from db.models import (
     UsageRollupDay,
     User,
 )
-from db.session import insert_many, lock_pool, transaction
+from db.session import insert_rows, lock_pool, transaction
 from provisioning.costs import gpu_share
 
 HOUR = timedelta(hours=1)
@@ -85,6 +85,12 @@ def ceil_hour(t: datetime) -> datetime:
 
 
 def floor_day(t: datetime) -> datetime:
+    return _floor_day(t)
+
+
+@functools.lru_cache(maxsize=4096)
+def _floor_day(t: datetime) -> datetime:
+    """Cached: a rebuild asks it of every hourly row, a few hundred rows an hour."""
     return floor_hour(t).replace(hour=0)
 
 
@@ -153,15 +159,22 @@ def _running_spans(periods: Iterable[HostPeriod]) -> list[tuple[int, int | None,
     return out
 
 
-def _covered(spans: _Spans, a: int, b: int) -> int:
+def _covered(
+    spans: Sequence[tuple[int, int | None, Fraction, bool]], a: int, b: int, own: int
+) -> int:
     """[a, b) of one GPU at each overlapping running period's share: what it takes off
-    the idle overhead (bot.domain.metering.idle_overhead, cut the same way)."""
+    the idle overhead (bot.domain.metering.idle_overhead, cut the same way). `own` is
+    what the piece itself costs: a period whose share is the interval's own rate
+    (flagged True) and covers the whole piece meters exactly that, with no reading."""
     total = 0
-    for start, end, share in spans:
+    for start, end, share, same in spans:
         lo = max(a, start)
         hi = b if end is None else min(b, end)
         if hi > lo:
-            total += reading(share, hi) - reading(share, lo)
+            if same and lo == a and hi == b:
+                total += own
+            else:
+                total += reading(share, hi) - reading(share, lo)
     return total
 
 
@@ -170,20 +183,34 @@ def _hour(h_us: int) -> datetime:
     return _EPOCH + timedelta(microseconds=h_us)
 
 
-def _pieces(iv: ClosedUsage, spans: _Spans) -> Iterable[tuple[RollupKey, Sums]]:
-    """One closed interval, cut at UTC hours. In integer microseconds on the meter's own
+def _pieces(
+    iv: ClosedUsage, spans: _Spans, t: int | None = None
+) -> Iterable[tuple[int, RollupKey, Sums]]:
+    """One closed interval, cut at UTC hours: (hour in epoch microseconds, key, sums) for
+    each piece. In integer microseconds on the meter's own
     clock (`bot.domain.metering.reading`): the same sums as metering each piece's times,
     without the datetimes, which were most of a rebuild's time over a million intervals."""
     assert iv.ended_at is not None
     rate = _rate(iv)
-    t, end = epoch_us(iv.started_at), epoch_us(iv.ended_at)
+    if t is None:  # the start in epoch microseconds, when the caller has not got it yet
+        t = epoch_us(iv.started_at)
+    end = epoch_us(iv.ended_at)
     tail = (iv.user_id, iv.host_id, iv.market, iv.run_id or 0)
+    # The host's running periods that overlap the interval, each flagged when it meters
+    # at the interval's own rate (a GPU's share of its host's price, as usual). Fractions
+    # are kept in lowest terms, so equal ones have equal terms (Fraction.__eq__ was a
+    # tenth of a rebuild).
+    live = [
+        (s, e, share, (share.numerator, share.denominator) == (rate.numerator, rate.denominator))
+        for s, e, share in spans
+        if s < end and (e is None or e > t)
+    ]
     at = reading(rate, t)
     while t < end:
         h = t - t % _HOUR_US
         b = min(end, h + _HOUR_US)
         bt = reading(rate, b)
-        yield (_hour(h), *tail), Sums(bt - at, b - t, _covered(spans, t, b))
+        yield h, (_hour(h), *tail), Sums(bt - at, b - t, _covered(live, t, b, bt - at))
         t, at = b, bt
 
 
@@ -265,7 +292,7 @@ def _sums(
     sums: dict[RollupKey, Sums] = defaultdict(Sums)
     spans = {h: _running_spans(ps) for h, ps in periods.items()}
     for iv in ivs:
-        for key, piece in _pieces(iv, spans.get(iv.host_id, [])):
+        for _, key, piece in _pieces(iv, spans.get(iv.host_id, [])):
             sums[key].add(piece)
     return sums
 
@@ -328,9 +355,9 @@ def on_closed(s: Session, ivs: Sequence[UsageInterval]) -> None:
 _BATCH = 5000
 
 
-@dataclass(frozen=True)
-class ClosedRow:
-    """A closed interval's columns (`ClosedUsage`), as a plain row."""
+class ClosedRow(NamedTuple):
+    """A closed interval's columns (`ClosedUsage`), as a plain row (a tuple: a rebuild
+    makes a million of them)."""
 
     started_at: datetime
     ended_at: datetime | None
@@ -352,17 +379,26 @@ class HourlyRollups:
         for p in periods:
             by_host[p.host_id].append(p)
         self._spans = {h: _running_spans(ps) for h, ps in by_host.items()}
-        self._open: dict[datetime, dict[RollupKey, Sums]] = {}
+        # Hour (epoch microseconds) -> its rows so far.
+        self._open: dict[int, dict[RollupKey, Sums]] = {}
+        self._oldest: int | None = None  # the earliest hour in _open
 
     def add(self, iv: ClosedUsage) -> list[tuple[RollupKey, Sums]]:
         """Adds one interval; returns the rows of the hours now final."""
         done: list[tuple[RollupKey, Sums]] = []
-        first = floor_hour(iv.started_at)
-        if any(h < first for h in self._open):
+        t = epoch_us(iv.started_at)
+        first = t - t % _HOUR_US
+        if self._oldest is not None and self._oldest < first:
             for hour in sorted(h for h in self._open if h < first):
                 done += self._open.pop(hour).items()
-        for key, piece in _pieces(iv, self._spans.get(iv.host_id, ())):
-            bucket = self._open.setdefault(key[0], {})
+            self._oldest = min(self._open, default=None)
+        if self._oldest is None or first < self._oldest:
+            self._oldest = first
+        opened = self._open
+        for h, key, piece in _pieces(iv, self._spans.get(iv.host_id, ()), t):
+            bucket = opened.get(h)
+            if bucket is None:
+                bucket = opened[h] = {}
             got = bucket.get(key)
             if got is None:
                 bucket[key] = piece
@@ -375,6 +411,7 @@ class HourlyRollups:
         done: list[tuple[RollupKey, Sums]] = []
         for hour in sorted(self._open):
             done += self._open.pop(hour).items()
+        self._oldest = None
         return done
 
 
@@ -425,17 +462,31 @@ def fair_share_of(
 ) -> dict[int, tuple[float, datetime]]:
     """The counters for closed intervals given as (ended, started, user) in the order
     they ended."""
-    fair: dict[int, tuple[float, datetime]] = {}
-    h = FAIR_SHARE_HALF_LIFE_S
+    counters = FairShareCounters()
     for ended_at, started_at, user_id in ends:
+        counters.add(ended_at, started_at, user_id)
+    return counters.fair
+
+
+class FairShareCounters:
+    """The counters built one closed interval at a time, in the order they ended
+    (`fair_share_of`; the history bench feeds it as it generates)."""
+
+    def __init__(self) -> None:
+        self.fair: dict[int, tuple[float, datetime]] = {}
+
+    def add(self, ended_at: datetime, started_at: datetime, user_id: int) -> None:
         secs = max(0.0, (ended_at - started_at).total_seconds())
-        prev = fair.get(user_id)
+        prev = self.fair.get(user_id)
         if prev is None:
-            fair[user_id] = (secs, ended_at)
+            self.fair[user_id] = (secs, ended_at)
         else:
             value, as_of = prev
-            fair[user_id] = (decay(value, (ended_at - as_of).total_seconds(), h) + secs, ended_at)
-    return fair
+            h = FAIR_SHARE_HALF_LIFE_S
+            self.fair[user_id] = (
+                decay(value, (ended_at - as_of).total_seconds(), h) + secs,
+                ended_at,
+            )
 
 
 def computed_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
@@ -511,9 +562,7 @@ def write_rollups(
     batch: list[tuple[RollupKey, Sums]] = []
 
     def flush() -> None:
-        _insert_rows(
-            s, UsageRollup, [dict(zip(_HOUR_KEY, k, strict=True)) | _values(v) for k, v in batch]
-        )
+        _insert_rows(s, UsageRollup, _HOUR_KEY, [(*k, *_values(v)) for k, v in batch])
         add_day_sums(days, itype, batch)
         batch.clear()
 
@@ -524,34 +573,28 @@ def write_rollups(
             flush()
     if batch:
         flush()
-    _insert_rows(
-        s,
-        UsageRollupDay,
-        [dict(zip(_DAY_KEY, k, strict=True)) | _values(v) for k, v in days.items()],
-    )
+    _insert_rows(s, UsageRollupDay, _DAY_KEY, [(*k, *_values(v)) for k, v in days.items()])
     if fair:
-        s.execute(
-            FairShareUsage.__table__.insert(),  # type: ignore[attr-defined]
-            [
-                {
-                    "user_id": u,
-                    "decayed_s": value,
-                    "as_of": as_of,
-                    "half_life_s": FAIR_SHARE_HALF_LIFE_S,
-                }
-                for u, (value, as_of) in fair.items()
-            ],
+        insert_rows(
+            s,
+            FairShareUsage.__table__,  # type: ignore[attr-defined]
+            ("user_id", "decayed_s", "as_of", "half_life_s"),
+            [(u, value, as_of, FAIR_SHARE_HALF_LIFE_S) for u, (value, as_of) in fair.items()],
         )
     return written
 
 
-def _insert_rows(s: Session, table: type[Rollup], rows: list[dict[str, Any]]) -> None:
-    """Many rows into a rollup table (db.session.insert_many: COPY on PostgreSQL)."""
-    insert_many(s, table.__table__, rows)  # type: ignore[union-attr]
+def _insert_rows(
+    s: Session, table: type[Rollup], key: tuple[str, ...], rows: list[tuple[Any, ...]]
+) -> None:
+    """Many rows, (*key, *_SUMMED) each, into a rollup table (db.session.insert_rows:
+    the driver's executemany on SQLite, COPY on PostgreSQL)."""
+    if rows:
+        insert_rows(s, table.__table__, (*key, *_SUMMED), rows)  # type: ignore[union-attr]
 
 
-def _values(v: Sums) -> dict[str, int]:
-    return {"micro_usd": v.micro_usd, "held_us": v.held_us, "covered_micro": v.covered_micro}
+def _values(v: Sums) -> tuple[int, int, int]:
+    return v.micro_usd, v.held_us, v.covered_micro
 
 
 def backfill_rollups(engine: Engine) -> int | None:
