@@ -32,7 +32,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, NamedTuple, Protocol
 
-from sqlalchemy import delete, func
+from sqlalchemy import and_, delete, func
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -117,6 +117,14 @@ class ClosedUsage(Protocol):
     def run_id(self) -> int | None: ...
     @property
     def usd_per_hour(self) -> float: ...
+
+
+class ClosedInterval(ClosedUsage, Protocol):
+    """A closed interval with its id (the fair-share counters order ties by it): a
+    `db.models.UsageInterval`, or a row `bot.app.held.end_held` got back."""
+
+    @property
+    def id(self) -> int | None: ...
 
 
 @functools.lru_cache(maxsize=1024)
@@ -214,23 +222,33 @@ def _pieces(
         t, at = b, bt
 
 
-def _periods_for(s: Session, ivs: Sequence[ClosedUsage]) -> dict[int, list[HostPeriod]]:
-    """The billed periods of the intervals' hosts that overlap them."""
+def _periods_for(
+    s: Session, ivs: Sequence[ClosedUsage]
+) -> tuple[dict[int, list[HostPeriod]], dict[int, str]]:
+    """The billed periods of the intervals' hosts that overlap them, and the hosts'
+    instance types (as the day rows key them), in one query: a release ran one for each."""
     if not ivs:
-        return {}
+        return {}, {}
     start = min(iv.started_at for iv in ivs)
     end = max(iv.ended_at or iv.started_at for iv in ivs)
+    overlapping = and_(
+        col(HostPeriod.host_id) == col(Host.id),
+        col(HostPeriod.started_at) < end,
+        col(HostPeriod.ended_at).is_(None) | (col(HostPeriod.ended_at) > start),
+    )
+    entities: tuple[Any, ...] = (Host.id, Host.instance_type, HostPeriod)
     rows = s.exec(
-        select(HostPeriod).where(
-            col(HostPeriod.host_id).in_({iv.host_id for iv in ivs}),
-            col(HostPeriod.started_at) < end,
-            col(HostPeriod.ended_at).is_(None) | (col(HostPeriod.ended_at) > start),
-        )
+        select(*entities)
+        .join(HostPeriod, overlapping, isouter=True)
+        .where(col(Host.id).in_({iv.host_id for iv in ivs}))
     ).all()
     out: dict[int, list[HostPeriod]] = defaultdict(list)
-    for p in rows:
-        out[p.host_id].append(p)
-    return out
+    itype: dict[int, str] = {}
+    for host_id, instance_type, p in rows:
+        itype[host_id] = instance_type or ""
+        if p is not None:
+            out[host_id].append(p)
+    return out, itype
 
 
 # The key columns of each rollup table, in the order of RollupKey and DayKey.
@@ -302,11 +320,11 @@ def decay(value: float, seconds: float, half_life_s: float) -> float:
     return value * math.pow(0.5, max(0.0, seconds) / half_life_s)
 
 
-def _add_fair_share(s: Session, ivs: Sequence[UsageInterval]) -> None:
+def _add_fair_share(s: Session, ivs: Sequence[ClosedInterval]) -> None:
     """Adds each closed interval's GPU-seconds to its user's decayed counter, weighed as
     the scheduler weighs it: by how long ago it ended."""
     h = FAIR_SHARE_HALF_LIFE_S
-    by_user: dict[int, list[UsageInterval]] = defaultdict(list)
+    by_user: dict[int, list[ClosedInterval]] = defaultdict(list)
     for iv in ivs:
         by_user[iv.user_id].append(iv)
     if not by_user:
@@ -337,15 +355,18 @@ def _add_fair_share(s: Session, ivs: Sequence[UsageInterval]) -> None:
         s.add(row)
 
 
-def on_closed(s: Session, ivs: Sequence[UsageInterval]) -> None:
+def on_closed(s: Session, ivs: Sequence[ClosedInterval]) -> None:
     """Rolls up intervals just closed, in the caller's transaction (the one that closed
     them, with the pool held)."""
     closed = [iv for iv in ivs if iv.ended_at is not None]
     if not closed:
         return
-    hourly = _sums(closed, _periods_for(s, closed))
+    periods, itype = _periods_for(s, closed)
+    hourly = _sums(closed, periods)
     _add_rows(s, UsageRollup, _HOUR_KEY, hourly)
-    _add_rows(s, UsageRollupDay, _DAY_KEY, day_sums(s, hourly))
+    days: dict[DayKey, Sums] = {}
+    add_day_sums(days, itype, hourly.items())
+    _add_rows(s, UsageRollupDay, _DAY_KEY, days)
     _add_fair_share(s, closed)
 
 
