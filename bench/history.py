@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import heapq
 import os
+import queue
 import random
 import resource
 import secrets
 import statistics
 import tempfile
+import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -149,7 +151,7 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
             yield t, t + dur, gpu_id, host_id, rng.choice(users)
             t += dur + timedelta(seconds=rng.expovariate(1 / gap_mean))
 
-    with _bulk_load(engine) as s:
+    with _bulk_load(engine) as s, _Loader() as insert:
         rollups = HourlyRollups(s.exec(select(HostPeriod)).all())
         fair = FairShareCounters()
         table = UsageInterval.__table__  # type: ignore[attr-defined]
@@ -161,7 +163,7 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
             for a, b, gpu_id, host_id, user_id in heapq.merge(*streams):
                 chunk.append((gpu_id, host_id, user_id, a, b, rate, "ondemand"))
                 if len(chunk) >= _CHUNK:
-                    insert_rows(s, table, _INTERVAL_COLUMNS, chunk)
+                    insert(s, table, _INTERVAL_COLUMNS, chunk)
                     chunk = []
                 # Every interval still to come ends after `a`: those that ended by then
                 # are final in the order they ended.
@@ -170,14 +172,14 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
                     fair.add(ended, started, who)
                 heapq.heappush(ends, (b, a, gpu_id, user_id))
                 yield from rollups.add(ClosedRow(a, b, user_id, host_id, "ondemand", None, rate))
-            insert_rows(s, table, _INTERVAL_COLUMNS, chunk)
+            insert(s, table, _INTERVAL_COLUMNS, chunk)
             while ends:
                 ended, started, _, who = heapq.heappop(ends)
                 fair.add(ended, started, who)
             yield from rollups.rest()
 
         # write_rollups reads the counters only after the last hourly row.
-        write_rollups(s, hourly(), fair.fair)
+        write_rollups(s, hourly(), fair.fair, insert)
     if engine.dialect.name == "postgresql":
         with engine.begin() as conn:
             for name in (
@@ -240,6 +242,46 @@ def _bulk_load(engine: Engine) -> Iterator[Session]:
         if sqlite:
             raw.execute("PRAGMA synchronous=NORMAL")
             raw.execute("PRAGMA foreign_keys=ON")
+
+
+class _Loader:
+    """Inserts (db.session.insert_rows) done in order on a thread of their own while the
+    caller computes the next rows: the database's part of an insert (SQLite's B-trees in
+    this process, with the GIL let go; PostgreSQL's COPY) runs beside the generator
+    instead of after it. Only this thread uses the session meanwhile: the build reads
+    nothing while it loads, and the load ends (`__exit__` waits for the last insert and
+    raises its error, if any) before the indexes are made and the transaction commits."""
+
+    def __init__(self) -> None:
+        self._todo: queue.Queue[tuple[Session, Any, Sequence[str], Sequence[Any]] | None] = (
+            queue.Queue(maxsize=4)
+        )
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="bench-loader", daemon=True)
+
+    def __enter__(self) -> _Loader:
+        self._thread.start()
+        return self
+
+    def __call__(self, s: Session, table: Any, names: Sequence[str], rows: Sequence[Any]) -> None:
+        if self._error is not None:
+            raise self._error
+        if rows:
+            self._todo.put((s, table, names, rows))
+
+    def _run(self) -> None:
+        while (job := self._todo.get()) is not None:
+            if self._error is None:  # after a failure, only drained
+                try:
+                    insert_rows(*job)
+                except BaseException as exc:  # handed to the building thread
+                    self._error = exc
+
+    def __exit__(self, *exc: object) -> None:
+        self._todo.put(None)
+        self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise self._error
 
 
 def _secondary_indexes(s: Session) -> list[tuple[str, str]]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -570,20 +570,27 @@ def rebuild_rollups(s: Session) -> int:
     return write_rollups(s, iter_computed_rollups(s), computed_fair_share(s))
 
 
+# What writes many rows (db.session.insert_rows, or the history bench's loader, which
+# does it on a thread of its own while the rows are being computed).
+Inserter = Callable[[Session, Any, Sequence[str], Sequence[Sequence[Any]]], None]
+
+
 def write_rollups(
     s: Session,
     hourly: Iterable[tuple[RollupKey, Sums]],
     fair: Mapping[int, tuple[float, datetime]],
+    insert: Inserter = insert_rows,
 ) -> int:
     """Inserts hourly rows (in batches, as they come), their day rows and the counters
-    into empty tables; returns how many hourly rows. The rebuild's and the bench's."""
+    into empty tables, each batch through `insert`; returns how many hourly rows. The
+    rebuild's and the bench's."""
     itype = instance_types(s)
     days: dict[DayKey, Sums] = {}
     written = 0
     batch: list[tuple[RollupKey, Sums]] = []
 
     def flush() -> None:
-        _insert_rows(s, UsageRollup, _HOUR_KEY, [(*k, *_values(v)) for k, v in batch])
+        _insert_rows(s, UsageRollup, _HOUR_KEY, [(*k, *_values(v)) for k, v in batch], insert)
         add_day_sums(days, itype, batch)
         batch.clear()
 
@@ -594,9 +601,9 @@ def write_rollups(
             flush()
     if batch:
         flush()
-    _insert_rows(s, UsageRollupDay, _DAY_KEY, [(*k, *_values(v)) for k, v in days.items()])
+    _insert_rows(s, UsageRollupDay, _DAY_KEY, [(*k, *_values(v)) for k, v in days.items()], insert)
     if fair:
-        insert_rows(
+        insert(
             s,
             FairShareUsage.__table__,  # type: ignore[attr-defined]
             ("user_id", "decayed_s", "as_of", "half_life_s"),
@@ -606,12 +613,16 @@ def write_rollups(
 
 
 def _insert_rows(
-    s: Session, table: type[Rollup], key: tuple[str, ...], rows: list[tuple[Any, ...]]
+    s: Session,
+    table: type[Rollup],
+    key: tuple[str, ...],
+    rows: list[tuple[Any, ...]],
+    insert: Inserter,
 ) -> None:
     """Many rows, (*key, *_SUMMED) each, into a rollup table (db.session.insert_rows:
     the driver's executemany on SQLite, COPY on PostgreSQL)."""
     if rows:
-        insert_rows(s, table.__table__, (*key, *_SUMMED), rows)  # type: ignore[union-attr]
+        insert(s, table.__table__, (*key, *_SUMMED), rows)  # type: ignore[union-attr]
 
 
 def _values(v: Sums) -> tuple[int, int, int]:
