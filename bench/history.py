@@ -11,7 +11,8 @@ peak over one call of each, after the build.
 
 Sizes: 1k, 10k, 100k intervals at 100 hosts (and 1 and 10 hosts at 1k for the views),
 on SQLite and on PostgreSQL when it is reachable. 1M intervals only with
-GPUBOT_BENCH_HISTORY_1M=1 (its build: about 40 s of CPU, 45-65 s on a shared 2-core machine);
+GPUBOT_BENCH_HISTORY_1M=1 (its build: 35-50 s of CPU; 45-90 s of wall clock on a
+shared 2-core machine, as busy as that is);
 GPUBOT_BENCH_HISTORY_SIZES=1000,100000 measures only those sizes.
 """
 
