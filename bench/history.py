@@ -11,7 +11,8 @@ peak over one call of each, after the build.
 
 Sizes: 1k, 10k, 100k intervals at 100 hosts (and 1 and 10 hosts at 1k for the views),
 on SQLite and on PostgreSQL when it is reachable. 1M intervals only with
-GPUBOT_BENCH_HISTORY_1M=1 (its build takes about a minute on a shared 2-core machine);
+GPUBOT_BENCH_HISTORY_1M=1 (its build: 35-50 s of CPU; 45-90 s of wall clock on a
+shared 2-core machine, as busy as that is);
 GPUBOT_BENCH_HISTORY_SIZES=1000,100000 measures only those sizes.
 """
 
@@ -19,17 +20,20 @@ from __future__ import annotations
 
 import heapq
 import os
+import queue
 import random
 import resource
 import secrets
 import statistics
 import tempfile
+import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
@@ -39,10 +43,10 @@ from bot.app.config import Settings
 from bot.app.digest import digest_for
 from bot.app.rollups import (
     ClosedRow,
+    FairShareCounters,
     HourlyRollups,
     RollupKey,
     Sums,
-    fair_share_of,
     write_rollups,
 )
 from bot.app.runs import LocalAccess, RunService
@@ -53,7 +57,7 @@ from bot.faces.slack.home import home_view
 from bot.faces.worker import tick_job
 from db.migrate import upgrade
 from db.models import Gpu, HostPeriod, UsageInterval, User
-from db.session import insert_many, make_engine
+from db.session import insert_rows, make_engine
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
@@ -125,11 +129,13 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
         users = [u.id for u in s.exec(select(User)).all() if u.id is not None]
     # Each GPU's intervals back to back from 90 days ago: a GPU-hour or so each (capped
     # at 12 h), with gaps that spread a GPU's share of the N intervals over the 90 days.
-    # A GPU's intervals come from its own seeded generator, so they can be made again
-    # instead of kept: the GPUs' streams merged by start are inserted in chunks (COPY on
-    # PostgreSQL) and rolled up as they go (bot.app.rollups.HourlyRollups, the bot's own
-    # arithmetic), and merged by end they give the fair-share counters. Nothing holds the
-    # million rows, which would otherwise be most of the bench's peak memory.
+    # A GPU's intervals come from its own seeded generator, so nothing holds the million
+    # rows (which would otherwise be most of the bench's peak memory): the GPUs' streams
+    # are merged by start and go, in one pass, into the table in chunks (the driver's
+    # executemany on SQLite, COPY on PostgreSQL: db.session.insert_rows), into the hourly
+    # rollups (bot.app.rollups.HourlyRollups, the bot's own arithmetic, written by the
+    # rebuild's own write_rollups) and, put back in the order they end by a small heap,
+    # into the fair-share counters (bot.app.rollups.FairShareCounters).
     start = NOW - timedelta(days=90)
     end = NOW - timedelta(hours=1)
     per_gpu = max(1, -(-intervals // len(gpus)))
@@ -146,38 +152,45 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
             yield t, t + dur, gpu_id, host_id, rng.choice(users)
             t += dur + timedelta(seconds=rng.expovariate(1 / gap_mean))
 
-    def every(by_end: bool = False) -> Iterator[_Made]:
-        streams = [one_gpu(i, g, h) for i, (g, h) in enumerate(gpus)]
-        return heapq.merge(*streams, key=(lambda m: (m[1], m[0])) if by_end else None)
-
-    with Session(engine) as s:
+    with _bulk_load(engine) as s, _Loader() as insert:
         rollups = HourlyRollups(s.exec(select(HostPeriod)).all())
+        fair = FairShareCounters()
+        table = UsageInterval.__table__  # type: ignore[attr-defined]
 
         def hourly() -> Iterator[tuple[RollupKey, Sums]]:
-            chunk: list[_Made] = []
-            for made in every():
-                chunk.append(made)
+            chunk: list[tuple[object, ...]] = []
+            ends: list[tuple[datetime, datetime, int, int]] = []  # heap: end, start, GPU, user
+            streams = [one_gpu(i, g, h) for i, (g, h) in enumerate(gpus)]
+            for a, b, gpu_id, host_id, user_id in heapq.merge(*streams):
+                chunk.append((gpu_id, host_id, user_id, a, b, rate, "ondemand"))
                 if len(chunk) >= _CHUNK:
-                    _insert_intervals(s, chunk, rate)
+                    insert(s, table, _INTERVAL_COLUMNS, chunk)
                     chunk = []
-                a, b, _, host_id, user_id = made
+                # Every interval still to come ends after `a`: those that ended by then
+                # are final in the order they ended.
+                while ends and ends[0][0] <= a:
+                    ended, started, _, who = heapq.heappop(ends)
+                    fair.add(ended, started, who)
+                heapq.heappush(ends, (b, a, gpu_id, user_id))
                 yield from rollups.add(ClosedRow(a, b, user_id, host_id, "ondemand", None, rate))
-            _insert_intervals(s, chunk, rate)
+            insert(s, table, _INTERVAL_COLUMNS, chunk)
+            while ends:
+                ended, started, _, who = heapq.heappop(ends)
+                fair.add(ended, started, who)
             yield from rollups.rest()
 
-        fair = fair_share_of((b, a, user_id) for a, b, _, _, user_id in every(by_end=True))
-        write_rollups(s, hourly(), fair)
-        s.commit()
+        # write_rollups reads the counters only after the last hourly row.
+        write_rollups(s, hourly(), fair.fair, insert)
     if engine.dialect.name == "postgresql":
         with engine.begin() as conn:
-            for table in (
+            for name in (
                 "usageinterval",
                 "usagerollup",
                 "usagerollupday",
                 "hostperiod",
                 "fairshareusage",
             ):
-                conn.execute(text(f"ANALYZE {table}"))
+                conn.execute(text(f"ANALYZE {name}"))
     clock.set(NOW)
     svc.reserve(svc.actor("user00"), Reserve(count=1, duration=timedelta(hours=8)))
     svc.runs = RunService(
@@ -190,26 +203,108 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
 
 _CHUNK = 20_000
 _Made = tuple[datetime, datetime, int, int, int]  # start, end, GPU, host, user
+_INTERVAL_COLUMNS = (
+    "gpu_id",
+    "host_id",
+    "user_id",
+    "started_at",
+    "ended_at",
+    "usd_per_hour",
+    "market",
+)
+# The tables the build fills: their secondary indexes are made after the load.
+_LOADED = ("usageinterval", "usagerollup", "usagerollupday")
 
 
-def _insert_intervals(s: Session, rows: list[_Made], rate: float) -> None:
-    """Closed intervals into the table in the session's transaction (COPY on PostgreSQL)."""
-    insert_many(
-        s,
-        UsageInterval.__table__,  # type: ignore[attr-defined]
-        [
-            {
-                "gpu_id": gpu_id,
-                "host_id": host_id,
-                "user_id": user_id,
-                "started_at": a,
-                "ended_at": b,
-                "usd_per_hour": rate,
-                "market": "ondemand",
-            }
-            for a, b, gpu_id, host_id, user_id in rows
-        ],
-    )
+@contextmanager
+def _bulk_load(engine: Engine) -> Iterator[Session]:
+    """One transaction for the whole load, with the loaded tables' secondary indexes
+    dropped before and made again after it (sorting a million keys once instead of
+    inserting them one at a time into trees larger than the cache), and on SQLite,
+    for this throwaway database only, no fsync. Foreign keys are
+    not checked row by row (PRAGMA foreign_keys on SQLite, replica mode on PostgreSQL):
+    the generator makes every row point at GPUs, hosts and users it read."""
+    with engine.connect() as conn:
+        sqlite = engine.dialect.name == "sqlite"
+        raw: Any = conn.connection.driver_connection  # outside a transaction, as PRAGMAs want
+        if sqlite:
+            raw.execute("PRAGMA synchronous=OFF")
+            raw.execute("PRAGMA foreign_keys=OFF")
+        with Session(bind=conn) as s:
+            if not sqlite:
+                s.execute(text("SET LOCAL session_replication_role = replica"))
+            indexes = _secondary_indexes(s)
+            for name, _ in indexes:
+                s.execute(text(f"DROP INDEX {name}"))
+            yield s
+            for _, ddl in indexes:
+                s.execute(text(ddl))
+            s.commit()
+        if sqlite:
+            raw.execute("PRAGMA synchronous=NORMAL")
+            raw.execute("PRAGMA foreign_keys=ON")
+
+
+class _Loader:
+    """Inserts (db.session.insert_rows) done in order on a thread of their own while the
+    caller computes the next rows: the database's part of an insert (SQLite's B-trees in
+    this process, with the GIL let go; PostgreSQL's COPY) runs beside the generator
+    instead of after it. Only this thread uses the session meanwhile: the build reads
+    nothing while it loads, and the load ends (`__exit__` waits for the last insert and
+    raises its error, if any) before the indexes are made and the transaction commits."""
+
+    def __init__(self) -> None:
+        self._todo: queue.Queue[tuple[Session, Any, Sequence[str], Sequence[Any]] | None] = (
+            queue.Queue(maxsize=4)
+        )
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="bench-loader", daemon=True)
+
+    def __enter__(self) -> _Loader:
+        self._thread.start()
+        return self
+
+    def __call__(self, s: Session, table: Any, names: Sequence[str], rows: Sequence[Any]) -> None:
+        if self._error is not None:
+            raise self._error
+        if rows:
+            self._todo.put((s, table, names, rows))
+
+    def _run(self) -> None:
+        while (job := self._todo.get()) is not None:
+            if self._error is None:  # after a failure, only drained
+                try:
+                    insert_rows(*job)
+                except BaseException as exc:  # handed to the building thread
+                    self._error = exc
+
+    def __exit__(self, *exc: object) -> None:
+        self._todo.put(None)
+        self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise self._error
+
+
+def _secondary_indexes(s: Session) -> list[tuple[str, str]]:
+    """(name, CREATE statement) of the loaded tables' indexes that back no constraint."""
+    tables = ", ".join(f"'{t}'" for t in _LOADED)
+    if s.get_bind().dialect.name == "postgresql":
+        rows = s.execute(
+            text(
+                "SELECT indexname, indexdef FROM pg_indexes"
+                f" WHERE schemaname = current_schema() AND tablename IN ({tables})"
+                " AND indexname NOT IN (SELECT conname FROM pg_constraint"
+                " WHERE connamespace = current_schema()::regnamespace)"
+            )
+        )
+    else:
+        rows = s.execute(
+            text(
+                "SELECT name, sql FROM sqlite_master"
+                f" WHERE type = 'index' AND tbl_name IN ({tables}) AND sql IS NOT NULL"
+            )
+        )
+    return [(name, ddl) for name, ddl in rows]
 
 
 def _median_ms(fn: Callable[[], object]) -> float:

@@ -198,11 +198,14 @@ class UsageInterval(SQLModel, table=True):
         ),
         # Costs' window edges and rebuilds: the closed intervals that end after an instant.
         Index("ix_usageinterval_ended_started", "ended_at", "started_at"),
+        # A host's intervals, and its last use (the latest end: dispatch's idle hosts, the
+        # idle stop) read as the last entry of the host's range, not from all its rows.
+        Index("ix_usageinterval_host_ended", "host_id", "ended_at"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
     gpu_id: int = Field(foreign_key="gpu.id", index=True)
-    host_id: int = Field(foreign_key="host.id", index=True)
+    host_id: int = Field(foreign_key="host.id")  # indexed with ended_at (above)
     user_id: int = Field(foreign_key="user.id", index=True)
     reservation_id: int | None = Field(default=None, foreign_key="reservation.id", index=True)
     run_id: int | None = Field(default=None, foreign_key="trainingrun.id", index=True)

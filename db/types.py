@@ -26,6 +26,17 @@ class UTCDateTime(TypeDecorator[datetime]):
             raise ValueError("naive datetime given to a UTC column; pass an aware datetime")
         return value.astimezone(UTC).replace(tzinfo=None)
 
+    @staticmethod
+    def sqlite_text(value: datetime) -> str:
+        """An aware datetime as SQLAlchemy stores it in SQLite (naive UTC text, always
+        with microseconds): for writers that bypass SQLAlchemy (`db.session.insert_rows`),
+        whose values must compare and sort with the ones it wrote."""
+        if value.tzinfo is UTC:  # the usual case: the text less its "+00:00"
+            return value.isoformat(" ", "microseconds")[:26]
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column; pass an aware datetime")
+        return value.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
             return None

@@ -25,14 +25,14 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from sqlalchemy import delete, func
+from sqlalchemy import and_, delete, func
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -49,7 +49,7 @@ from db.models import (
     UsageRollupDay,
     User,
 )
-from db.session import insert_many, lock_pool, transaction
+from db.session import insert_rows, lock_pool, transaction
 from provisioning.costs import gpu_share
 
 HOUR = timedelta(hours=1)
@@ -85,6 +85,12 @@ def ceil_hour(t: datetime) -> datetime:
 
 
 def floor_day(t: datetime) -> datetime:
+    return _floor_day(t)
+
+
+@functools.lru_cache(maxsize=4096)
+def _floor_day(t: datetime) -> datetime:
+    """Cached: a rebuild asks it of every hourly row, a few hundred rows an hour."""
     return floor_hour(t).replace(hour=0)
 
 
@@ -111,6 +117,14 @@ class ClosedUsage(Protocol):
     def run_id(self) -> int | None: ...
     @property
     def usd_per_hour(self) -> float: ...
+
+
+class ClosedInterval(ClosedUsage, Protocol):
+    """A closed interval with its id (the fair-share counters order ties by it): a
+    `db.models.UsageInterval`, or a row `bot.app.held.end_held` got back."""
+
+    @property
+    def id(self) -> int | None: ...
 
 
 @functools.lru_cache(maxsize=1024)
@@ -153,15 +167,22 @@ def _running_spans(periods: Iterable[HostPeriod]) -> list[tuple[int, int | None,
     return out
 
 
-def _covered(spans: _Spans, a: int, b: int) -> int:
+def _covered(
+    spans: Sequence[tuple[int, int | None, Fraction, bool]], a: int, b: int, own: int
+) -> int:
     """[a, b) of one GPU at each overlapping running period's share: what it takes off
-    the idle overhead (bot.domain.metering.idle_overhead, cut the same way)."""
+    the idle overhead (bot.domain.metering.idle_overhead, cut the same way). `own` is
+    what the piece itself costs: a period whose share is the interval's own rate
+    (flagged True) and covers the whole piece meters exactly that, with no reading."""
     total = 0
-    for start, end, share in spans:
+    for start, end, share, same in spans:
         lo = max(a, start)
         hi = b if end is None else min(b, end)
         if hi > lo:
-            total += reading(share, hi) - reading(share, lo)
+            if same and lo == a and hi == b:
+                total += own
+            else:
+                total += reading(share, hi) - reading(share, lo)
     return total
 
 
@@ -170,40 +191,64 @@ def _hour(h_us: int) -> datetime:
     return _EPOCH + timedelta(microseconds=h_us)
 
 
-def _pieces(iv: ClosedUsage, spans: _Spans) -> Iterable[tuple[RollupKey, Sums]]:
-    """One closed interval, cut at UTC hours. In integer microseconds on the meter's own
+def _pieces(
+    iv: ClosedUsage, spans: _Spans, t: int | None = None
+) -> Iterable[tuple[int, RollupKey, Sums]]:
+    """One closed interval, cut at UTC hours: (hour in epoch microseconds, key, sums) for
+    each piece. In integer microseconds on the meter's own
     clock (`bot.domain.metering.reading`): the same sums as metering each piece's times,
     without the datetimes, which were most of a rebuild's time over a million intervals."""
     assert iv.ended_at is not None
     rate = _rate(iv)
-    t, end = epoch_us(iv.started_at), epoch_us(iv.ended_at)
+    if t is None:  # the start in epoch microseconds, when the caller has not got it yet
+        t = epoch_us(iv.started_at)
+    end = epoch_us(iv.ended_at)
     tail = (iv.user_id, iv.host_id, iv.market, iv.run_id or 0)
+    # The host's running periods that overlap the interval, each flagged when it meters
+    # at the interval's own rate (a GPU's share of its host's price, as usual). Fractions
+    # are kept in lowest terms, so equal ones have equal terms (Fraction.__eq__ was a
+    # tenth of a rebuild).
+    live = [
+        (s, e, share, (share.numerator, share.denominator) == (rate.numerator, rate.denominator))
+        for s, e, share in spans
+        if s < end and (e is None or e > t)
+    ]
     at = reading(rate, t)
     while t < end:
         h = t - t % _HOUR_US
         b = min(end, h + _HOUR_US)
         bt = reading(rate, b)
-        yield (_hour(h), *tail), Sums(bt - at, b - t, _covered(spans, t, b))
+        yield h, (_hour(h), *tail), Sums(bt - at, b - t, _covered(live, t, b, bt - at))
         t, at = b, bt
 
 
-def _periods_for(s: Session, ivs: Sequence[ClosedUsage]) -> dict[int, list[HostPeriod]]:
-    """The billed periods of the intervals' hosts that overlap them."""
+def _periods_for(
+    s: Session, ivs: Sequence[ClosedUsage]
+) -> tuple[dict[int, list[HostPeriod]], dict[int, str]]:
+    """The billed periods of the intervals' hosts that overlap them, and the hosts'
+    instance types (as the day rows key them), in one query: a release ran one for each."""
     if not ivs:
-        return {}
+        return {}, {}
     start = min(iv.started_at for iv in ivs)
     end = max(iv.ended_at or iv.started_at for iv in ivs)
+    overlapping = and_(
+        col(HostPeriod.host_id) == col(Host.id),
+        col(HostPeriod.started_at) < end,
+        col(HostPeriod.ended_at).is_(None) | (col(HostPeriod.ended_at) > start),
+    )
+    entities: tuple[Any, ...] = (Host.id, Host.instance_type, HostPeriod)
     rows = s.exec(
-        select(HostPeriod).where(
-            col(HostPeriod.host_id).in_({iv.host_id for iv in ivs}),
-            col(HostPeriod.started_at) < end,
-            col(HostPeriod.ended_at).is_(None) | (col(HostPeriod.ended_at) > start),
-        )
+        select(*entities)
+        .join(HostPeriod, overlapping, isouter=True)
+        .where(col(Host.id).in_({iv.host_id for iv in ivs}))
     ).all()
     out: dict[int, list[HostPeriod]] = defaultdict(list)
-    for p in rows:
-        out[p.host_id].append(p)
-    return out
+    itype: dict[int, str] = {}
+    for host_id, instance_type, p in rows:
+        itype[host_id] = instance_type or ""
+        if p is not None:
+            out[host_id].append(p)
+    return out, itype
 
 
 # The key columns of each rollup table, in the order of RollupKey and DayKey.
@@ -265,7 +310,7 @@ def _sums(
     sums: dict[RollupKey, Sums] = defaultdict(Sums)
     spans = {h: _running_spans(ps) for h, ps in periods.items()}
     for iv in ivs:
-        for key, piece in _pieces(iv, spans.get(iv.host_id, [])):
+        for _, key, piece in _pieces(iv, spans.get(iv.host_id, [])):
             sums[key].add(piece)
     return sums
 
@@ -275,11 +320,11 @@ def decay(value: float, seconds: float, half_life_s: float) -> float:
     return value * math.pow(0.5, max(0.0, seconds) / half_life_s)
 
 
-def _add_fair_share(s: Session, ivs: Sequence[UsageInterval]) -> None:
+def _add_fair_share(s: Session, ivs: Sequence[ClosedInterval]) -> None:
     """Adds each closed interval's GPU-seconds to its user's decayed counter, weighed as
     the scheduler weighs it: by how long ago it ended."""
     h = FAIR_SHARE_HALF_LIFE_S
-    by_user: dict[int, list[UsageInterval]] = defaultdict(list)
+    by_user: dict[int, list[ClosedInterval]] = defaultdict(list)
     for iv in ivs:
         by_user[iv.user_id].append(iv)
     if not by_user:
@@ -310,15 +355,18 @@ def _add_fair_share(s: Session, ivs: Sequence[UsageInterval]) -> None:
         s.add(row)
 
 
-def on_closed(s: Session, ivs: Sequence[UsageInterval]) -> None:
+def on_closed(s: Session, ivs: Sequence[ClosedInterval]) -> None:
     """Rolls up intervals just closed, in the caller's transaction (the one that closed
     them, with the pool held)."""
     closed = [iv for iv in ivs if iv.ended_at is not None]
     if not closed:
         return
-    hourly = _sums(closed, _periods_for(s, closed))
+    periods, itype = _periods_for(s, closed)
+    hourly = _sums(closed, periods)
     _add_rows(s, UsageRollup, _HOUR_KEY, hourly)
-    _add_rows(s, UsageRollupDay, _DAY_KEY, day_sums(s, hourly))
+    days: dict[DayKey, Sums] = {}
+    add_day_sums(days, itype, hourly.items())
+    _add_rows(s, UsageRollupDay, _DAY_KEY, days)
     _add_fair_share(s, closed)
 
 
@@ -328,9 +376,9 @@ def on_closed(s: Session, ivs: Sequence[UsageInterval]) -> None:
 _BATCH = 5000
 
 
-@dataclass(frozen=True)
-class ClosedRow:
-    """A closed interval's columns (`ClosedUsage`), as a plain row."""
+class ClosedRow(NamedTuple):
+    """A closed interval's columns (`ClosedUsage`), as a plain row (a tuple: a rebuild
+    makes a million of them)."""
 
     started_at: datetime
     ended_at: datetime | None
@@ -352,17 +400,26 @@ class HourlyRollups:
         for p in periods:
             by_host[p.host_id].append(p)
         self._spans = {h: _running_spans(ps) for h, ps in by_host.items()}
-        self._open: dict[datetime, dict[RollupKey, Sums]] = {}
+        # Hour (epoch microseconds) -> its rows so far.
+        self._open: dict[int, dict[RollupKey, Sums]] = {}
+        self._oldest: int | None = None  # the earliest hour in _open
 
     def add(self, iv: ClosedUsage) -> list[tuple[RollupKey, Sums]]:
         """Adds one interval; returns the rows of the hours now final."""
         done: list[tuple[RollupKey, Sums]] = []
-        first = floor_hour(iv.started_at)
-        if any(h < first for h in self._open):
+        t = epoch_us(iv.started_at)
+        first = t - t % _HOUR_US
+        if self._oldest is not None and self._oldest < first:
             for hour in sorted(h for h in self._open if h < first):
                 done += self._open.pop(hour).items()
-        for key, piece in _pieces(iv, self._spans.get(iv.host_id, ())):
-            bucket = self._open.setdefault(key[0], {})
+            self._oldest = min(self._open, default=None)
+        if self._oldest is None or first < self._oldest:
+            self._oldest = first
+        opened = self._open
+        for h, key, piece in _pieces(iv, self._spans.get(iv.host_id, ()), t):
+            bucket = opened.get(h)
+            if bucket is None:
+                bucket = opened[h] = {}
             got = bucket.get(key)
             if got is None:
                 bucket[key] = piece
@@ -375,6 +432,7 @@ class HourlyRollups:
         done: list[tuple[RollupKey, Sums]] = []
         for hour in sorted(self._open):
             done += self._open.pop(hour).items()
+        self._oldest = None
         return done
 
 
@@ -425,17 +483,31 @@ def fair_share_of(
 ) -> dict[int, tuple[float, datetime]]:
     """The counters for closed intervals given as (ended, started, user) in the order
     they ended."""
-    fair: dict[int, tuple[float, datetime]] = {}
-    h = FAIR_SHARE_HALF_LIFE_S
+    counters = FairShareCounters()
     for ended_at, started_at, user_id in ends:
+        counters.add(ended_at, started_at, user_id)
+    return counters.fair
+
+
+class FairShareCounters:
+    """The counters built one closed interval at a time, in the order they ended
+    (`fair_share_of`; the history bench feeds it as it generates)."""
+
+    def __init__(self) -> None:
+        self.fair: dict[int, tuple[float, datetime]] = {}
+
+    def add(self, ended_at: datetime, started_at: datetime, user_id: int) -> None:
         secs = max(0.0, (ended_at - started_at).total_seconds())
-        prev = fair.get(user_id)
+        prev = self.fair.get(user_id)
         if prev is None:
-            fair[user_id] = (secs, ended_at)
+            self.fair[user_id] = (secs, ended_at)
         else:
             value, as_of = prev
-            fair[user_id] = (decay(value, (ended_at - as_of).total_seconds(), h) + secs, ended_at)
-    return fair
+            h = FAIR_SHARE_HALF_LIFE_S
+            self.fair[user_id] = (
+                decay(value, (ended_at - as_of).total_seconds(), h) + secs,
+                ended_at,
+            )
 
 
 def computed_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
@@ -498,22 +570,27 @@ def rebuild_rollups(s: Session) -> int:
     return write_rollups(s, iter_computed_rollups(s), computed_fair_share(s))
 
 
+# What writes many rows (db.session.insert_rows, or the history bench's loader, which
+# does it on a thread of its own while the rows are being computed).
+Inserter = Callable[[Session, Any, Sequence[str], Sequence[Sequence[Any]]], None]
+
+
 def write_rollups(
     s: Session,
     hourly: Iterable[tuple[RollupKey, Sums]],
     fair: Mapping[int, tuple[float, datetime]],
+    insert: Inserter = insert_rows,
 ) -> int:
     """Inserts hourly rows (in batches, as they come), their day rows and the counters
-    into empty tables; returns how many hourly rows. The rebuild's and the bench's."""
+    into empty tables, each batch through `insert`; returns how many hourly rows. The
+    rebuild's and the bench's."""
     itype = instance_types(s)
     days: dict[DayKey, Sums] = {}
     written = 0
     batch: list[tuple[RollupKey, Sums]] = []
 
     def flush() -> None:
-        _insert_rows(
-            s, UsageRollup, [dict(zip(_HOUR_KEY, k, strict=True)) | _values(v) for k, v in batch]
-        )
+        _insert_rows(s, UsageRollup, _HOUR_KEY, [(*k, *_values(v)) for k, v in batch], insert)
         add_day_sums(days, itype, batch)
         batch.clear()
 
@@ -524,34 +601,32 @@ def write_rollups(
             flush()
     if batch:
         flush()
-    _insert_rows(
-        s,
-        UsageRollupDay,
-        [dict(zip(_DAY_KEY, k, strict=True)) | _values(v) for k, v in days.items()],
-    )
+    _insert_rows(s, UsageRollupDay, _DAY_KEY, [(*k, *_values(v)) for k, v in days.items()], insert)
     if fair:
-        s.execute(
-            FairShareUsage.__table__.insert(),  # type: ignore[attr-defined]
-            [
-                {
-                    "user_id": u,
-                    "decayed_s": value,
-                    "as_of": as_of,
-                    "half_life_s": FAIR_SHARE_HALF_LIFE_S,
-                }
-                for u, (value, as_of) in fair.items()
-            ],
+        insert(
+            s,
+            FairShareUsage.__table__,  # type: ignore[attr-defined]
+            ("user_id", "decayed_s", "as_of", "half_life_s"),
+            [(u, value, as_of, FAIR_SHARE_HALF_LIFE_S) for u, (value, as_of) in fair.items()],
         )
     return written
 
 
-def _insert_rows(s: Session, table: type[Rollup], rows: list[dict[str, Any]]) -> None:
-    """Many rows into a rollup table (db.session.insert_many: COPY on PostgreSQL)."""
-    insert_many(s, table.__table__, rows)  # type: ignore[union-attr]
+def _insert_rows(
+    s: Session,
+    table: type[Rollup],
+    key: tuple[str, ...],
+    rows: list[tuple[Any, ...]],
+    insert: Inserter,
+) -> None:
+    """Many rows, (*key, *_SUMMED) each, into a rollup table (db.session.insert_rows:
+    the driver's executemany on SQLite, COPY on PostgreSQL)."""
+    if rows:
+        insert(s, table.__table__, (*key, *_SUMMED), rows)  # type: ignore[union-attr]
 
 
-def _values(v: Sums) -> dict[str, int]:
-    return {"micro_usd": v.micro_usd, "held_us": v.held_us, "covered_micro": v.covered_micro}
+def _values(v: Sums) -> tuple[int, int, int]:
+    return v.micro_usd, v.held_us, v.covered_micro
 
 
 def backfill_rollups(engine: Engine) -> int | None:

@@ -175,6 +175,48 @@ def test_every_window_and_queue_query_uses_an_index(engine: Engine, tmp_path: Pa
     assert checked > 10
 
 
+def _plan(engine: Engine, statement: str, params: Any) -> list[str]:
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.exec_driver_sql("SET enable_seqscan = off")
+            return [r[0] for r in conn.exec_driver_sql(f"EXPLAIN {statement}", params)]
+        return [r[3] for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", params)]
+
+
+def test_an_idle_hosts_last_use_is_read_from_the_host_ended_index(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """Dispatch asks each idle host's last use (the latest end of its intervals): read
+    from (host_id, ended_at), where it is one entry per host, not from the host's rows
+    (a million after a busy year)."""
+    svc, clock = make_service(
+        engine, [host("a", "A100", 4, hourly=8.0), host("b", "A100", 4, hourly=8.0)]
+    )
+    runs = RunService(
+        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
+    )
+    svc.runs = runs
+    bob = actor(svc, "bob")
+    svc.reserve(bob, Reserve(count=4, duration=HOUR))
+    svc.reserve(bob, Reserve(count=4, duration=HOUR))
+    clock.advance(timedelta(minutes=30))
+    svc.release(bob, Release(all=True))
+    # Something to decide (a queued run that cannot start here), so dispatch reads the
+    # fleet, both hosts idle.
+    runs.submit(bob, Run(command=("true",), model="A100", gpus=1))
+    with _statements(engine) as seen:
+        runs.dispatch()
+    asked = [
+        (statement, params)
+        for statement, params in seen
+        if re.search(r"max\(usageinterval\.ended_at\)", statement)
+    ]
+    assert len(asked) == 1
+    plan = " | ".join(_plan(engine, *asked[0]))
+    assert "ix_usageinterval_host_ended" in plan, plan
+    assert _full_scans(engine, *asked[0]) == [], plan
+
+
 # --- statements per view, whatever the number of hosts --------------------------------------
 
 

@@ -200,12 +200,16 @@ def scheduler_inputs(
     # Since when an unheld host has been idle: its last interval's end, asked only for
     # hosts nobody holds anything on now (asked even when there are none, so that a
     # dispatch costs the same statements whatever the fleet: tests/core/test_history).
+    # One subquery per host, each the last entry of the host's range in the (host_id,
+    # ended_at) index; a GROUP BY over the intervals read every interval the idle hosts
+    # ever had, a million rows after a busy year.
     idle_ids = [row[0] for row in rows if row[0] not in by_host]
-    last: Any = (
-        select(UsageInterval.host_id, func.max(UsageInterval.ended_at))
-        .where(col(UsageInterval.host_id).in_(idle_ids))
-        .group_by(col(UsageInterval.host_id))
+    latest: Any = (
+        select(func.max(UsageInterval.ended_at))
+        .where(col(UsageInterval.host_id) == col(Host.id))
+        .scalar_subquery()
     )
+    last: Any = select(Host.id, latest).where(col(Host.id).in_(idle_ids))
     last_use: dict[int, datetime] = {
         host_id: ended for host_id, ended in s.exec(last) if ended is not None
     }

@@ -65,13 +65,7 @@ class Reservations:
                 # and a second delivery of this request waits here and then finds the first.
                 lock_pool(s)
                 if request_key and (prior := self._by_request_key(s, request_key)) is not None:
-                    return views.Reply(
-                        views.already_view(
-                            reservation_info(s, prior),
-                            self.core.clock.now(),
-                            self.core.settings.timezone,
-                        )
-                    )
+                    return self._already(s, prior)
                 # The fleet's GPU counts, read once under the pool: for the check and for
                 # this request's grant pass.
                 counts = gpu_counts(s)
@@ -115,13 +109,15 @@ class Reservations:
                 prior = self._by_request_key(s, request_key)
                 if prior is None:
                     raise
-                return views.Reply(
-                    views.already_view(
-                        reservation_info(s, prior),
-                        self.core.clock.now(),
-                        self.core.settings.timezone,
-                    )
-                )
+                return self._already(s, prior)
+
+    def _already(self, s: Session, prior: Reservation) -> views.Reply:
+        """The reply to a request delivered again: what its first delivery made."""
+        return views.Reply(
+            views.already_view(
+                reservation_info(s, prior), self.core.clock.now(), self.core.settings.timezone
+            )
+        )
 
     def _by_request_key(self, s: Session, key: str) -> Reservation | None:
         return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
@@ -163,41 +159,16 @@ class Reservations:
             lock_pool(s)
             user = self.core.user_row(s, actor.key, actor.name)
             now = self.core.clock.now()
-            if cmd.reservation_id is not None:
-                res = locked(s, Reservation, cmd.reservation_id)
-                if res is None:
-                    raise UserError(
-                        f"There is no reservation #{cmd.reservation_id}.", "/gpu release [ID|all]"
-                    )
-                if res.user_id != user.id and not actor.admin:
-                    raise UserError(
-                        f"Reservation #{res.id} is not yours; only its holder or an admin can release it."
-                    )
-                if res.state not in RES_OPEN_STATES:
-                    raise UserError(
-                        f"Reservation #{res.id} is already {res.state}.", "/gpu release [ID|all]"
-                    )
-                targets = [res]
-            else:
-                targets = locked_rows(
-                    s,
-                    select(Reservation)
-                    .where(
-                        Reservation.user_id == user.id,
-                        col(Reservation.state).in_(RES_OPEN_STATES),
-                    )
-                    .order_by(col(Reservation.id)),
-                )
-                if not targets:
-                    raise UserError(
-                        "You hold no GPUs and are not waiting for any.", "/gpu release [ID|all]"
-                    )
-                if len(targets) > 1 and not cmd.all:
-                    ids = ", ".join(f"#{r.id}" for r in targets)
-                    raise UserError(
-                        f"You have {len(targets)} reservations ({ids}); say which, or `all`.",
-                        "/gpu release [ID|all]",
-                    )
+            targets = self._targets(
+                s,
+                actor,
+                user,
+                cmd.reservation_id,
+                verb="release",
+                usage="/gpu release [ID|all]",
+                none_text="You hold no GPUs and are not waiting for any.",
+                all_ok=cmd.all,
+            )
             done = []
             for res in targets:
                 end_reservation(
@@ -222,6 +193,48 @@ class Reservations:
             self.grants.grant_pass(s, now)
             return views.Reply(views.released_view(done, actor.key))
 
+    def _targets(
+        self,
+        s: Session,
+        actor: Actor,
+        user: User,
+        reservation_id: int | None,
+        *,
+        verb: str,
+        usage: str,
+        none_text: str,
+        all_ok: bool | None,
+    ) -> list[Reservation]:
+        """What a release or an extend acts on, each read under its lock after the pool
+        (db.session's lock order), with the same refusals for both: the reservation
+        named (it must exist, be the caller's unless an admin asks, and be open), or
+        the caller's open ones, at least one and more only when `all_ok` (None: a verb
+        that has no `all`, so the refusal does not offer it)."""
+        if reservation_id is not None:
+            res = locked(s, Reservation, reservation_id)
+            if res is None:
+                raise UserError(f"There is no reservation #{reservation_id}.", usage)
+            if res.user_id != user.id and not actor.admin:
+                raise UserError(
+                    f"Reservation #{res.id} is not yours; only its holder or an admin can {verb} it."
+                )
+            if res.state not in RES_OPEN_STATES:
+                raise UserError(f"Reservation #{res.id} is already {res.state}.", usage)
+            return [res]
+        targets = locked_rows(
+            s,
+            select(Reservation)
+            .where(Reservation.user_id == user.id, col(Reservation.state).in_(RES_OPEN_STATES))
+            .order_by(col(Reservation.id)),
+        )
+        if not targets:
+            raise UserError(none_text, usage)
+        if len(targets) > 1 and not all_ok:
+            ids = ", ".join(f"#{r.id}" for r in targets)
+            offer = "say which." if all_ok is None else "say which, or `all`."
+            raise UserError(f"You have {len(targets)} reservations ({ids}); {offer}", usage)
+        return targets
+
     @retrying
     def extend(self, actor: Actor, cmd: Extend) -> views.Reply:
         usage = "/gpu extend [ID] DURATION"
@@ -231,34 +244,16 @@ class Reservations:
             lock_pool(s)
             user = self.core.user_row(s, actor.key, actor.name)
             now = self.core.clock.now()
-            if cmd.reservation_id is not None:
-                found = locked(s, Reservation, cmd.reservation_id)
-                if found is None:
-                    raise UserError(f"There is no reservation #{cmd.reservation_id}.", usage)
-                res = found
-                if res.user_id != user.id and not actor.admin:
-                    raise UserError(
-                        f"Reservation #{res.id} is not yours; only its holder or an admin can extend it."
-                    )
-            else:
-                mine = list(
-                    s.exec(
-                        select(Reservation).where(
-                            Reservation.user_id == user.id,
-                            col(Reservation.state).in_(RES_OPEN_STATES),
-                        )
-                    )
-                )
-                if not mine:
-                    raise UserError("You have no reservation to extend.", usage)
-                if len(mine) > 1:
-                    ids = ", ".join(f"#{r.id}" for r in mine)
-                    raise UserError(f"You have {len(mine)} reservations ({ids}); say which.", usage)
-                found = locked(s, Reservation, mine[0].id)
-                assert found is not None  # the pool is held: nothing ended it meanwhile
-                res = found
-            if res.state not in RES_OPEN_STATES:
-                raise UserError(f"Reservation #{res.id} is already {res.state}.", usage)
+            [res] = self._targets(
+                s,
+                actor,
+                user,
+                cmd.reservation_id,
+                verb="extend",
+                usage=usage,
+                none_text="You have no reservation to extend.",
+                all_ok=None,
+            )
             total = timedelta(seconds=res.duration_s) + cmd.duration
             if total > self.core.settings.max_duration:
                 left = self.core.settings.max_duration - timedelta(seconds=res.duration_s)
