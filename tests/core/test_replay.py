@@ -21,8 +21,9 @@ and the differences would add up along a chain of runs; that is the simulator's
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,8 @@ TICK_S = 60.0  # the worker's tick here: a minute keeps the test short; the grid
 CHECKPOINTABLE = 0.5  # the contract's share of jobs that checkpoint (`checkpointable`)
 RESUME_S = 300.0  # SchedulerConfig's default resume cost, charged by both worlds
 
+Act = tuple[float, str, str]  # (seconds since the trace's start, kind, what)
+
 
 @dataclass(frozen=True)
 class NamedResolver:
@@ -69,7 +72,7 @@ def job(job_id: str, user: str, submit: float, minutes: float, gpus: int) -> Tra
 
 
 # A small team on one model. Job ids are picked so that the contract's hash rule at 0.5
-# makes both of alice's big runs checkpoint (preemptible) and leaves the rest pinned.
+# makes alice's runs checkpoint (preemptible) and leaves bob's and carol's pinned.
 TRACE = (
     job("a2", "alice", 0.0, 150, 8),  # launches the first instance, waits for its boot
     job("c1", "bob", 600.0, 30, 2),
@@ -79,7 +82,49 @@ TRACE = (
 )
 
 
-def simulated(settings: Settings, catalog: Catalog) -> tuple[SimResult, list[tuple[float, str]]]:
+@dataclass(frozen=True)
+class Scenario:
+    trace: tuple[TraceJob, ...]
+    pool_max_instances: int  # the quota: this many 8-GPU instances
+    kinds: frozenset[str]  # the actions it must contain, so that it tests them
+    preemptions: int = 0
+
+
+SCENARIOS = {
+    # One instance: bob's and carol's runs wait behind alice's 8 GPUs until the scheduler
+    # preempts it (SIGTERM, checkpoint, exit, the next poll requeues it), and it resumes
+    # from its checkpoint once they are done; then the idle instance is stopped.
+    "preemption": Scenario(
+        TRACE, 1, frozenset({"launch", "start", "preempt", "stop", "end"}), preemptions=1
+    ),
+    # Two instances: the second is launched for a bundle of waiting runs, stopped when
+    # idle, and restarted for a later run (the scheduler must see it as restarted, not
+    # as idle since before it was stopped).
+    "restart": Scenario(
+        (*TRACE, job("d2", "carol", 9000.0, 30, 4)),
+        2,
+        frozenset({"launch", "start", "stop", "restart", "end"}),
+    ),
+    # Runs queued while the first instance boots wait for it; the instance launched for
+    # bob's 8-GPU run goes to carol's smaller one by fair share once it is ready, and bob's
+    # waits (the fleet buys for a run once while what it bought exists).
+    "queued while booting": Scenario(
+        (
+            job("a2", "alice", 0.0, 60, 4),
+            job("c1", "bob", 60.0, 30, 4),
+            job("d1", "carol", 120.0, 20, 2),
+            job("c2", "bob", 180.0, 40, 8),
+        ),
+        3,
+        frozenset({"launch", "start", "stop", "end"}),
+    ),
+}
+
+
+def simulated(
+    trace: Sequence[TraceJob], settings: Settings, catalog: Catalog
+) -> tuple[SimResult, list[Act]]:
+    """`gpubot simulate` on the trace with the worker's settings, and its actions."""
     preempts: list[tuple[float, str]] = []
 
     def seen(now: float, actions: list[Action]) -> None:
@@ -87,7 +132,7 @@ def simulated(settings: Settings, catalog: Catalog) -> tuple[SimResult, list[tup
 
     cfg = scheduler_config(settings, catalog)
     res = run_simulation(
-        list(TRACE),
+        list(trace),
         catalog=catalog,
         max_gpus=cfg.max_gpus,
         config=cfg,
@@ -98,18 +143,20 @@ def simulated(settings: Settings, catalog: Catalog) -> tuple[SimResult, list[tup
         stop_s=TICK_S,  # signal, exit within the tick, the next tick's poll frees the GPUs
         on_decision=seen,
     )
-    return res, preempts
+    return res, sim_actions(res, preempts)
 
 
-def sim_actions(res: SimResult, preempts: list[tuple[float, str]]) -> list[tuple[float, str, str]]:
+def sim_actions(res: SimResult, preempts: list[tuple[float, str]]) -> list[Act]:
     """The simulator's schedule and instances as the worker's actions on the world."""
-    out: list[tuple[float, str, str]] = []
+    out: list[Act] = []
     for r in res.instances:
         out.append((r.launch_s, "launch", f"{r.instance_id} {r.instance_type}"))
         for a, b in r.stopped:
             out.append((a, "stop", r.instance_id))
             if b != r.end_s:
                 out.append((b, "restart", r.instance_id))
+        if r.end_s is not None:
+            out.append((r.end_s, "terminate", r.instance_id))
     for s in res.schedule:
         out.append((s.start_s, "start", f"{s.job_id} {';'.join(s.instance_ids)}"))
     out.extend((t, "preempt", job_id) for t, job_id in preempts)
@@ -120,22 +167,10 @@ def sim_actions(res: SimResult, preempts: list[tuple[float, str]]) -> list[tuple
     return sorted(out)
 
 
-def test_the_worker_takes_the_simulators_actions_at_the_simulators_times(
-    sqlite_engine: Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    catalog = Catalog.load()
-    settings = Settings(
-        admins=("root",),
-        home=tmp_path / "home",
-        tick_seconds=TICK_S,
-        pool_max_instances=1,  # the quota: one 8-GPU instance (scheduler_config's max_gpus)
-    )
-    eligible = {j.job_id for j in TRACE if checkpointable(j.job_id, CHECKPOINTABLE)}
-    assert eligible == {"a2", "a4"}, "the trace's ids were picked for this split"
-    res, preempts = simulated(settings, catalog)
-    expected = sim_actions(res, preempts)
-    assert res.preemptions == 1 and any(k == "stop" for _, k, _ in expected)
-
+def worker_actions(
+    engine: Engine, settings: Settings, catalog: Catalog, trace: Sequence[TraceJob], until: float
+) -> list[Act]:
+    """The real worker through `trace` up to `until` (trace seconds), and its actions."""
     clock = VirtualClock()
     t0 = clock.now().timestamp()
     cloud = ReplayCloud(
@@ -147,45 +182,76 @@ def test_the_worker_takes_the_simulators_actions_at_the_simulators_times(
         start_s=DEFAULT_COSTS.start_s,
     )
     job_of: dict[str, str] = {}  # run id -> job id
-    work = {j.job_id: j.duration_s for j in TRACE}
+    work = {j.job_id: j.duration_s for j in trace}
     runner = ReplayRunner(clock, t0, lambda run_id: work[job_of[run_id]], RESUME_S)
     # The runtime's cloud wiring (bot.faces.runtime._cloud_wiring), with this world's ports.
-    svc = GpuService(sqlite_engine, settings, clock, CatalogSupply(catalog))
-    access = RemoteAccess(sqlite_engine, runner, NamedResolver(), prepare=prepared)
+    svc = GpuService(engine, settings, clock, CatalogSupply(catalog))
+    access = RemoteAccess(engine, runner, NamedResolver(), prepare=prepared)
     svc.runs = RunService(svc, access, catalog)
     fleet = Fleet(svc, cloud, access, catalog=catalog)
     attach(svc, fleet)
 
-    horizon = max(t for t, kind, _ in expected if kind != "terminate") + 2 * TICK_S
-    arrivals = sorted(TRACE, key=lambda j: (j.submit_s, j.job_id))
+    arrivals = sorted(trace, key=lambda j: (j.submit_s, j.job_id))
     t = 0.0
-    with caplog.at_level(logging.ERROR):
-        while t <= horizon:
-            clock.set(clock.now() + timedelta(seconds=t - (clock.now().timestamp() - t0)))
-            fleet_job(svc)
-            while arrivals and arrivals[0].submit_s <= t:
-                j = arrivals.pop(0)
-                assert j.submit_s == t, "the trace keeps submissions on the tick grid"
-                flag = " --checkpoints" if j.job_id in eligible else ""
-                line = f"/gpu run --gpus {j.gpus} --gpu a100{flag} -- python train.py"
-                reply = handle_text(svc, svc.actor(j.user), line)
-                assert not reply.error, reply.view.text
-                job_of[str(reply.extra["run_id"])] = j.job_id
-                tick_job(svc, None)  # the nudged tick (faces.dispatch asks for one)
-            tick_job(svc, None)
-            t += TICK_S
-    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert runner.unknown == []
+    while t <= until:
+        clock.set(datetime.fromtimestamp(t0 + t, UTC))
+        fleet_job(svc)  # the fleet's periodic job: readiness, provisioning, idle stop
+        while arrivals and arrivals[0].submit_s <= t:
+            j = arrivals.pop(0)
+            assert j.submit_s == t, "the trace keeps submissions on the tick grid"
+            flag = " --checkpoints" if checkpointable(j.job_id, CHECKPOINTABLE) else ""
+            line = f"/gpu run --gpus {j.gpus} --gpu a100{flag} -- python train.py"
+            reply = handle_text(svc, svc.actor(j.user), line)
+            assert not reply.error, reply.view.text
+            job_of[str(reply.extra["run_id"])] = j.job_id
+            tick_job(svc, None)  # the nudged tick (faces.dispatch asks for one)
+        tick_job(svc, None)
+        t += TICK_S
+    assert runner.unknown == [], "the worker asked the host for what the runner double lacks"
 
-    got = sorted(cloud.log + runner.log)
-    got = [(t, kind, _job_named(what, job_of)) for t, kind, what in got]
-    with Session(sqlite_engine) as s:
+    got = [(t, kind, _job_named(what, job_of)) for t, kind, what in cloud.log + runner.log]
+    with Session(engine) as s:
         for run in s.exec(select(TrainingRun)):
-            assert run.finished_at is not None and run.state == "succeeded", run
-            end = run.finished_at.replace(tzinfo=clock.now().tzinfo).timestamp() - t0
-            got.append((end, "end", job_of[str(run.id)]))
-    got.sort()
-    expected = [a for a in expected if a[0] <= horizon and a[1] != "terminate"]
+            if run.finished_at is not None:
+                assert run.state == "succeeded", (run.id, run.state, run.metrics)
+                end = run.finished_at.replace(tzinfo=UTC).timestamp() - t0
+                got.append((end, "end", job_of[str(run.id)]))
+    return sorted(got)
+
+
+def replay(
+    engine: Engine, home: Path, trace: Sequence[TraceJob], pool_max_instances: int
+) -> tuple[SimResult, list[Act], list[Act]]:
+    """(the simulation, its actions, the worker's) over the simulation's active time."""
+    catalog = Catalog.load()
+    settings = Settings(
+        admins=("root",),
+        home=home,
+        tick_seconds=TICK_S,
+        # the quota: this many 8-GPU instances (scheduler_config's max_gpus, the fleet's cap)
+        pool_max_instances=pool_max_instances,
+    )
+    res, expected = simulated(trace, settings, catalog)
+    # Up to the last action before the terminations of stopped instances (days later).
+    until = max(t for t, kind, _ in expected if kind != "terminate") + 2 * TICK_S
+    got = worker_actions(engine, settings, catalog, trace, until)
+    return res, [a for a in expected if a[0] <= until], got
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_worker_takes_the_simulators_actions_at_the_simulators_times(
+    name: str, sqlite_engine: Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    scenario = SCENARIOS[name]
+    eligible = {j.job_id for j in scenario.trace if checkpointable(j.job_id, CHECKPOINTABLE)}
+    assert eligible == {j.job_id for j in scenario.trace if j.user == "alice"}
+    with caplog.at_level(logging.ERROR):
+        res, expected, got = replay(
+            sqlite_engine, tmp_path / "home", scenario.trace, scenario.pool_max_instances
+        )
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert res.preemptions == scenario.preemptions
+    assert scenario.kinds <= {kind for _, kind, _ in expected}
     assert got == expected
 
 
