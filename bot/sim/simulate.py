@@ -613,8 +613,9 @@ class _Loop:
             due = slot > self.pslot
             if due:
                 self.pslot = slot
-            elif self.queued or any(i.allocs for i in self.insts.values()):
-                # look again at the next slot even if nothing else happens by then
+            if self.queued or any(i.allocs for i in self.insts.values()):
+                # look again at the next slot even if nothing else happens by then, as
+                # the worker's tick does (a due look, too, must book the next one)
                 nxt = (self.pslot + 1) * self.cfg.preempt_period_s
                 if nxt not in self.wakes:
                     self.wakes.add(nxt)

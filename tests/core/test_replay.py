@@ -105,6 +105,20 @@ SCENARIOS = {
         2,
         frozenset({"launch", "start", "stop", "restart", "end"}),
     ),
+    # Two instances full of alice's runs, three pinned runs waiting: the scheduler looks
+    # again at each preemption slot though nothing else happens, and preempts both.
+    "slot with no other event": Scenario(
+        (
+            job("a2", "alice", 0.0, 180, 8),
+            job("a4", "alice", 0.0, 180, 8),
+            job("c1", "bob", 900.0, 40, 4),
+            job("d1", "carol", 960.0, 40, 4),
+            job("c2", "bob", 1020.0, 30, 8),
+        ),
+        2,
+        frozenset({"launch", "start", "preempt", "stop", "end"}),
+        preemptions=2,
+    ),
     # Runs queued while the first instance boots wait for it; the instance launched for
     # bob's 8-GPU run goes to carol's smaller one by fair share once it is ready, and bob's
     # waits (the fleet buys for a run once while what it bought exists).
