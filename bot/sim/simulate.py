@@ -613,9 +613,12 @@ class _Loop:
             due = slot > self.pslot
             if due:
                 self.pslot = slot
-            if self.queued or any(i.allocs for i in self.insts.values()):
+            if (self.queued or any(i.allocs for i in self.insts.values())) and any(
+                a.preemptible for i in self.insts.values() for a in i.allocs.values()
+            ):
                 # look again at the next slot even if nothing else happens by then, as
-                # the worker's tick does (a due look, too, must book the next one)
+                # the worker's tick does (a due look, too, must book the next one), while
+                # a run that could be moved runs (without one the look finds nothing)
                 nxt = (self.pslot + 1) * self.cfg.preempt_period_s
                 if nxt not in self.wakes:
                     self.wakes.add(nxt)
@@ -702,11 +705,16 @@ class _Loop:
 
     def bought_already(self, job_id: str) -> bool:
         """The worker's fleet buys for a run once: while the instances launched for it
-        exist (booting, or taken by another run since), it neither launches nor starts
+        run (booting, or taken by another run since), it neither launches nor starts
         another for it (`bot.app.fleet.provision.Buyer.provision_run`)."""
         if not self.fair:
             return False
-        live = sum(1 for iid in self.launched_for.get(job_id, ()) if iid in self.insts)
+        insts = self.insts
+        live = sum(
+            1
+            for iid in self.launched_for.get(job_id, ())
+            if iid in insts and insts[iid].state != "stopped"
+        )
         if not live:
             return False
         j = self.by_id[job_id]
