@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,11 @@ def test_dev_trace_is_feasible(policy: str, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- preemption
 
 
+def _next_slot(t: float, period_s: float = 300.0) -> float:
+    """The first preemption slot (SchedulerConfig.preempt_period_s) starting at or after t."""
+    return math.ceil(t / period_s) * period_s
+
+
 def _hog_trace(tmp_path: Path) -> Path:
     """One user fills the quota with day-long runs; another arrives an hour later."""
     rows = [HEADER]
@@ -402,8 +408,9 @@ def test_a_late_user_preempts_a_hog_and_the_hog_resumes(tmp_path: Path) -> None:
     figures = _judge(trace, res, tmp_path, max_gpus=8, **LEGACY)
     late = [s for s in res.schedule if s.job_id == "late-0"]
     assert len(late) == 1
-    # it waited one provisioning time (boot + setup), not the hog's day
-    assert late[0].start_s - late[0].submit_s == pytest.approx(420.0)
+    # it waited one provisioning time (boot + setup), then for the next preemption look
+    # (once per preempt_period_s, as the worker's first tick of each slot), not the hog's day
+    assert late[0].start_s == pytest.approx(_next_slot(late[0].submit_s + 420.0))
     segments: dict[str, list[float]] = {}
     for s in res.schedule:
         segments.setdefault(s.job_id, []).append(s.end_s - s.start_s)
@@ -476,7 +483,7 @@ def test_a_preemption_takes_the_workers_steps_and_loses_unsaved_work(tmp_path: P
     first, second = hog
     signal = first.end_s - 30.0
     assert late.start_s == pytest.approx(first.end_s)  # the GPUs it waited for
-    assert late.start_s - late.submit_s == pytest.approx(420.0 + 30.0)
+    assert late.start_s == pytest.approx(_next_slot(late.submit_s + 420.0) + 30.0)
     kept = (signal - first.start_s) // 1800.0 * 1800.0
     assert kept < signal - first.start_s  # some work was lost, and done again
     assert second.end_s - second.start_s == pytest.approx(86400.0 - kept + 300.0)

@@ -490,6 +490,7 @@ class _Loop:
         self.preemptions = 0
         self.pslot = -(2**62)  # the last preemption slot looked at (see preempt_slot)
         self.placed_on: dict[str, tuple[str, ...]] = {}
+        self.launched_for: dict[str, list[str]] = {}  # job -> instances launched for it
         self.per_host: dict[str, int] = {}
         self.wakes: set[float] = set()
         self.arrivals_left = len(jobs)
@@ -612,8 +613,12 @@ class _Loop:
             due = slot > self.pslot
             if due:
                 self.pslot = slot
-            elif self.queued or any(i.allocs for i in self.insts.values()):
-                # look again at the next slot even if nothing else happens by then
+            if (self.queued or any(i.allocs for i in self.insts.values())) and any(
+                a.preemptible for i in self.insts.values() for a in i.allocs.values()
+            ):
+                # look again at the next slot even if nothing else happens by then, as
+                # the worker's tick does (a due look, too, must book the next one), while
+                # a run that could be moved runs (without one the look finds nothing)
                 nxt = (self.pslot + 1) * self.cfg.preempt_period_s
                 if nxt not in self.wakes:
                     self.wakes.add(nxt)
@@ -651,7 +656,10 @@ class _Loop:
             elif isinstance(a, Preempt):
                 self.preempt(a.run_id, now)
             elif isinstance(a, Launch):
+                if self.bought_already(a.for_run):
+                    continue
                 iid = cloud.launch(a.instance_type, a.market)
+                self.launched_for.setdefault(a.for_run, []).append(iid)
                 t = self.catalog.get(a.instance_type)
                 assert t is not None
                 refs[a.ref] = iid
@@ -663,6 +671,8 @@ class _Loop:
                 )
                 self.push(ready, _READY, iid)
             elif isinstance(a, Start):
+                if self.bought_already(a.for_run):
+                    continue
                 ready = cloud.start(a.instance_id)
                 inst = self.insts[a.instance_id]
                 self.fleet_stale = True
@@ -692,6 +702,24 @@ class _Loop:
                 cloud.terminate(a.instance_id)
                 del self.insts[a.instance_id]
                 self.fleet_stale = True
+
+    def bought_already(self, job_id: str) -> bool:
+        """The worker's fleet buys for a run once: while the instances launched for it
+        run (booting, or taken by another run since), it neither launches nor starts
+        another for it (`bot.app.fleet.provision.Buyer.provision_run`)."""
+        if not self.fair:
+            return False
+        insts = self.insts
+        live = sum(
+            1
+            for iid in self.launched_for.get(job_id, ())
+            if iid in insts and insts[iid].state != "stopped"
+        )
+        if not live:
+            return False
+        j = self.by_id[job_id]
+        shape = run_shape(self.catalog, j.gpu_model, j.gpus)
+        return shape is None or live >= shape[1]
 
     def predict(self, job_id: str, start: float, now: float) -> None:
         """Sets a running job's predicted end from the history (`RunHistory.predict_end`,
@@ -802,11 +830,19 @@ class _Loop:
     def place(self, a: Place, refs: dict[str, str], now: float) -> None:
         j = self.by_id[a.run_id]
         iids = tuple(refs.get(i, i) for i in a.instance_ids)
+        if self.fair and any(i not in self.insts for i in iids):
+            return  # on an instance the fleet did not buy (bought_already)
         insts = [self.insts[i] for i in iids]
         if a.gpus_per_instance * len(insts) != j.gpus:
             raise RuntimeError(f"scheduler split {j.job_id} wrongly")
         if a.run_id in self.stopping:
             return  # still checkpointing: the worker places it once poll has requeued it
+        if self.fair and any(i.state != "running" for i in insts):
+            # Booting or restarting: the worker starts runs on ready hosts only, so the run
+            # stays in line and the decision when the instance is ready places it afresh
+            # (tests/core/test_replay.py). The baselines model tools that bind a run to
+            # the instance launched for it.
+            return
         if a.run_id in self.seg:
             raise RuntimeError(f"scheduler placed {j.job_id}, which is running")
         start = max([now] + [i.ready_at for i in insts])

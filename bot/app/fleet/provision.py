@@ -188,8 +188,10 @@ class Buyer:
                 live += 1  # in flight, or reconcile settles it
                 continue
             booted = by_id.get(req.instance_id) if req.instance_id else None
-            if req.state == REQ_LAUNCHED and booted is not None:
-                live += 1  # its instance exists: it is booting or in use
+            if req.state == REQ_LAUNCHED and booted is not None and booted.state in RUNNING_STATES:
+                # its instance is booting or in use; a stopped one does not count, or the
+                # run would wait for its terminate (days) before anything is bought for it
+                live += 1
         if live >= count:
             return None
         last = reqs[-1] if reqs else None

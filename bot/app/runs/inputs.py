@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, func, or_
@@ -29,6 +29,7 @@ from db.models import (
     RUN_SUCCEEDED,
     Gpu,
     Host,
+    HostPeriod,
     Reservation,
     TrainingRun,
     UsageInterval,
@@ -197,22 +198,33 @@ def scheduler_inputs(
         .order_by(col(Host.id))
     )
     rows = s.exec(ready).all()
-    # Since when an unheld host has been idle: its last interval's end, asked only for
-    # hosts nobody holds anything on now (asked even when there are none, so that a
-    # dispatch costs the same statements whatever the fleet: tests/core/test_history).
+    # Since when an unheld host has been idle: its last interval's end, or the start of
+    # its billed period when later (a restart), which is the fleet's idle-stop rule
+    # (bot.app.fleet.idlestop), so the scheduler does not count a restarted instance as
+    # idle since before it was stopped (it then asked to stop it and launch another).
+    # Asked only for hosts nobody holds anything on now (asked even when there are none,
+    # so that a dispatch costs the same statements whatever the fleet: tests/core/test_history).
     # One subquery per host, each the last entry of the host's range in the (host_id,
     # ended_at) index; a GROUP BY over the intervals read every interval the idle hosts
     # ever had, a million rows after a busy year.
     idle_ids = [row[0] for row in rows if row[0] not in by_host]
-    latest: Any = (
+    last_end: Any = (
         select(func.max(UsageInterval.ended_at))
         .where(col(UsageInterval.host_id) == col(Host.id))
         .scalar_subquery()
     )
-    last: Any = select(Host.id, latest).where(col(Host.id).in_(idle_ids))
-    last_use: dict[int, datetime] = {
-        host_id: ended for host_id, ended in s.exec(last) if ended is not None
-    }
+    paid_since: Any = (
+        select(HostPeriod.started_at)
+        .where(col(HostPeriod.host_id) == col(Host.id), col(HostPeriod.ended_at).is_(None))
+        .limit(1)
+        .scalar_subquery()
+    )
+    last: Any = select(Host.id, last_end, paid_since).where(col(Host.id).in_(idle_ids))
+    last_use: dict[int, datetime] = {}
+    for host_id, ended, paid in s.exec(last):
+        seen = [_aware(t) for t in (ended, paid) if t is not None]
+        if seen:
+            last_use[host_id] = max(seen)
     names: set[str] = set()
     for host_id, name, itype, provider, usd_hr, market, created, n, model in rows:
         names.add(name)
@@ -293,3 +305,8 @@ def fair_usage(ctx: RunContext, s: Session, now: datetime) -> dict[str, float]:
 
 def _ts_or(value: datetime | None, default: datetime) -> datetime:
     return value if value is not None else default
+
+
+def _aware(when: datetime) -> datetime:
+    """SQLite hands back naive UTC datetimes; PostgreSQL aware ones."""
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
