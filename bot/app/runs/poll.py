@@ -66,6 +66,8 @@ class Poller:
             assert run.id is not None
             placement = dict(run.placement)
             if "pgid" not in placement:
+                if self.ctx.starts.in_flight(run.id):
+                    continue  # its code is on its way (bot.app.runs.starts), not orphaned
                 if run.started_at is not None and now - run.started_at > STARTING_GRACE:
                     self._requeue_orphan(run.id)
                 continue
