@@ -84,9 +84,9 @@ def test_a_group_whose_members_cannot_reach_each_other_is_named_with_the_rule(
     """Runs across instances meet at node 0 (port 29500 + run id % 500) and then talk on
     ports gloo and NCCL pick: a group that lets only SSH in from the bot breaks them."""
     ec2 = lab.ec2()
-    ssh_only = ec2.create_security_group(
-        GroupName="ssh-only", Description="ssh", VpcId=lab.vpc_id
-    )["GroupId"]
+    ssh_only = ec2.create_security_group(GroupName="ssh-only", Description="ssh", VpcId=lab.vpc_id)[
+        "GroupId"
+    ]
     ec2.authorize_security_group_ingress(
         GroupId=ssh_only, IpProtocol="tcp", FromPort=22, ToPort=22, CidrIp="198.51.100.7/32"
     )
