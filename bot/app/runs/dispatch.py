@@ -144,6 +144,13 @@ class Dispatcher:
         runner, target = seat.runner, seat.target
         try:
             runner.kill_group(target, int(placement["pgid"]), "TERM")
+            # A run over several hosts: every node checkpoints and stops, not node 0 alone
+            # (the others would fail in their next collective, and the run with them).
+            for node in placement.get("nodes", [])[1:]:
+                other = self.ctx.access.runner_for(str(node.get("host", "")))
+                if other is not None and "pgid" in node:
+                    with contextlib.suppress(SshError):
+                        other.runner.kill_group(other.target, int(node["pgid"]), "TERM")
             self.records.update_placement(run_id, term_sent=True)
             log.info("run %s preempted (%s)", run_id, reason)
         except SshError as exc:
