@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -97,7 +98,7 @@ def host_holds(s: Session, host_id: int) -> HostHolds:
     return HostHolds(reservations=reservations, runs=tuple(runs))
 
 
-def node_hosts(placement: dict[str, Any]) -> set[str]:
+def node_hosts(placement: Mapping[str, Any]) -> set[str]:
     """The hosts a run's processes are on: node 0's, and every node's of a run over several."""
     names = {str(n.get("host")) for n in placement.get("nodes", [])}
     if placement.get("host"):

@@ -147,10 +147,10 @@ class Dispatcher:
             # A run over several hosts: every node checkpoints and stops, not node 0 alone
             # (the others would fail in their next collective, and the run with them).
             for node in placement.get("nodes", [])[1:]:
-                other = self.ctx.access.runner_for(str(node.get("host", "")))
-                if other is not None and "pgid" in node:
+                node_seat = self.ctx.access.runner_for(str(node.get("host", "")))
+                if node_seat is not None and "pgid" in node:
                     with contextlib.suppress(SshError):
-                        other.runner.kill_group(other.target, int(node["pgid"]), "TERM")
+                        node_seat.runner.kill_group(node_seat.target, int(node["pgid"]), "TERM")
             self.records.update_placement(run_id, term_sent=True)
             log.info("run %s preempted (%s)", run_id, reason)
         except SshError as exc:

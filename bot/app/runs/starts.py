@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,10 @@ class OffTickStarts:
     def __init__(self, workers: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="run-start")
         self._inflight: dict[int, Future[None]] = {}
+        # A start's own result (started or not) is recorded by the start itself.
         self._lock = threading.Lock()
 
-    def submit(self, run_id: int, start: Callable[[], None]) -> None:
+    def submit(self, run_id: int, start: Callable[[], Any]) -> None:
         with self._lock:
             self._inflight[run_id] = self._pool.submit(self._guarded, run_id, start)
 
@@ -50,7 +52,7 @@ class OffTickStarts:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod
-    def _guarded(run_id: int, start: Callable[[], None]) -> None:
+    def _guarded(run_id: int, start: Callable[[], Any]) -> None:
         try:
             start()
         except Exception:  # the start ends the run itself; this only keeps the thread's word
