@@ -129,13 +129,48 @@ def _subnets(ec2: Any, settings: Ec2Settings) -> Check:
 def _security_groups(ec2: Any, settings: Ec2Settings) -> Check:
     name = "EC2 security groups"
     if not settings.security_group_ids:
+        # AWS's default group lets its own members in on everything: runs across hosts work.
         return Check(name, True, "none configured: the VPC's default group applies")
     fix = "Create a group that allows SSH (tcp/22) from the bot, and set its id."
     try:
-        ec2.describe_security_groups(GroupIds=list(settings.security_group_ids))
+        groups = ec2.describe_security_groups(GroupIds=list(settings.security_group_ids))
     except (BotoCoreError, ClientError) as exc:
         return Check(name, False, aws_error_text(exc, "find the security groups"), fix)
+    found = groups.get("SecurityGroups", [])
+    if not members_reach_each_other(found):
+        first = settings.security_group_ids[0]
+        return Check(
+            name,
+            False,
+            f"{', '.join(settings.security_group_ids)}: instances of these groups cannot reach "
+            "each other, so a run across instances cannot meet at its rendezvous (node 0, "
+            "port 29500 + run id % 500) nor talk over gloo or NCCL",
+            "Let the group's members in on all TCP: aws ec2 authorize-security-group-ingress "
+            f"--group-id {first} --ip-permissions "
+            f"'IpProtocol=tcp,FromPort=0,ToPort=65535,UserIdGroupPairs=[{{GroupId={first}}}]' "
+            '(docs/HOSTS.md, "AWS from zero").',
+        )
     return Check(name, True, ", ".join(settings.security_group_ids))
+
+
+def members_reach_each_other(groups: list[dict[str, Any]]) -> bool:
+    """Whether an instance in these groups lets in, on every TCP port, the instances of one
+    of them: torchrun's static rendezvous listens on node 0 at 29500 + run id % 500, and
+    gloo and NCCL then open ports of their own choosing, so a rule for one port is not
+    enough. A rule naming the group itself (a self-reference) is the usual way."""
+    ids = {g.get("GroupId") for g in groups}
+    for group in groups:
+        for perm in group.get("IpPermissions", []):
+            pairs = perm.get("UserIdGroupPairs", [])
+            if not any(pair.get("GroupId") in ids for pair in pairs):
+                continue
+            proto = str(perm.get("IpProtocol"))
+            if proto == "-1":
+                return True
+            low, high = perm.get("FromPort", -1), perm.get("ToPort", -1)
+            if proto in ("tcp", "6") and low <= 1 and high >= 65535:
+                return True
+    return False
 
 
 def _key_pair(ec2: Any, settings: Ec2Settings) -> Check:

@@ -35,7 +35,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlmodel import col, select
 
 from bot.app.billing import note_host_state
-from bot.app.hostagent import AgentReport, host_holds, read_agent_report, renew_lease
+from bot.app.hostagent import (
+    AgentReport,
+    host_holds,
+    node_hosts,
+    read_agent_report,
+    renew_lease,
+)
 from bot.domain import views
 from bot.domain.durations import ascii_digits
 from db.models import (
@@ -117,9 +123,18 @@ def watch_hosts(runs: WatchedRuns) -> WatchReport:
     report = WatchReport()
     now = runs.core.clock.now()
     with transaction(runs.engine, write=False) as s:
-        holding = set(
-            s.exec(select(TrainingRun.host_id).where(col(TrainingRun.state).in_(RUN_ON_HOST))).all()
-        ) | set(s.exec(select(Reservation.host_id).where(Reservation.state == RES_ACTIVE)).all())
+        on_hosts = list(
+            s.exec(
+                select(TrainingRun.host_id, TrainingRun.placement).where(
+                    col(TrainingRun.state).in_(RUN_ON_HOST)
+                )
+            ).all()
+        )
+        holding = {host_id for host_id, _ in on_hosts} | set(
+            s.exec(select(Reservation.host_id).where(Reservation.state == RES_ACTIVE)).all()
+        )
+        # Every node of a run over several hosts is watched, not only node 0's host.
+        nodes_on = set().union(*(node_hosts(p or {}) for _, p in on_hosts))
         # Plain columns, not Host objects: building a hundred of them was most of an
         # idle tick at a hundred hosts.
         columns: Any = (Host.id, Host.name, Host.state)
@@ -128,7 +143,7 @@ def watch_hosts(runs: WatchedRuns) -> WatchReport:
             for host_id, name, state in s.exec(
                 select(*columns).where(Host.provider != "local").order_by(col(Host.id))
             )
-            if state == HOST_READY or host_id in holding
+            if state == HOST_READY or host_id in holding or name in nodes_on
         ]
     for host_id, name in hosts:
         try:
@@ -200,11 +215,18 @@ def _note_interruption(
         for run_id, run in signalled.items():
             if run is None or run.state not in RUN_ON_HOST:
                 continue
-            if run.placement.get("host") != name or "interrupted" in run.placement:
+            # Any node's host: a notice on node 1's instance stops the whole run (poll
+            # signals every node, and it is requeued once, from node 0's checkpoint).
+            if name not in node_hosts(run.placement) or "interrupted" in run.placement:
                 continue
             run.placement = {
                 **run.placement,
-                "interrupted": {"reason": SPOT_REASON, "action": action, "at": now.isoformat()},
+                "interrupted": {
+                    "reason": SPOT_REASON,
+                    "action": action,
+                    "at": now.isoformat(),
+                    "host": name,
+                },
             }
             s.add(run)
             report.interrupted.append(int(run_id))
@@ -276,7 +298,10 @@ def requeue_resumable(
         log.warning("run %s stopped for a resume %d times; not requeued again", run_id, count)
         return False
     host = str(placement.get("host", "?"))
-    reason = reason or (placement.get("interrupted") or {}).get("reason") or "stopped by SIGTERM"
+    interrupted = placement.get("interrupted") or {}
+    reason = reason or interrupted.get("reason") or "stopped by SIGTERM"
+    # Where it was interrupted, in the DM: the host of the node that got the notice.
+    where = str(interrupted.get("host") or host)
     local = checkpoint_home(runs, run_id)
     copied = 0
     if placement.get("checkpoints"):
@@ -297,7 +322,7 @@ def requeue_resumable(
         "copied_files": copied,
         "lost_seen": [*previous.get("lost_seen", []), *([lost_key] if lost_key else [])],
     }
-    text = requeued_text(run_id, host, reason, resume_from["step"], have)
+    text = requeued_text(run_id, where, reason, resume_from["step"], have)
     if runs.requeue(run_id, resume_from, requeued_view(run_id, text), f"{run_id}:{count}"):
         log.warning("run %s requeued (%s on %s), resume step %s", run_id, reason, host, step)
     return True  # requeued now, or already moved on (cancelled, requeued by another path)

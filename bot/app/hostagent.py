@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlmodel import Session, col, select
 
-from db.models import RES_ACTIVE, RUN_ON_HOST, Reservation, TrainingRun
+from db.models import RES_ACTIVE, RUN_ON_HOST, Host, Reservation, TrainingRun
 from provisioning import shell
 from provisioning.ssh import SshError, SshRunner, SshTarget
 from training.agent import (
@@ -79,15 +80,30 @@ def host_holds(s: Session, host_id: int) -> HostHolds:
             .order_by(col(Reservation.id))
         )
     )
-    runs = tuple(
-        RunHold(str(r.id), int(r.placement["pgid"]) if "pgid" in r.placement else None)
-        for r in s.exec(
-            select(TrainingRun)
-            .where(TrainingRun.host_id == host_id, col(TrainingRun.state).in_(RUN_ON_HOST))
-            .order_by(col(TrainingRun.id))
-        )
-    )
-    return HostHolds(reservations=reservations, runs=runs)
+    # A run over several hosts is held on each of them (its row names node 0's host; the
+    # other nodes are in its placement), each with that node's own process group.
+    host = s.get(Host, host_id)
+    name = host.name if host is not None else None
+    runs = []
+    for r in s.exec(
+        select(TrainingRun)
+        .where(col(TrainingRun.state).in_(RUN_ON_HOST))
+        .order_by(col(TrainingRun.id))
+    ):
+        node = next((n for n in r.placement.get("nodes", [])[1:] if n.get("host") == name), None)
+        if r.host_id != host_id and node is None:
+            continue
+        pgid = (node or r.placement).get("pgid")
+        runs.append(RunHold(str(r.id), int(pgid) if pgid is not None else None))
+    return HostHolds(reservations=reservations, runs=tuple(runs))
+
+
+def node_hosts(placement: Mapping[str, Any]) -> set[str]:
+    """The hosts a run's processes are on: node 0's, and every node's of a run over several."""
+    names = {str(n.get("host")) for n in placement.get("nodes", [])}
+    if placement.get("host"):
+        names.add(str(placement["host"]))
+    return names
 
 
 def renew_lease(

@@ -19,6 +19,14 @@ check per host in flight (`HostChecker.tick` only hands work out and returns):
 
 The state lives on the host row (`down_since`, `down_reason`, `check_failures`,
 `next_check_at`), so `/gpu status` reads it and a restarted worker keeps backing off.
+
+Cloud instances are set up on the same pool (`cloud=` the provider's name): the fleet's
+job only launches and reconciles, leaving a running instance *pending*, and a check here
+dials it and bootstraps it (about 70 s from nothing) off the tick and off the fleet's
+lock. It becomes ready (grantable, placeable) when its setup finishes. An instance whose
+SSH does not answer yet is booting, not failing: it is dialled again soon, without
+backoff (the fleet stops one that never answers, `BOOT_TIMEOUT`). A failed setup marks it
+"setup failed: <reason>" at once, tells whoever waits, and is retried with the backoff.
 """
 
 from __future__ import annotations
@@ -37,7 +45,10 @@ from bot.app.remote import RemoteAccess
 from bot.app.service import GpuService
 from bot.domain import views
 from db.models import (
+    HOST_PENDING,
     HOST_READY,
+    HOST_STOPPED,
+    HOST_TERMINATED,
     HOST_UNREACHABLE,
     RES_ACTIVE,
     RES_WAITING,
@@ -63,6 +74,8 @@ BACKOFF_MAX = timedelta(minutes=15)
 # A liveness dial and an inventory read; the bootstrap has its own, longer, timeouts.
 DIAL_TIMEOUT_S = 15.0
 INVENTORY_TIMEOUT_S = 120.0
+# How soon a booting cloud instance (SSH not answering yet) is dialled again.
+BOOT_POLL = timedelta(seconds=15)
 _RUN_ON_HOST = ("starting", "running", "cancelling")
 
 
@@ -81,6 +94,9 @@ class CheckResult:
     # What the check found wrong, in the words the status shows; "" when ok.
     reason: str = ""
     gpus: tuple[GpuDevice, ...] = ()
+    # A cloud instance still booting (or gone meanwhile): nothing failed, nothing changes
+    # but the time of its next check.
+    booting: bool = False
 
 
 def cpu_only(gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
@@ -90,7 +106,9 @@ def cpu_only(gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
 
 
 class HostChecker:
-    """Checks every static host on its own thread; one check per host at a time."""
+    """Checks every static host on its own thread; one check per host at a time. With
+    `cloud` (a provider's name), also sets up that provider's instances that are not
+    ready yet (pending, or down after a failed setup)."""
 
     def __init__(
         self,
@@ -98,12 +116,14 @@ class HostChecker:
         access: RemoteAccess,
         hosts: tuple[StaticHost, ...],
         *,
+        cloud: str | None = None,
         down_after: int = DOWN_AFTER,
         workers: int = 4,
     ) -> None:
         self.service = service
         self.access = access
         self.hosts = {h.name: h for h in hosts}
+        self.cloud = cloud
         self.down_after = down_after
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hostcheck")
         self._inflight: dict[str, Future[CheckResult]] = {}
@@ -120,9 +140,21 @@ class HostChecker:
                 h.name: h.next_check_at
                 for h in s.exec(select(Host).where(col(Host.name).in_(list(self.hosts))))
             }
+            unready = []
+            if self.cloud is not None:
+                for h in s.exec(
+                    select(Host)
+                    .where(
+                        Host.provider == self.cloud,
+                        col(Host.state).in_((HOST_PENDING, HOST_UNREACHABLE)),
+                    )
+                    .order_by(col(Host.id))
+                ):
+                    due_at[h.name] = h.next_check_at
+                    unready.append(h.name)
         started = []
         with self._lock:
-            for name in self.hosts:
+            for name in [*self.hosts, *unready]:
                 running = self._inflight.get(name)
                 if running is not None and not running.done():
                     continue
@@ -137,10 +169,13 @@ class HostChecker:
         with self._lock:
             return sorted(n for n, f in self._inflight.items() if not f.done())
 
-    def wait(self, timeout: float | None = None) -> list[CheckResult]:
-        """Every check in flight, finished (tests, and a worker shutting down)."""
+    def wait(
+        self, timeout: float | None = None, names: tuple[str, ...] | None = None
+    ) -> list[CheckResult]:
+        """Every check in flight (or those of `names`), finished (tests, and a worker
+        shutting down)."""
         with self._lock:
-            futures = list(self._inflight.values())
+            futures = [f for n, f in self._inflight.items() if names is None or n in names]
         return [f.result(timeout) for f in futures]
 
     def close(self) -> None:
@@ -149,13 +184,16 @@ class HostChecker:
     # --- one check ----------------------------------------------------------------------
 
     def check(self, name: str) -> CheckResult:
+        static = name in self.hosts
         try:
-            result = self._probe(name)
+            result = self._probe(name) if static else self._setup(name)
         except Exception as exc:  # a check must never die silently on its thread
             log.exception("checking host %s failed", name)
             result = CheckResult(name, ok=False, reason=f"check failed: {exc}")
-        if result.ok:
-            self._up(result)
+        if result.booting:
+            self._booting(result)
+        elif result.ok:
+            self._up(result) if static else self._ready(result)
         else:
             self._failed(result, at_once=result.reason.startswith("setup failed"))
         return result
@@ -197,7 +235,65 @@ class HostChecker:
             return CheckResult(name, ok=False, reason=f"inventory unreadable: {exc}")
         return CheckResult(name, ok=True, gpus=cpu_only(gpus))
 
+    def _setup(self, name: str) -> CheckResult:
+        """A cloud instance: dial it, then prepare it (the bootstrap) with the host's own
+        timeouts. Its GPUs are the catalog's, synced by the fleet; nothing to read here."""
+        inst = self.access.instance_of(name)
+        if inst is None:  # stopped or ended since the tick: nothing to set up
+            return CheckResult(name, ok=False, booting=True)
+        try:
+            target = self.access.target_for(inst)
+            alive = self.access.runner.run(target, "true", timeout=DIAL_TIMEOUT_S)
+        except SshError as exc:
+            if inst.state == HOST_PENDING:
+                return CheckResult(name, ok=False, reason=f"booting: {exc}", booting=True)
+            return CheckResult(name, ok=False, reason=f"unreachable: {exc}")
+        if not alive.ok:
+            return CheckResult(
+                name, ok=False, reason=f"unreachable: `true` exited {alive.exit_code}"
+            )
+        try:
+            self.access.prepare_now(name, target)
+        except SshError as exc:
+            return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
+        except ProvisioningError as exc:
+            return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
+        return CheckResult(name, ok=True)
+
     # --- what a check changes ---------------------------------------------------------------
+
+    def _booting(self, result: CheckResult) -> None:
+        with transaction(self.service.engine) as s:
+            row = s.exec(select(Host).where(Host.name == result.host)).first()
+            if row is None:
+                return
+            row.next_check_at = self.service.clock.now() + BOOT_POLL
+            s.add(row)
+
+    def _ready(self, result: CheckResult) -> None:
+        """A cloud instance set up: ready (granted on and placed from the next tick on),
+        its down marks cleared; the channel hears it when it had been marked down."""
+        now = self.service.clock.now()
+        with transaction(self.service.engine) as s:
+            row = s.exec(select(Host).where(Host.name == result.host)).first()
+            if row is None or row.state not in (HOST_PENDING, HOST_UNREACHABLE):
+                return  # stopped or ended while it was being set up
+            was_down = row.state == HOST_UNREACHABLE
+            row.state = HOST_READY
+            row.updated_at = now
+            row.down_since = None
+            row.down_reason = None
+            row.check_failures = 0
+            row.next_check_at = None
+            s.add(row)
+            s.flush()
+            note_host_state(s, row, now, self.service.settings)
+        log.info("instance %s is set up; it is ready", result.host)
+        if was_down:
+            self.service.notify_channel(
+                _text(f"Host {result.host} is set up now and is back in the pool."),
+                dedupe=f"host-up:{result.host}:{now.isoformat()}",
+            )
 
     def _instance(self, name: str, gpus: tuple[GpuDevice, ...], state: str) -> Instance:
         target = self.hosts[name].target
@@ -248,13 +344,16 @@ class HostChecker:
         now = self.service.clock.now()
         with transaction(self.service.engine, write=False) as s:
             listed = s.exec(select(Host).where(Host.name == result.host)).first() is not None
-        if not listed:  # its first check failed before it was ever listed: list it down
+        if not listed and result.host in self.hosts:
+            # its first check failed before it was ever listed: list it down
             self.service.sync_hosts(
                 [self._instance(result.host, self.hosts[result.host].gpus, HOST_UNREACHABLE)]
             )
         announce: str | None = None
         with transaction(self.service.engine) as s:
             row = s.exec(select(Host).where(Host.name == result.host)).one()
+            if row.state in (HOST_STOPPED, HOST_TERMINATED):
+                return  # stopped or ended while it was checked: nothing is down
             row.check_failures += 1
             row.down_since = row.down_since or now
             row.down_reason = result.reason[:300]

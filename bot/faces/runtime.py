@@ -377,7 +377,8 @@ def _static_wiring(compute: StaticHostsCompute, parts: _Parts) -> _Wiring:
 
 @_wiring.register
 def _cloud_wiring(compute: Ec2Compute, parts: _Parts) -> _Wiring:
-    """EC2: the pool grows to what the catalog can launch; the fleet buys and stops."""
+    """EC2: the pool grows to what the catalog can launch; the fleet buys and stops. An
+    instance's bootstrap runs on the host checker's threads, never in the fleet's job."""
 
     def connect(service: GpuService) -> Fleet:
         access = RemoteAccess(
@@ -387,9 +388,14 @@ def _cloud_wiring(compute: Ec2Compute, parts: _Parts) -> _Wiring:
             prepare=_for_hosts(
                 parts.prepare, cloud=True, metadata_url=compute.settings.metadata_url
             ),
+            # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
+            wait_for_prepare=False,
         )
         service.runs = RunService(service, access, compute.catalog)
         fleet = Fleet(service, compute, access, catalog=compute.catalog)
+        checker = HostChecker(service, access, (), cloud=compute.name)
+        hostcheck.attach(service, checker)
+        fleet.set_up_off_tick(checker.tick)
         attach(service, fleet)
         return fleet
 

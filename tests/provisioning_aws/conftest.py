@@ -161,6 +161,18 @@ def _build_world(session: boto3.Session, mode: str) -> AwsLab:
         for i, zone in enumerate(zones, start=1)
     )
     sg = ec2.create_security_group(GroupName="gpubot-test", Description="ssh", VpcId=vpc)["GroupId"]
+    # Its members reach each other on all TCP (runs across instances), as docs/HOSTS.md sets it.
+    ec2.authorize_security_group_ingress(
+        GroupId=sg,
+        IpPermissions=[
+            {
+                "IpProtocol": "tcp",
+                "FromPort": 0,
+                "ToPort": 65535,
+                "UserIdGroupPairs": [{"GroupId": sg}],
+            }
+        ],
+    )
     ec2.import_key_pair(KeyName="gpubot-test", PublicKeyMaterial=_PUBLIC_KEY)
     ami = ec2.register_image(
         Name="Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) test",

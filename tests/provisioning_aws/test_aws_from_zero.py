@@ -92,14 +92,20 @@ def test_aws_from_zero_as_documented_gives_a_doctor_with_nothing_to_fix(
     found = ec2.describe_subnets(SubnetIds=subnets)["Subnets"]
     assert sorted(s["AvailabilityZone"] for s in found) == sorted(zones)
     assert all(s["MapPublicIpOnLaunch"] for s in found)
-    # The bot alone, on SSH alone.
-    [group] = ec2.describe_security_groups(GroupIds=[settings["GPUBOT_AWS_SECURITY_GROUPS"]])[
-        "SecurityGroups"
-    ]
-    assert [
-        (p["IpProtocol"], p["FromPort"], p["ToPort"], [r["CidrIp"] for r in p["IpRanges"]])
+    # From outside, the bot alone, on SSH alone; inside, the group's members reach each
+    # other on all TCP (a run across instances: its rendezvous, gloo and NCCL).
+    sg = settings["GPUBOT_AWS_SECURITY_GROUPS"]
+    [group] = ec2.describe_security_groups(GroupIds=[sg])["SecurityGroups"]
+    assert sorted(
+        (
+            p["IpProtocol"],
+            p["FromPort"],
+            p["ToPort"],
+            [r["CidrIp"] for r in p["IpRanges"]],
+            [g["GroupId"] for g in p["UserIdGroupPairs"]],
+        )
         for p in group["IpPermissions"]
-    ] == [("tcp", 22, 22, [f"{BOT_IP}/32"])]
+    ) == [("tcp", 0, 65535, [], [sg]), ("tcp", 22, 22, [f"{BOT_IP}/32"], [])]
     # The key pair holds the bot's key.
     [pair] = ec2.describe_key_pairs(KeyNames=["gpubot"])["KeyPairs"]
     assert pair["KeyName"] == "gpubot" and Path(settings["GPUBOT_SSH_KEY"]).is_file()

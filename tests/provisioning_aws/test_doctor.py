@@ -76,3 +76,53 @@ def test_without_credentials_the_rest_is_skipped_not_failed_confusingly(
     assert "AWS_ACCESS_KEY_ID" in creds.fix
     assert checks["AWS region"].ok
     assert all("not checked" in checks[n].detail for n in NAMES[2:])
+
+
+def test_a_group_whose_members_cannot_reach_each_other_is_named_with_the_rule(
+    lab: AwsLab,
+) -> None:
+    """Runs across instances meet at node 0 (port 29500 + run id % 500) and then talk on
+    ports gloo and NCCL pick: a group that lets only SSH in from the bot breaks them."""
+    ec2 = lab.ec2()
+    ssh_only = ec2.create_security_group(GroupName="ssh-only", Description="ssh", VpcId=lab.vpc_id)[
+        "GroupId"
+    ]
+    ec2.authorize_security_group_ingress(
+        GroupId=ssh_only, IpProtocol="tcp", FromPort=22, ToPort=22, CidrIp="198.51.100.7/32"
+    )
+    # The rendezvous port alone is not enough either: gloo and NCCL use ports of their own.
+    ec2.authorize_security_group_ingress(
+        GroupId=ssh_only,
+        IpPermissions=[
+            {
+                "IpProtocol": "tcp",
+                "FromPort": 29500,
+                "ToPort": 29999,
+                "UserIdGroupPairs": [{"GroupId": ssh_only}],
+            }
+        ],
+    )
+    settings = lab.settings(security_group_ids=(ssh_only,))
+    check = _by_name(check_aws(settings, session=lab.session))["EC2 security groups"]
+    assert not check.ok
+    assert "cannot reach each other" in check.detail and "29500" in check.detail
+    assert f"--group-id {ssh_only}" in check.fix and f"GroupId={ssh_only}" in check.fix
+
+    # The fix as the doctor words it (what docs/HOSTS.md runs), and it is green.
+    ec2.authorize_security_group_ingress(
+        GroupId=ssh_only,
+        IpPermissions=[
+            {
+                "IpProtocol": "tcp",
+                "FromPort": 0,
+                "ToPort": 65535,
+                "UserIdGroupPairs": [{"GroupId": ssh_only}],
+            }
+        ],
+    )
+    check = _by_name(check_aws(settings, session=lab.session))["EC2 security groups"]
+    assert check.ok, check
+    # Only the bot reaches SSH from outside: no address range but the bot's is let in.
+    [group] = ec2.describe_security_groups(GroupIds=[ssh_only])["SecurityGroups"]
+    ranges = {r["CidrIp"] for p in group["IpPermissions"] for r in p.get("IpRanges", [])}
+    assert ranges == {"198.51.100.7/32"}

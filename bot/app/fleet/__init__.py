@@ -131,6 +131,12 @@ class Fleet:
     def after_launch(self, hook: Callable[[Instance], None] | None) -> None:
         self.ctx.after_launch = hook
 
+    def set_up_off_tick(self, nudge: Callable[[], object]) -> None:
+        """Hands instances' bootstraps to an off-tick pool (bot.app.hostcheck): the cycle
+        only launches and reconciles; `nudge` hands out the setups due and returns at
+        once. Until this is called, refresh prepares instances inline."""
+        self.ctx.setup = nudge
+
     def cycle(self) -> None:
         """One periodic pass: reconcile (at start and every few minutes) or refresh,
         then provision for the waiting line, then stop or end what sits idle."""

@@ -46,13 +46,18 @@ START_READY_MIN = 2
 class FleetContext:
     """The ports the fleet's steps share. `after_launch` is called right after the cloud
     answered a launch, before anything is committed: the seam the crash test uses to die
-    exactly there (set after construction, so the steps read it here)."""
+    exactly there (set after construction, so the steps read it here). `setup` likewise:
+    the runtime sets it once the host checker exists."""
 
     service: GpuService
     compute: RentingCompute
     access: RemoteAccess
     catalog: Catalog
     after_launch: Callable[[Instance], None] | None = None
+    # The off-tick setup pool's nudge (bot.app.hostcheck.HostChecker.tick): hands out the
+    # bootstrap of instances not ready yet and returns at once. None: refresh prepares them
+    # inline, under the fleet's lock (tests about something else).
+    setup: Callable[[], object] | None = None
 
     @property
     def engine(self) -> Any:

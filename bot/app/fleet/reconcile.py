@@ -25,6 +25,7 @@ from db.models import (
     HOST_PENDING,
     HOST_READY,
     HOST_TERMINATED,
+    HOST_UNREACHABLE,
     RES_ACTIVE,
     RES_RELEASED,
     RUN_CANCELLED,
@@ -55,7 +56,11 @@ class Reconciler:
 
         A running instance becomes a ready host only once SSH answers and the host is
         prepared (bootstrap, once per host and process); until then it is pending (billed,
-        not grantable). A host already ready is not probed again.
+        not grantable), or down after a failed setup. A host already ready is not probed
+        again. With an off-tick setup (`ctx.setup`, bot.app.hostcheck) nothing is dialled
+        here: the instance stays as the setup left it and the setup pool is nudged, so a
+        70 s bootstrap never holds the fleet's lock; without one (tests about something
+        else) the instance is prepared here, inline.
         """
         live = self.ctx.compute.list_instances()
         with transaction(self.ctx.engine, write=False) as s:
@@ -66,15 +71,20 @@ class Reconciler:
             }
         synced = []
         for inst in live:
-            if (
-                inst.state == HOST_READY
-                and known.get(inst.instance_id or "") != HOST_READY
-                and not self.ctx.access.reachable(inst)
-            ):
-                inst = replace(inst, state=HOST_PENDING)
+            was = known.get(inst.instance_id or "")
+            if inst.state == HOST_READY and was != HOST_READY:
+                if self.ctx.setup is None:
+                    if not self.ctx.access.reachable(inst):
+                        inst = replace(inst, state=HOST_PENDING)
+                elif self.ctx.access.prepared(inst.name) is None:
+                    inst = replace(
+                        inst, state=HOST_UNREACHABLE if was == HOST_UNREACHABLE else HOST_PENDING
+                    )
             synced.append(inst)
         if synced:
             self.ctx.service.sync_hosts(synced)
+        if self.ctx.setup is not None:
+            self.ctx.setup()
         return live
 
     def reconcile(self) -> ReconcileReport:

@@ -105,7 +105,9 @@ class RunBoard:
                     start = f"waits: {h.name} {views.down_phrase(h.down_since, h.down_reason, now, self.ctx.core.settings.timezone)}"
                 age = format_duration(now - run.submitted_at)
                 progress = "–"
-                if run.state == RUN_RUNNING and run.id is not None:
+                if run.placement.get("stage"):
+                    progress = str(run.placement["stage"])  # "uploading code" (dispatch)
+                elif run.state == RUN_RUNNING and run.id is not None:
                     # The live message's line (bot.app.runwatch), from the last poll's figures.
                     usd, _ = runwatch.cost_so_far(s, run.id, now)
                     progress = runwatch.progress_line(s, run, None, now, usd)

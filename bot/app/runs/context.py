@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from sqlmodel import Session, col, select
 from bot.app.access import RunGate, StaticMembership
 from bot.app.config import Settings
 from bot.app.ports import Core, HostAccess, HostSeat, Interpreter, bot_python
+from bot.app.runs.starts import OffTickStarts
 from bot.domain.scheduling import LAS_AFTER_S, FleetInstance, InstanceState, SchedulerConfig
 from db.models import HOST_PENDING, HOST_STOPPED, Gpu, Host
 from provisioning.catalog import Catalog
@@ -48,6 +49,9 @@ class RunContext:
     refusal: str | None = None
     # file:// git URLs: tests only (a bare repository in tmp); never in production.
     allow_file_git: bool = False
+    # Starts that upload code, off the tick (bot.app.runs.starts): dispatch hands them
+    # out, poll leaves a run alone while its start is in flight.
+    starts: OffTickStarts = field(default_factory=OffTickStarts)
 
     @property
     def engine(self) -> Any:

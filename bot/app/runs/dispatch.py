@@ -6,7 +6,8 @@ A run is dispatched exactly once: the move from `queued` to `starting` is a
 conditional update that only one worker can win, and the GPUs it takes are
 claimed by usage intervals in the same transaction (the partial unique index
 refuses a GPU held twice). A process that dies between claiming and starting
-leaves a `starting` run with no process id, which the next poll puts back in line."""
+leaves a `starting` run with no process id, which the next poll puts back in line.
+A run with code to fetch or upload is started off the tick (bot.app.runs.starts)."""
 
 from __future__ import annotations
 
@@ -143,6 +144,13 @@ class Dispatcher:
         runner, target = seat.runner, seat.target
         try:
             runner.kill_group(target, int(placement["pgid"]), "TERM")
+            # A run over several hosts: every node checkpoints and stops, not node 0 alone
+            # (the others would fail in their next collective, and the run with them).
+            for node in placement.get("nodes", [])[1:]:
+                node_seat = self.ctx.access.runner_for(str(node.get("host", "")))
+                if node_seat is not None and "pgid" in node:
+                    with contextlib.suppress(SshError):
+                        node_seat.runner.kill_group(node_seat.target, int(node["pgid"]), "TERM")
             self.records.update_placement(run_id, term_sent=True)
             log.info("run %s preempted (%s)", run_id, reason)
         except SshError as exc:
@@ -181,14 +189,37 @@ class Dispatcher:
         if claimed is None:
             return False
         placement, run = claimed
+        if run.source:
+            # Its code is fetched or uploaded first: off the tick (bot.app.runs.starts).
+            self.ctx.starts.submit(
+                run_id,
+                lambda: self._run_start(run_id, run, reachable, host_names, placement, endpoint),
+            )
+            return True
+        return self._run_start(run_id, run, reachable, host_names, placement, endpoint)
+
+    def _run_start(
+        self,
+        run_id: int,
+        run: TrainingRun,
+        reachable: list[HostSeat],
+        host_names: list[str],
+        placement: dict[str, Any],
+        endpoint: str | None,
+    ) -> bool:
+        """The claimed run started on each of its hosts (code first, then the runner), or
+        ended with the reason when a node cannot start; True when it started."""
         nodes = placement.get("nodes") or [placement]
         pgids: list[int] = []
         try:
             for rank, (seat, node) in enumerate(zip(reachable, nodes, strict=True)):
                 across = (len(nodes), rank, endpoint) if endpoint is not None else None
                 pgids.append(self._start_node(run_id, run, seat, node, across))
-        except SshError as exc:
-            # One run: a node that could not start ends the nodes already started.
+        except Exception as exc:
+            # One run: a node that could not start ends the nodes already started. Any
+            # failure ends it with its reason (off the tick nobody else would say it).
+            if not isinstance(exc, SshError):
+                log.exception("starting run %s failed", run_id)
             for seat, pgid in zip(reachable, pgids, strict=False):
                 with contextlib.suppress(SshError):
                     seat.runner.kill_group(seat.target, pgid, "KILL")
@@ -306,6 +337,8 @@ class Dispatcher:
                 placement["rdzv"] = endpoint
             if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
                 placement["resume_from"] = run.placement["resume_from"]
+            if run.source:  # what `/gpu queue` says until the runner starts
+                placement["stage"] = "uploading code"
             run.placement = placement
             run.host_id = taken[0][0].id
             run.started_at = now
@@ -329,6 +362,7 @@ class Dispatcher:
                     for node, pgid in zip(run.placement["nodes"], pgids, strict=True)
                 ]
             run.placement = {**run.placement, **changes}
+            run.placement.pop("stage", None)
             if run.state == RUN_STARTING:
                 run.state = RUN_RUNNING
             s.add(run)

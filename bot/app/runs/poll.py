@@ -66,6 +66,8 @@ class Poller:
             assert run.id is not None
             placement = dict(run.placement)
             if "pgid" not in placement:
+                if self.ctx.starts.in_flight(run.id):
+                    continue  # its code is on its way (bot.app.runs.starts), not orphaned
                 if run.started_at is not None and now - run.started_at > STARTING_GRACE:
                     self._requeue_orphan(run.id)
                 continue
@@ -74,8 +76,12 @@ class Poller:
                 continue
             runner, target = seat.runner, seat.target
             others = placement.get("nodes", [])[1:]  # a run over several hosts: node 1…
+            interrupted = "interrupted" in placement
             try:
-                if run.state == RUN_CANCELLING and not placement.get("term_sent"):
+                stopping = run.state == RUN_CANCELLING or (interrupted and bool(others))
+                if stopping and not placement.get("term_sent"):
+                    # Cancelled, or one node's host got a spot notice: every node is told
+                    # (each checkpoints and exits), the run stops as one.
                     runner.kill_group(target, int(placement["pgid"]), "TERM")
                     self._signal_nodes(others, "TERM")
                     self.records.update_placement(run.id, term_sent=True)
@@ -88,7 +94,8 @@ class Poller:
             status = parse_status(raw.decode("utf-8", "replace")) if raw else None
             if status is not None:
                 self.records.update_metrics(run.id, status, live_runs=len(rows))
-            if others and alive and "node_failed" not in placement:
+            if others and alive and "node_failed" not in placement and not interrupted:
+                # (An interrupted run's nodes end on purpose: not a node failing.)
                 failed = self._failed_node(others)
                 if failed is not None:
                     # One node failing ends them all: the rest would wait in a collective.
