@@ -145,7 +145,9 @@ def _run(rt: Runtime, rid: int) -> TrainingRun:
 
 def _until(rt: Runtime, done: Callable[[], bool], what: str) -> None:
     runs = _runs(rt)
-    deadline = time.monotonic() + 120  # a guard against a hang, not a speed goal
+    deadline = (
+        time.monotonic() + 300
+    )  # a guard against a hang (torchrun on a loaded machine), not a speed goal
     while not done():
         assert time.monotonic() < deadline, what
         runs.poll()
