@@ -36,9 +36,11 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from bot.app import hostcheck
 from bot.app.billing import team_bill
 from bot.app.config import Settings
 from bot.app.fleet import CatalogSupply, Fleet, attach
+from bot.app.hostcheck import HostChecker
 from bot.app.remote import RemoteAccess, bootstrap_prepare
 from bot.app.runs import RunService
 from bot.app.service import GpuService
@@ -141,8 +143,15 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     # address the loopback fake's; `env` points pip at the wheel cache (the suite is
     # offline), where production gives its index or proxy the same way.
     prepare = functools.partial(bootstrap_prepare, cloud=True, env=pip_env(), metadata_url=imds.url)
-    access = RemoteAccess(engine, client, LoopbackResolver(new_host), prepare=prepare)
+    access = RemoteAccess(
+        engine, client, LoopbackResolver(new_host), prepare=prepare, wait_for_prepare=False
+    )
     fleet = Fleet(svc, compute, access, catalog=compute.catalog)
+    # Wired as bot.faces.runtime wires EC2: the instance's bootstrap runs on the host
+    # checker's threads, handed out by the fleet's pass, never inside it.
+    checker = HostChecker(svc, access, (), cloud=compute.name)
+    hostcheck.attach(svc, checker)
+    fleet.set_up_off_tick(checker.tick)
     attach(svc, fleet)
     svc.runs = runs = RunService(svc, access, compute.catalog)
     assert _managed(server_lab) == []
@@ -170,10 +179,19 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     assert tags["gpubot:managed"] == "true"
     assert tags["gpubot:owner"] == "alice" and tags["gpubot:job"] == str(rid)
 
-    # 3. Ready once SSH answers and the host is prepared: the fleet's own call bootstrapped
-    # it from nothing (venv, the train extra, code, marker) and started the host agent.
+    # 3. Ready once SSH answers and the host is prepared: the fleet's pass handed the
+    # setup to the checker, which bootstrapped it from nothing (venv, the train extra,
+    # code, marker) and started the host agent, while the pass itself returned at once.
     fleet.refresh()
-    assert _host(engine, iid).state == HOST_READY
+    assert _host(engine, iid).state != HOST_READY  # the pass did not wait for the setup
+    deadline = time.monotonic() + 900  # a guard against a hang, not a speed goal
+    while _host(engine, iid).state != HOST_READY:
+        assert time.monotonic() < deadline, f"never set up: {_host(engine, iid).state}"
+        results = checker.wait(timeout=900)
+        assert all(r.ok or r.booting for r in results), results
+        if any(r.booting for r in results):
+            clock.advance(timedelta(seconds=15))  # SSH not answering yet: checked again
+        fleet.refresh()
     prepared = access.prepared(iid)
     assert prepared is not None
     root = home / ".gpubot"
@@ -278,3 +296,4 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     total, held, idle = (Decimal(g) for g in words.groups())
     assert total == to_cents(bill.instances) and held + idle == total
     assert held == Decimal(dm_cost.group(1))
+    checker.close()
