@@ -202,6 +202,7 @@ def worker_actions(
     svc = GpuService(engine, settings, clock, CatalogSupply(catalog))
     access = RemoteAccess(engine, runner, NamedResolver(), prepare=prepared)
     svc.runs = RunService(svc, access, catalog)
+    starts = svc.runs.ctx.starts
     fleet = Fleet(svc, cloud, access, catalog=catalog)
     attach(svc, fleet)
 
@@ -219,7 +220,12 @@ def worker_actions(
             assert not reply.error, reply.view.text
             job_of[str(reply.extra["run_id"])] = j.job_id
             tick_job(svc, None)  # the nudged tick (faces.dispatch asks for one)
+            starts.wait()
         tick_job(svc, None)
+        # A start that uploads (a resumed run's checkpoint) runs off the tick
+        # (bot.app.runs.starts); on a host it takes seconds, well inside a tick, so the
+        # clock moves on only once it is done.
+        starts.wait()
         t += TICK_S
     assert runner.unknown == [], "the worker asked the host for what the runner double lacks"
 

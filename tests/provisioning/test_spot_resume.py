@@ -251,6 +251,8 @@ def test_a_spot_notice_requeues_the_run_and_it_resumes_on_another_host(
 
         # Placed on the other host with the checkpoint uploaded first; it resumes.
         assert runs.dispatch() == 1
+        # The checkpoint goes up off the tick (bot.app.runs.starts), then the runner starts.
+        runs.ctx.starts.wait(timeout=240)
         moved = _run(rt, rid)
         assert moved.placement["host"] == new and moved.placement["resume_from"] == resume
         groups.append(int(moved.placement["pgid"]))

@@ -189,8 +189,9 @@ class Dispatcher:
         if claimed is None:
             return False
         placement, run = claimed
-        if run.source:
-            # Its code is fetched or uploaded first: off the tick (bot.app.runs.starts).
+        if run.source or placement.get("resume_from"):
+            # Its code or the checkpoint it resumes from goes up first: off the tick
+            # (bot.app.runs.starts), as either may be gigabytes.
             self.ctx.starts.submit(
                 run_id,
                 lambda: self._run_start(run_id, run, reachable, host_names, placement, endpoint),
@@ -337,8 +338,11 @@ class Dispatcher:
                 placement["rdzv"] = endpoint
             if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
                 placement["resume_from"] = run.placement["resume_from"]
-            if run.source:  # what `/gpu queue` says until the runner starts
+            # What `/gpu queue` says until the runner starts (bot.app.runs.starts).
+            if run.source:
                 placement["stage"] = "uploading code"
+            elif placement.get("resume_from"):
+                placement["stage"] = "uploading its checkpoint"
             run.placement = placement
             run.host_id = taken[0][0].id
             run.started_at = now

@@ -1,11 +1,12 @@
-"""Starts that upload code, run off the tick.
+"""Starts that upload code or a checkpoint, run off the tick.
 
 Fetching or uploading a run's code (bot.app.sources: a staged tree over SSH, a git clone
 on the host) takes as long as the code and the link make it, so dispatch claims the run
 and its GPUs in its own transaction and hands the rest of the start (code, runner) to
 this small pool: the tick returns at once and every other grant, placement and DM goes
-ahead. The run is "starting" meanwhile, its placement saying "uploading code" (`/gpu
-queue` shows it), and poll leaves it alone while its start is in flight here.
+ahead. The run is "starting" meanwhile, its placement saying "uploading code" or, for a
+resumed run, "uploading its checkpoint" (`/gpu queue` shows it), and poll leaves it alone
+while its start is in flight here.
 
 Nothing is lost if the worker dies mid-upload: the run is "starting" with no process id,
 which the next worker's poll checks on the host after the starting grace (its runner
