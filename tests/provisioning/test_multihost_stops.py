@@ -111,6 +111,9 @@ def bot(
     try:
         yield rt, clock, roots
     finally:
+        # A start still in flight off the tick (a resumed run's checkpoint upload, bot.app.
+        # runs.starts) records its process groups first, or it would start them unseen.
+        _runs(rt).ctx.starts.close()
         # What a failed test left running: SIGTERM first, so each node's runner stops its
         # torchrun (its own process group), then SIGKILL what is left.
         with Session(rt.engine) as s:
