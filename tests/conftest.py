@@ -53,6 +53,11 @@ XDIST_GROUPS: dict[str, frozenset[str]] = {
     # The workers' leader lock on PostgreSQL: an advisory lock spans the database, not a
     # test's schema, so two tests running `gpubot worker`s there would fight for one lead.
     "pg-leader": frozenset({"pg_leader_key"}),
+    # Runs across two hosts of the default lab: torchrun's rendezvous listens on node 0's
+    # address at 29500 + run id % 500 (bot.app.runs.dispatch), node 0 is 127.0.0.2 in
+    # every worker's lab and run ids start at 1 in every test's database, so two such
+    # tests at once would join each other's run.
+    "rendezvous": frozenset({"loopback_rendezvous"}),
 }
 # `bench` asks for the run account only in its "local-as" case (request.getfixturevalue).
 _PARAM_GROUPS = {("bench", "local-as"): "run-account"}
@@ -190,3 +195,9 @@ def engine(request: pytest.FixtureRequest) -> Engine:
     name = "sqlite_engine" if request.param == "sqlite" else "pg_engine"
     result: Engine = request.getfixturevalue(name)
     return result
+
+
+@pytest.fixture
+def loopback_rendezvous() -> None:
+    """Taken by a test that starts a run across the default lab's hosts: it only puts the
+    test in the "rendezvous" xdist group (XDIST_GROUPS), one such test at a time."""

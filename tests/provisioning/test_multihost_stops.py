@@ -81,7 +81,10 @@ def imds() -> Iterator[FakeImds]:
 
 @pytest.fixture
 def bot(
-    ssh_lab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ssh_lab: SshLab,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    loopback_rendezvous: None,  # its xdist group: one run across the lab at a time
 ) -> Iterator[tuple[Runtime, VirtualClock, dict[str, Path]]]:
     roots = {
         name: Path(tempfile.mkdtemp(dir=ssh_lab.hosts[name].root)) for name in ("gpu-a", "gpu-b")

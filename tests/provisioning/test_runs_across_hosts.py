@@ -189,7 +189,11 @@ def _result_dms(rt: Runtime, rid: int) -> list[Notification]:
 
 
 def test_a_run_larger_than_any_host_runs_once_across_two(
-    ssh_lab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: SshClient
+    ssh_lab: SshLab,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    client: SshClient,
+    loopback_rendezvous: None,  # its xdist group: one run across the lab at a time
 ) -> None:
     rt = _bot(ssh_lab, tmp_path, monkeypatch, client)
     script = tmp_path / "allreduce.py"
@@ -231,7 +235,11 @@ def _started_text(rt: Runtime, rid: int) -> str:
 
 
 def test_one_node_failing_ends_the_others_and_fails_the_run(
-    ssh_lab: SshLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: SshClient
+    ssh_lab: SshLab,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    client: SshClient,
+    loopback_rendezvous: None,  # its xdist group: one run across the lab at a time
 ) -> None:
     rt = _bot(ssh_lab, tmp_path, monkeypatch, client)
     script = tmp_path / "fails.py"
