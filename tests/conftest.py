@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.training.test_agent import FakeImds
 
 # No test may ever dial anything but loopback (moto invents 10.x and public addresses):
 # the SSH layer refuses other targets while this is set, in this process and its children.
@@ -201,3 +205,25 @@ def engine(request: pytest.FixtureRequest) -> Engine:
 def loopback_rendezvous() -> None:
     """Taken by a test that starts a run across the default lab's hosts: it only puts the
     test in the "rendezvous" xdist group (XDIST_GROUPS), one such test at a time."""
+
+
+@pytest.fixture
+def imds() -> Iterator[FakeImds]:
+    """EC2's instance metadata service (IMDSv2) on loopback, for the host agent's token
+    PUT and spot-notice GET: no notice (404) until a test sets `notice`. Nothing in the
+    suite dials 169.254.169.254."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from tests.training.test_agent import FakeImds, _imds_handler
+
+    state = FakeImds()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _imds_handler(state))
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()

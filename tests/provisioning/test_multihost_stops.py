@@ -17,11 +17,9 @@ import shlex
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -37,7 +35,7 @@ from bot.faces.runtime import Runtime, build_runtime
 from db.models import HOST_UNREACHABLE, Host, Notification, TrainingRun, UsageInterval
 from provisioning.ssh import SshClient, SshRunner, SshTarget
 from tests.ssh_hosts import SshLab
-from tests.training.test_agent import FakeImds, _imds_handler
+from tests.training.test_agent import FakeImds
 from training.agent import LEASE_NAME
 from training.status import parse_status
 
@@ -63,20 +61,6 @@ STOPPABLE = (
     "while True:\n"
     "    time.sleep(0.1)\n"
 )
-
-
-@pytest.fixture
-def imds() -> Iterator[FakeImds]:
-    state = FakeImds()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _imds_handler(state))
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture

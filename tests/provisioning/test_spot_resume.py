@@ -28,10 +28,8 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -47,25 +45,11 @@ from db.models import HOST_STOPPED, HOST_UNREACHABLE, Host, Notification, Traini
 from db.session import transaction
 from provisioning.ssh import SshClient, SshRunner, SshTarget
 from tests.ssh_hosts import SshLab
-from tests.training.test_agent import FakeImds, _imds_handler
+from tests.training.test_agent import FakeImds
 from training.agent import LEASE_NAME
 from training.status import parse_status
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def imds() -> Iterator[FakeImds]:
-    state = FakeImds()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _imds_handler(state))
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _entry(lab: SshLab, name: str) -> str:

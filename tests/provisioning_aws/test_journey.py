@@ -24,12 +24,10 @@ import functools
 import json
 import re
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -70,7 +68,7 @@ from tests.core.fleet_helpers import LoopbackResolver, notes
 from tests.isolated_hosts import emptied
 from tests.provisioning_aws.conftest import AwsLab
 from tests.ssh_hosts import SshLab, pip_env
-from tests.training.test_agent import FakeImds, _imds_handler
+from tests.training.test_agent import FakeImds
 from training.telemetry import NO_DRIVER
 
 pytestmark = [
@@ -92,21 +90,6 @@ def _managed(lab: AwsLab) -> list[dict[str, Any]]:
 def _host(engine: Engine, name: str) -> Host:
     with Session(engine) as s:
         return s.exec(select(Host).where(Host.name == name)).one()
-
-
-@pytest.fixture
-def imds() -> Iterator[FakeImds]:
-    """IMDSv2 on loopback: the agent's token PUT and spot GET, with no notice (404)."""
-    state = FakeImds()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _imds_handler(state))
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture

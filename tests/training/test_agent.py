@@ -13,14 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -88,20 +87,6 @@ def _imds_handler(state: FakeImds) -> type[BaseHTTPRequestHandler]:
                 self._send(200, json.dumps(state.notice))
 
     return Handler
-
-
-@pytest.fixture
-def imds() -> Iterator[FakeImds]:
-    state = FakeImds()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _imds_handler(state))
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 # --- running the agent ---------------------------------------------------------------------
