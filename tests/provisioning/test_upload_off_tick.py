@@ -238,3 +238,59 @@ def test_a_worker_killed_mid_upload_loses_nothing_the_next_one_uploads_it_again(
     assert (Path(run.placement["dir"]) / "code" / "ran.txt").read_text() == "yes"
     started = [dm for dm in _dms(again, "alice") if dm.startswith(f"Run #{rid} started")]
     assert len(started) == 1
+
+
+def test_a_start_that_outlives_its_workers_lead_stops_what_it_started(
+    env: Callable[[SshClient, VirtualClock], Runtime], tmp_path: Path
+) -> None:
+    # A worker that lost the lead, alive, in a long upload: the new leader puts the run
+    # back in line after the starting grace. When the old upload ends, what it started
+    # is stopped and nothing is recorded, so the run cannot run twice.
+    slow = GatedClient()
+    first = env(slow, VirtualClock(START))
+    runs = first.service.runs
+    assert runs is not None
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    marker = tmp_path / "started-by-the-old-leader"
+    (proj / "train.py").write_text(
+        "import pathlib, sys, time\npathlib.Path(sys.argv[1]).write_text('yes')\ntime.sleep(600)\n"
+    )
+    source = stage(proj, first.settings.home).source.text()
+    rid = runs.submit(
+        first.service.actor("alice"),
+        Run(command=(sys.executable, "train.py", str(marker)), model="cpu", source=source),
+    ).extra["run_id"]
+    assert runs.dispatch() == 1
+    assert slow.entered.wait(60)
+
+    leader = env(
+        SshClient(connect_timeout=5, command_timeout=60),
+        VirtualClock(START + STARTING_GRACE + timedelta(seconds=1)),
+    )
+    runs2 = leader.service.runs
+    assert runs2 is not None
+    runs2.poll()
+    assert _run(leader, rid).state == "queued"
+
+    slow.gate.set()  # the old worker's upload ends; its start goes on
+    runs.ctx.starts.wait(60)
+    run = _run(leader, rid)
+    assert run.state == "queued" and "pgid" not in run.placement
+    assert not [dm for dm in _dms(leader, "alice") if dm.startswith(f"Run #{rid} started")]
+    # What it started (its runner, then the command) is gone: the process group was
+    # killed, so the command either never wrote the marker or stopped right after.
+    deadline = time.monotonic() + 60  # a guard against a hang, not a speed goal
+    while _command_alive(str(marker)):
+        assert time.monotonic() < deadline, "the old leader's start was left running"
+        time.sleep(0.1)
+
+
+def _command_alive(token: str) -> bool:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if token.encode() in cmdline.read_bytes():
+                return True
+        except OSError:
+            continue
+    return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from bot.domain import code_sources, views
 from bot.domain.scheduling import Launch, Place, Preempt, Start, decide, preempt_slot
 from db.models import (
     RUN_CANCELLED,
+    RUN_CANCELLING,
     RUN_FAILED,
     RUN_QUEUED,
     RUN_RUNNING,
@@ -229,7 +231,15 @@ class Dispatcher:
                 run_id, RUN_FAILED, None, {"error": f"could not start{where}: {exc}"}, log_tail=""
             )
             return False
-        self._mark_started(run_id, pgids, host_names, placement)
+        if not self._mark_started(run_id, pgids, host_names, placement, run.started_at):
+            # Put back in line while this start was under way (another worker leads now
+            # and requeued it past the starting grace): what started here is stopped, or
+            # the run would run twice once it is placed again.
+            for seat, pgid in zip(reachable, pgids, strict=False):
+                with contextlib.suppress(SshError):
+                    seat.runner.kill_group(seat.target, pgid, "KILL")
+            log.warning("run %s was requeued while it started here; stopped what started", run_id)
+            return False
         return True
 
     def _start_node(
@@ -351,14 +361,22 @@ class Dispatcher:
 
     @retrying
     def _mark_started(
-        self, run_id: int, pgids: list[int], host_names: list[str], placement: dict[str, Any]
-    ) -> None:
+        self,
+        run_id: int,
+        pgids: list[int],
+        host_names: list[str],
+        placement: dict[str, Any],
+        claimed_at: datetime | None,
+    ) -> bool:
         """Its group ids recorded (node 0's at the top, each node's in its own entry) and
-        its owner told. One row under its lock: a cancel that landed while it started
-        stays "cancelling"."""
+        its owner told; False, recording nothing, when the run is no longer this claim's
+        (requeued or claimed again meanwhile). One row under its lock: a cancel that
+        landed while it started stays "cancelling"."""
         with transaction(self.ctx.engine) as s:
             run = locked(s, TrainingRun, run_id)
             assert run is not None
+            if run.state not in (RUN_STARTING, RUN_CANCELLING) or run.started_at != claimed_at:
+                return False
             changes: dict[str, Any] = {"pgid": pgids[0]}
             if "nodes" in run.placement:
                 changes["nodes"] = [
@@ -402,6 +420,7 @@ class Dispatcher:
             )
             runwatch.started_live(s, run, message)
             s.add(run)
+        return True
 
     def _prepare_code(
         self, run_id: int, runner: SshRunner, target: SshTarget, run_dir: str, log_path: str
