@@ -223,9 +223,7 @@ class Dispatcher:
             # failure ends it with its reason (off the tick nobody else would say it).
             if not isinstance(exc, SshError):
                 log.exception("starting run %s failed", run_id)
-            for seat, pgid in zip(reachable, pgids, strict=False):
-                with contextlib.suppress(SshError):
-                    seat.runner.kill_group(seat.target, pgid, "KILL")
+            _kill_started(reachable, pgids)
             where = f" on {host_names[len(pgids)]}" if len(host_names) > 1 else ""
             self.records.finish(
                 run_id, RUN_FAILED, None, {"error": f"could not start{where}: {exc}"}, log_tail=""
@@ -235,9 +233,7 @@ class Dispatcher:
             # Put back in line while this start was under way (another worker leads now
             # and requeued it past the starting grace): what started here is stopped, or
             # the run would run twice once it is placed again.
-            for seat, pgid in zip(reachable, pgids, strict=False):
-                with contextlib.suppress(SshError):
-                    seat.runner.kill_group(seat.target, pgid, "KILL")
+            _kill_started(reachable, pgids)
             log.warning("run %s was requeued while it started here; stopped what started", run_id)
             return False
         return True
@@ -542,3 +538,11 @@ def runner_command(
         head += sources.in_code_dir(run.source, placement["dir"]) + " "
     # run.command is the owner's own shell text (`command_text`), run as they typed it.
     return shell.join(parts) + " -- " + head + run.command
+
+
+def _kill_started(seats: list[HostSeat], pgids: list[int]) -> None:
+    """The nodes of a start that must not go on (one node failed to start, or the run is
+    no longer this start's), killed as far as SSH reaches them."""
+    for seat, pgid in zip(seats, pgids, strict=False):
+        with contextlib.suppress(SshError):
+            seat.runner.kill_group(seat.target, pgid, "KILL")
