@@ -62,6 +62,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, SQLModel, create_engine
 from sqlmodel.sql.expression import SelectOfScalar
 
+from db.decay import register_sqlite
 from db.types import UTCDateTime
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ def _tune_sqlite(engine: Engine) -> None:
         # Let SQLAlchemy's "begin" event issue BEGIN itself (pysqlite's own
         # implicit BEGIN is always DEFERRED).
         dbapi_conn.isolation_level = None
+        register_sqlite(dbapi_conn)
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")

@@ -191,7 +191,7 @@ class Core(Protocol):
         host's present GPUs when the caller has counted them already."""
         ...
 
-    def grant_pass(self, s: Session, now: datetime, quiet_id: int | None = None) -> int:
+    def grant_pass(self, s: Session, now: datetime) -> int:
         """Grants waiting reservations while GPUs allow; returns how many."""
         ...
 

@@ -23,7 +23,6 @@ demand.
 from __future__ import annotations
 
 import functools
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, NamedTuple, Protocol
 
-from sqlalchemy import and_, delete, func
+from sqlalchemy import and_, case, delete, func
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -40,6 +39,7 @@ from sqlmodel import Session, col, select
 
 from bot.domain.metering import Usage, Window, epoch_us, reading
 from bot.domain.scheduling.model import SchedulerConfig
+from db.decay import decay, decayed
 from db.models import (
     FairShareUsage,
     Host,
@@ -142,7 +142,22 @@ def _share(usd_per_hour: float, gpus: int) -> Fraction:
     return gpu_share(_exact(usd_per_hour), gpus)
 
 
-def _period_share(p: HostPeriod) -> Fraction | None:
+class PeriodLike(Protocol):
+    """What the meter reads of a billed period: a `HostPeriod`, or a row of its columns."""
+
+    @property
+    def state(self) -> str: ...
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def ended_at(self) -> datetime | None: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def usd_per_hour(self) -> float: ...
+
+
+def _period_share(p: PeriodLike) -> Fraction | None:
     """A running period's exact GPU share per hour, as `bot.domain.metering` takes it (None:
     stopped or GPU-less, so no usage covers any of it)."""
     if p.state != "running" or p.gpus == 0:
@@ -157,7 +172,7 @@ _HOUR_US = 3_600_000_000
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _running_spans(periods: Iterable[HostPeriod]) -> list[tuple[int, int | None, Fraction]]:
+def _running_spans(periods: Iterable[PeriodLike]) -> list[tuple[int, int | None, Fraction]]:
     out = []
     for p in periods:
         share = _period_share(p)
@@ -224,9 +239,11 @@ def _pieces(
 
 def _periods_for(
     s: Session, ivs: Sequence[ClosedUsage]
-) -> tuple[dict[int, list[HostPeriod]], dict[int, str]]:
+) -> tuple[dict[int, list[PeriodLike]], dict[int, str]]:
     """The billed periods of the intervals' hosts that overlap them, and the hosts'
-    instance types (as the day rows key them), in one query: a release ran one for each."""
+    instance types (as the day rows key them), in one query: a release ran one for each.
+    Plain columns, not `HostPeriod` objects: the meter reads five of them, and building
+    the objects was most of this step's time on every release."""
     if not ivs:
         return {}, {}
     start = min(iv.started_at for iv in ivs)
@@ -236,18 +253,26 @@ def _periods_for(
         col(HostPeriod.started_at) < end,
         col(HostPeriod.ended_at).is_(None) | (col(HostPeriod.ended_at) > start),
     )
-    entities: tuple[Any, ...] = (Host.id, Host.instance_type, HostPeriod)
-    rows = s.exec(
-        select(*entities)
+    columns: tuple[Any, ...] = (
+        Host.id,
+        Host.instance_type,
+        HostPeriod.state,
+        HostPeriod.started_at,
+        HostPeriod.ended_at,
+        HostPeriod.gpus,
+        HostPeriod.usd_per_hour,
+    )
+    rows = s.connection().execute(
+        select(*columns)
         .join(HostPeriod, overlapping, isouter=True)
         .where(col(Host.id).in_({iv.host_id for iv in ivs}))
-    ).all()
-    out: dict[int, list[HostPeriod]] = defaultdict(list)
+    )
+    out: dict[int, list[PeriodLike]] = defaultdict(list)
     itype: dict[int, str] = {}
-    for host_id, instance_type, p in rows:
-        itype[host_id] = instance_type or ""
-        if p is not None:
-            out[host_id].append(p)
+    for row in rows:
+        itype[row.id] = row.instance_type or ""
+        if row.state is not None:  # the outer join's empty side: no period overlaps
+            out[row.id].append(row)
     return out, itype
 
 
@@ -305,7 +330,7 @@ def day_sums(s: Session, hourly: dict[RollupKey, Sums]) -> dict[DayKey, Sums]:
 
 
 def _sums(
-    ivs: Sequence[ClosedUsage], periods: dict[int, list[HostPeriod]]
+    ivs: Sequence[ClosedUsage], periods: dict[int, list[PeriodLike]]
 ) -> dict[RollupKey, Sums]:
     sums: dict[RollupKey, Sums] = defaultdict(Sums)
     spans = {h: _running_spans(ps) for h, ps in periods.items()}
@@ -315,44 +340,60 @@ def _sums(
     return sums
 
 
-def decay(value: float, seconds: float, half_life_s: float) -> float:
-    """`value` after `seconds` of decay (never grown by a clock step back)."""
-    return value * math.pow(0.5, max(0.0, seconds) / half_life_s)
+def _fair_share_additions(ivs: Sequence[ClosedInterval]) -> dict[int, tuple[float, datetime]]:
+    """Each user's GPU-seconds in `ivs`, decayed to the last of their ends: (seconds, as
+    of). Added to a counter as of an earlier instant, the counter is decayed to this one
+    first; as of a later one, the addition is decayed to it instead (a clock step back)."""
+    h = FAIR_SHARE_HALF_LIFE_S
+    out: dict[int, tuple[float, datetime]] = {}
+    for iv in sorted(ivs, key=lambda i: (i.ended_at, i.id or 0)):
+        assert iv.ended_at is not None
+        secs = max(0.0, (iv.ended_at - iv.started_at).total_seconds())
+        got = out.get(iv.user_id)
+        if got is None:
+            out[iv.user_id] = (secs, iv.ended_at)
+        else:
+            value, as_of = got
+            out[iv.user_id] = (
+                decay(value, (iv.ended_at - as_of).total_seconds(), h) + secs,
+                iv.ended_at,
+            )
+    return out
+
+
+@functools.cache
+def _fair_share_upsert(dialect: str) -> Any:
+    """INSERT ... ON CONFLICT (user) DO UPDATE that brings the kept counter and the
+    addition to the later of their two instants and adds them (`db.decay.decayed`, in
+    SQL), built once per dialect: the counter is never read back first."""
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = insert(FairShareUsage)
+    kept, new = stmt.table.c, stmt.excluded
+    later = case((new.as_of > kept.as_of, new.as_of), else_=kept.as_of)
+    return stmt.on_conflict_do_update(
+        index_elements=["user_id"],
+        set_={
+            "decayed_s": decayed(kept.decayed_s, kept.as_of, later, new.half_life_s)
+            + decayed(new.decayed_s, new.as_of, later, new.half_life_s),
+            "as_of": later,
+        },
+    )
 
 
 def _add_fair_share(s: Session, ivs: Sequence[ClosedInterval]) -> None:
     """Adds each closed interval's GPU-seconds to its user's decayed counter, weighed as
-    the scheduler weighs it: by how long ago it ended."""
-    h = FAIR_SHARE_HALF_LIFE_S
-    by_user: dict[int, list[ClosedInterval]] = defaultdict(list)
-    for iv in ivs:
-        by_user[iv.user_id].append(iv)
-    if not by_user:
+    the scheduler weighs it: by how long ago it ended. One upsert for all the users, with
+    the decay in SQL: every release ran a read of the counters and a write of each.
+    Core, not the ORM: a counter this session has loaded is not refreshed (nothing that
+    closes intervals reads one)."""
+    added = _fair_share_additions(ivs)
+    if not added:
         return
-    rows = {
-        r.user_id: r
-        for r in s.exec(
-            select(FairShareUsage).where(col(FairShareUsage.user_id).in_(set(by_user)))
-        ).all()
-    }
-    for user_id, closed in by_user.items():
-        row = rows.get(user_id)
-        for iv in sorted(closed, key=lambda i: (i.ended_at, i.id or 0)):
-            assert iv.ended_at is not None
-            secs = max(0.0, (iv.ended_at - iv.started_at).total_seconds())
-            if row is None:
-                row = FairShareUsage(
-                    user_id=user_id, decayed_s=secs, as_of=iv.ended_at, half_life_s=h
-                )
-            elif iv.ended_at >= row.as_of:
-                row.decayed_s = (
-                    decay(row.decayed_s, (iv.ended_at - row.as_of).total_seconds(), h) + secs
-                )
-                row.as_of = iv.ended_at
-            else:  # closed at an instant before the counter's (a clock step back)
-                row.decayed_s += decay(secs, (row.as_of - iv.ended_at).total_seconds(), h)
-        assert row is not None
-        s.add(row)
+    rows = [
+        {"user_id": u, "decayed_s": value, "as_of": as_of, "half_life_s": FAIR_SHARE_HALF_LIFE_S}
+        for u, (value, as_of) in added.items()
+    ]
+    s.execute(_fair_share_upsert(s.get_bind().dialect.name), rows)
 
 
 def on_closed(s: Session, ivs: Sequence[ClosedInterval]) -> None:

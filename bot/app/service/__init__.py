@@ -210,11 +210,10 @@ class GpuService:
         self,
         s: Session,
         now: datetime,
-        quiet_id: int | None = None,
         counts: list[GpuCount] | None = None,
     ) -> int:
         """Grants waiting reservations in order while GPUs allow; returns how many."""
-        return self.grants.grant_pass(s, now, quiet_id, counts)
+        return self.grants.grant_pass(s, now, counts=counts)
 
     def open_usage(
         self,

@@ -27,6 +27,7 @@ from db.models import (
     Host,
     Reservation,
     UsageInterval,
+    User,
 )
 from db.session import lock_pool, locked_rows
 from provisioning.costs import gpu_share
@@ -44,22 +45,24 @@ class Grants:
         self,
         s: Session,
         now: datetime,
-        quiet_id: int | None = None,
+        new: Reservation | None = None,
         counts: list[GpuCount] | None = None,
     ) -> int:
         """Grants waiting reservations in order while GPUs allow; returns how many.
 
         A request that cannot be granted blocks later requests for the same GPUs
         (first come, first served per model); a later request for another model
-        may go ahead. `quiet_id` is the caller's own request: its reply says the
-        result, so it gets no DM. `counts` are the fleet's GPU counts when the caller
-        read them already under the pool (a reserve).
+        may go ahead. `new` is a reserve's own request, added to the session but not
+        yet written: it is last in line, its reply says the result (so it gets no DM),
+        and it is inserted as it ends up (granted or waiting), never inserted waiting
+        and then updated. `counts` are the fleet's GPU counts when the caller read them
+        already under the pool (a reserve).
         """
         # Serializes grant passes; the callers took it already, first (db.session).
         lock_pool(s)
         # Most ticks and every release with nobody in line: one indexed query, no fleet.
-        # A reserve (`quiet_id`) has just put its own request in line, so it skips that.
-        if quiet_id is None:
+        # A reserve (`new`) has just put its own request in line, so it skips that.
+        if new is None:
             anyone = s.exec(select(Reservation.id).where(Reservation.state == RES_WAITING).limit(1))
             if anyone.first() is None:
                 return 0
@@ -75,68 +78,80 @@ class Grants:
                 present[c.host_id] = present.get(c.host_id, 0) + c.present
                 free[(c.host_id, c.model)] = c.free
         # Each waiting row is read under its lock (ids in order) before it is granted:
-        # an extend or a cancel that committed meanwhile is seen, not written over.
-        waiting = sorted(
-            locked_rows(
-                s,
-                select(Reservation)
-                .where(Reservation.state == RES_WAITING)
-                .order_by(col(Reservation.id)),
-            ),
-            key=lambda r: (r.requested_at, r.id or 0),
-        )
+        # an extend or a cancel that committed meanwhile is seen, not written over. The
+        # new request stays unwritten meanwhile (no autoflush) and goes last.
+        with s.no_autoflush:
+            waiting = sorted(
+                locked_rows(
+                    s,
+                    select(Reservation)
+                    .where(Reservation.state == RES_WAITING)
+                    .order_by(col(Reservation.id)),
+                ),
+                key=lambda r: (r.requested_at, r.id or 0),
+            )
+        if new is not None:
+            waiting.append(new)
         blocked_models: set[str | None] = set()
         granted = 0
-        for res in waiting:
-            if (
-                None in blocked_models
-                or res.gpu_model in blocked_models
-                or (res.gpu_model is None and blocked_models)
-            ):
-                continue
-            choice = pick_gpus(free, res.gpu_model, res.gpu_count)
-            if choice is None:
-                blocked_models.add(res.gpu_model)
-                continue
-            host_id, gpu_model = choice
-            host = s.get(Host, host_id)
-            assert host is not None
-            # Budget (bot.app.budgets): a grant that would go over is cancelled, with a DM.
-            rate = Decimal(str(gpu_share(host.hourly_usd, present[host_id])))
-            refusal = budgets.grant_refusal(s, res, rate * res.gpu_count, now, self.core.settings)
-            if refusal is not None:
-                if res.id == quiet_id:
-                    raise UserError(refusal)
-                end_reservation(s, res, RES_CANCELLED, now)
-                info = reservation_info(s, res)
-                text = f"Reservation #{res.id} was cancelled, not granted: {refusal}"
-                self.core.notify_dm(
-                    s,
-                    info.user_key,
-                    views.message(text).view,
-                    now,
-                    dedupe=f"budget-cancel:{res.id}",
+        # Reads here do not write the new request early; each grant flushes itself.
+        with s.no_autoflush:
+            for res in waiting:
+                if (
+                    None in blocked_models
+                    or res.gpu_model in blocked_models
+                    or (res.gpu_model is None and blocked_models)
+                ):
+                    continue
+                choice = pick_gpus(free, res.gpu_model, res.gpu_count)
+                if choice is None:
+                    blocked_models.add(res.gpu_model)
+                    continue
+                host_id, gpu_model = choice
+                host = s.get(Host, host_id)
+                assert host is not None
+                if res.id is None and _has_budget(s, res):
+                    s.flush()  # the budget check names it and leaves it out of what is committed
+                # Budget (bot.app.budgets): a grant that would go over is cancelled, with a DM.
+                rate = Decimal(str(gpu_share(host.hourly_usd, present[host_id])))
+                refusal = budgets.grant_refusal(
+                    s, res, rate * res.gpu_count, now, self.core.settings
                 )
-                continue
-            # The chosen host's free GPUs of that model, by index (what this pass granted
-            # already is flushed, so not among them).
-            picked = [
-                FreeGpu(gpu_id, gpu_model, index)
-                for gpu_id, index in free_gpus(s, host_id, gpu_model)[: res.gpu_count]
-            ]
-            assert len(picked) == res.gpu_count, "the counts and the GPUs disagree"
-            self._grant(s, res, host, picked, now, present[host_id])
-            free[(host_id, gpu_model)] -= res.gpu_count
-            granted += 1
-            if res.id != quiet_id:
-                info = reservation_info(s, res)
-                self.core.notify_dm(
-                    s,
-                    info.user_key,
-                    views.granted_view(info, now, self.core.settings.timezone, was_waiting=True),
-                    now,
-                    dedupe=f"granted:{res.id}",
-                )
+                if refusal is not None:
+                    if res is new:
+                        raise UserError(refusal)
+                    end_reservation(s, res, RES_CANCELLED, now)
+                    info = reservation_info(s, res)
+                    text = f"Reservation #{res.id} was cancelled, not granted: {refusal}"
+                    self.core.notify_dm(
+                        s,
+                        info.user_key,
+                        views.message(text).view,
+                        now,
+                        dedupe=f"budget-cancel:{res.id}",
+                    )
+                    continue
+                # The chosen host's free GPUs of that model, by index (what this pass granted
+                # already is flushed, so not among them).
+                picked = [
+                    FreeGpu(gpu_id, gpu_model, index)
+                    for gpu_id, index in free_gpus(s, host_id, gpu_model)[: res.gpu_count]
+                ]
+                assert len(picked) == res.gpu_count, "the counts and the GPUs disagree"
+                self._grant(s, res, host, picked, now, present[host_id])
+                free[(host_id, gpu_model)] -= res.gpu_count
+                granted += 1
+                if res is not new:
+                    info = reservation_info(s, res)
+                    self.core.notify_dm(
+                        s,
+                        info.user_key,
+                        views.granted_view(
+                            info, now, self.core.settings.timezone, was_waiting=True
+                        ),
+                        now,
+                        dedupe=f"granted:{res.id}",
+                    )
         return granted
 
     def _grant(
@@ -148,12 +163,15 @@ class Grants:
         now: datetime,
         present: int,
     ) -> None:
-        assert host.id is not None and res.id is not None
+        assert host.id is not None
         res.state = RES_ACTIVE
         res.granted_at = now
         res.ends_at = now + timedelta(seconds=res.duration_s)
         res.host_id = host.id
         s.add(res)
+        if res.id is None:  # a reserve's new request: inserted granted, for its id
+            s.flush()
+        assert res.id is not None
         self.open_usage(s, host, gpus, res.user_id, now, reservation_id=res.id, gpu_count=present)
         # What `reservation_info` would read back for this reservation: its host (held here, as the
         # session keeps only weak references) and its GPUs' indexes and models.
@@ -204,3 +222,8 @@ class Grants:
             .where(Gpu.host_id == host_id, col(Gpu.present).is_(True))
         ).one()
         return int(n)
+
+
+def _has_budget(s: Session, res: Reservation) -> bool:
+    holder = s.get(User, res.user_id)  # loaded already: no query
+    return holder is not None and holder.budget_usd is not None

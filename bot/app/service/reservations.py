@@ -94,9 +94,9 @@ class Reservations:
                     requested_at=now,
                     request_key=request_key,
                 )
-                s.add(res)
+                s.add(res)  # written by the grant pass, granted or still waiting
+                self.grants.grant_pass(s, now, new=res, counts=counts)
                 s.flush()
-                self.grants.grant_pass(s, now, quiet_id=res.id, counts=counts)
                 info = reservation_info(s, res)
                 if res.state == RES_ACTIVE:
                     return views.Reply(views.granted_view(info, now, self.core.settings.timezone))
