@@ -142,11 +142,36 @@ def fleet_counts(s: Session) -> FleetCounts:
     return FleetCounts(ready_hosts, ready, free, starting, away)
 
 
-def free_gpus(s: Session, host_id: int, model: str) -> list[tuple[int, int]]:
-    """(id, index) of the host's present, free GPUs of this model, by index."""
-    columns: tuple[Any, ...] = (Gpu.id, Gpu.index)
+class GrantHost(NamedTuple):
+    """The host a grant goes to, as plain columns: what its usage is priced by (id,
+    price, market) and what the grant's reply shows of it."""
+
+    id: int
+    name: str
+    provider: str
+    state: str
+    address: str
+    ssh_user: str
+    ssh_port: int
+    market: str
+    hourly_usd: float
+    down_since: datetime | None
+    down_reason: str | None
+
+
+_GRANT_HOST_COLUMNS: tuple[Any, ...] = tuple(getattr(Host, name) for name in GrantHost._fields)
+
+
+def free_gpus(
+    s: Session, host_id: int, model: str
+) -> tuple[GrantHost | None, list[tuple[int, int]]]:
+    """The host, and (id, index) of its present, free GPUs of this model, by index; the
+    host is None when none is free. One query for both: the grant pass read the host
+    (as an ORM object) and then its GPUs, two statements of every reserve."""
+    columns: tuple[Any, ...] = (Gpu.id, Gpu.index, *_GRANT_HOST_COLUMNS)
     stmt: Any = (
         select(*columns)
+        .join(Host, col(Host.id) == col(Gpu.host_id))
         .join(
             UsageInterval,
             and_(col(UsageInterval.gpu_id) == col(Gpu.id), *_held()),
@@ -160,7 +185,9 @@ def free_gpus(s: Session, host_id: int, model: str) -> list[tuple[int, int]]:
         )
         .order_by(col(Gpu.index))
     )
-    return [(gpu_id, index) for gpu_id, index in s.exec(stmt).all()]
+    rows = s.connection().execute(stmt).all()
+    host = GrantHost(*rows[0][2:]) if rows else None
+    return host, [(row[0], row[1]) for row in rows]
 
 
 def held_host_ids(s: Session) -> set[int]:

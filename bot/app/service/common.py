@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import func
 from sqlmodel import Session, col, select
@@ -86,10 +86,10 @@ def reservation_info(
     indexes: tuple[int, ...] = ()
     models: tuple[str, ...] = ()
     if res.state == RES_ACTIVE or res.host_id is not None:
-        known_host: Host | None = None
-        cached: tuple[Host, list[tuple[int, str]]] | None = s.info.get(GRANTED, {}).get(res.id)
+        granted_host: HostState | None = None
+        cached: tuple[HostState, list[tuple[int, str]]] | None = s.info.get(GRANTED, {}).get(res.id)
         if cached is not None:
-            known_host, granted = cached
+            granted_host, granted = cached
         else:
             # Plain columns: a GPU once per interval on it, so deduplicated by id.
             columns: tuple[Any, ...] = (Gpu.id, Gpu.index, Gpu.model)
@@ -102,12 +102,13 @@ def reservation_info(
             granted = list({gpu_id: (index, model) for gpu_id, index, model in rows}.values())
         indexes = tuple(index for index, _ in granted)
         models = tuple(model for _, model in granted)
-        host = known_host
-        if host is None and res.host_id is not None:
+        known = {h.name: h for h in hosts} if hosts is not None else {}
+        if granted_host is not None:
+            host_state = known.get(granted_host.name) or granted_host
+        elif res.host_id is not None:
             host = s.get(Host, res.host_id)
-        if host is not None:
-            known = {h.name: h for h in hosts} if hosts is not None else {}
-            host_state = known.get(host.name) or to_host_state(host, [])
+            if host is not None:
+                host_state = known.get(host.name) or to_host_state(host, [])
     if res.state != RES_WAITING:
         position = None
     elif position is None:
@@ -245,7 +246,40 @@ def pick_gpus(
     return best_fit(options, count)
 
 
-def to_host_state(host: Host, gpus: list[GpuState]) -> HostState:
+class PricedHost(Protocol):
+    """What usage is priced by: the host's id, hourly price and market (a `Host`, or
+    the grant pass's plain columns, `bot.app.held.GrantHost`)."""
+
+    @property
+    def id(self) -> int | None: ...
+    @property
+    def hourly_usd(self) -> float: ...
+    @property
+    def market(self) -> str: ...
+
+
+class ShownHost(PricedHost, Protocol):
+    """What a reply shows of a host (`to_host_state`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def provider(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def ssh_user(self) -> str: ...
+    @property
+    def ssh_port(self) -> int: ...
+    @property
+    def down_since(self) -> datetime | None: ...
+    @property
+    def down_reason(self) -> str | None: ...
+
+
+def to_host_state(host: ShownHost, gpus: list[GpuState]) -> HostState:
     return HostState(
         name=host.name,
         provider=host.provider,

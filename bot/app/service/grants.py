@@ -13,9 +13,17 @@ from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from bot.app import budgets
-from bot.app.held import GpuCount, free_gpus, gpu_counts
+from bot.app.held import GpuCount, GrantHost, free_gpus, gpu_counts
 from bot.app.ports import Core, GpuRef
-from bot.app.service.common import GRANTED, FreeGpu, end_reservation, pick_gpus, reservation_info
+from bot.app.service.common import (
+    GRANTED,
+    FreeGpu,
+    PricedHost,
+    end_reservation,
+    pick_gpus,
+    reservation_info,
+    to_host_state,
+)
 from bot.domain import views
 from bot.domain.errors import UserError
 from db.models import (
@@ -24,7 +32,6 @@ from db.models import (
     RES_CANCELLED,
     RES_WAITING,
     Gpu,
-    Host,
     Reservation,
     UsageInterval,
     User,
@@ -108,8 +115,10 @@ class Grants:
                     blocked_models.add(res.gpu_model)
                     continue
                 host_id, gpu_model = choice
-                host = s.get(Host, host_id)
-                assert host is not None
+                # The chosen host, and its free GPUs of that model by index (what this
+                # pass granted already is flushed, so not among them).
+                host, free_here = free_gpus(s, host_id, gpu_model)
+                assert host is not None, "the counts and the GPUs disagree"
                 if res.id is None and _has_budget(s, res):
                     s.flush()  # the budget check names it and leaves it out of what is committed
                 # Budget (bot.app.budgets): a grant that would go over is cancelled, with a DM.
@@ -131,11 +140,9 @@ class Grants:
                         dedupe=f"budget-cancel:{res.id}",
                     )
                     continue
-                # The chosen host's free GPUs of that model, by index (what this pass granted
-                # already is flushed, so not among them).
                 picked = [
                     FreeGpu(gpu_id, gpu_model, index)
-                    for gpu_id, index in free_gpus(s, host_id, gpu_model)[: res.gpu_count]
+                    for gpu_id, index in free_here[: res.gpu_count]
                 ]
                 assert len(picked) == res.gpu_count, "the counts and the GPUs disagree"
                 self._grant(s, res, host, picked, now, present[host_id])
@@ -158,7 +165,7 @@ class Grants:
         self,
         s: Session,
         res: Reservation,
-        host: Host,
+        host: GrantHost,
         gpus: list[FreeGpu],
         now: datetime,
         present: int,
@@ -175,13 +182,16 @@ class Grants:
         self.open_usage(s, host, gpus, res.user_id, now, reservation_id=res.id, gpu_count=present)
         # What `reservation_info` would read back for this reservation: its host (held here, as the
         # session keeps only weak references) and its GPUs' indexes and models.
-        s.info.setdefault(GRANTED, {})[res.id] = (host, sorted((g.index, g.model) for g in gpus))
+        s.info.setdefault(GRANTED, {})[res.id] = (
+            to_host_state(host, []),
+            sorted((g.index, g.model) for g in gpus),
+        )
         s.flush()
 
     def open_usage(
         self,
         s: Session,
-        host: Host,
+        host: PricedHost,
         gpus: Sequence[GpuRef],
         user_id: int,
         now: datetime,
