@@ -144,7 +144,7 @@ def _security_groups(ec2: Any, settings: Ec2Settings) -> Check:
             False,
             f"{', '.join(settings.security_group_ids)}: instances of these groups cannot reach "
             "each other, so a run across instances cannot meet at its rendezvous (node 0, "
-            "port 29500 + run id % 500) nor talk over gloo or NCCL",
+            "a port in 29500-29999) nor talk over gloo or NCCL",
             "Let the group's members in on all TCP: aws ec2 authorize-security-group-ingress "
             f"--group-id {first} --ip-permissions "
             f"'IpProtocol=tcp,FromPort=0,ToPort=65535,UserIdGroupPairs=[{{GroupId={first}}}]' "
@@ -155,7 +155,7 @@ def _security_groups(ec2: Any, settings: Ec2Settings) -> Check:
 
 def members_reach_each_other(groups: list[dict[str, Any]]) -> bool:
     """Whether an instance in these groups lets in, on every TCP port, the instances of one
-    of them: torchrun's static rendezvous listens on node 0 at 29500 + run id % 500, and
+    of them: torchrun's static rendezvous listens on node 0 at a port in 29500-29999, and
     gloo and NCCL then open ports of their own choosing, so a rule for one port is not
     enough. A rule naming the group itself (a self-reference) is the usual way."""
     ids = {g.get("GroupId") for g in groups}

@@ -58,9 +58,10 @@ XDIST_GROUPS: dict[str, frozenset[str]] = {
     # test's schema, so two tests running `gpubot worker`s there would fight for one lead.
     "pg-leader": frozenset({"pg_leader_key"}),
     # Runs across two hosts of the default lab: torchrun's rendezvous listens on node 0's
-    # address at 29500 + run id % 500 (bot.app.runs.dispatch), node 0 is 127.0.0.2 in
-    # every worker's lab and run ids start at 1 in every test's database, so two such
-    # tests at once would join each other's run.
+    # address at 29500 + run id % 500 (bot.app.runs.dispatch; another port only when an
+    # open run in the same database has it), node 0 is 127.0.0.2 in every worker's lab
+    # and run ids start at 1 in every test's database, so two such tests at once (two
+    # databases) would join each other's run.
     "rendezvous": frozenset({"loopback_rendezvous"}),
 }
 # `bench` asks for the run account only in its "local-as" case (request.getfixturevalue).

@@ -81,7 +81,7 @@ def test_without_credentials_the_rest_is_skipped_not_failed_confusingly(
 def test_a_group_whose_members_cannot_reach_each_other_is_named_with_the_rule(
     lab: AwsLab,
 ) -> None:
-    """Runs across instances meet at node 0 (port 29500 + run id % 500) and then talk on
+    """Runs across instances meet at node 0 (a port in 29500-29999) and then talk on
     ports gloo and NCCL pick: a group that lets only SSH in from the bot breaks them."""
     ec2 = lab.ec2()
     ssh_only = ec2.create_security_group(GroupName="ssh-only", Description="ssh", VpcId=lab.vpc_id)[

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Collection
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import update
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
 from bot.app import budgets, runwatch, sources
 from bot.app.agentwatch import upload_checkpoints
@@ -35,6 +36,7 @@ from db.models import (
     RUN_CANCELLED,
     RUN_CANCELLING,
     RUN_FAILED,
+    RUN_ON_HOST,
     RUN_QUEUED,
     RUN_RUNNING,
     RUN_STARTING,
@@ -179,18 +181,16 @@ class Dispatcher:
         if len(reachable) != len(seats):
             log.warning("no way to reach one of %s; run %s stays queued", host_names, run_id)
             return False
-        endpoint = None
-        if len(host_names) > 1:
-            endpoint = f"{reachable[0].target.host}:{rendezvous_port(run_id)}"
         claimed = self._claim(
             run_id,
             [(n, seat.runs_dir) for n, seat in zip(host_names, reachable, strict=True)],
             gpus,
-            endpoint,
+            reachable[0].target.host if len(host_names) > 1 else None,
         )
         if claimed is None:
             return False
         placement, run = claimed
+        endpoint: str | None = placement.get("rdzv")
         if run.source or placement.get("resume_from"):
             # Its code or the checkpoint it resumes from goes up first: off the tick
             # (bot.app.runs.starts), as either may be gigabytes.
@@ -275,14 +275,16 @@ class Dispatcher:
         run_id: int,
         hosts: list[tuple[str, Path]],
         gpus: int,
-        endpoint: str | None = None,
+        rendezvous_host: str | None = None,
     ) -> tuple[dict[str, Any], TrainingRun] | None:
         """The run and its GPUs in one transaction: the pool first (db.session's lock
         order), then the run, claimed only while it is still queued (a cancel or another
         worker that got there first wins). `hosts`: each host's name and runs dir, `gpus`
         on each. Returns its placement and the run as claimed: node 0's paths at the top
         (what logs, cancel and the agents read), and for a run over several hosts every
-        node's under "nodes" with the rendezvous endpoint."""
+        node's under "nodes" with the rendezvous endpoint: node 0's address
+        (`rendezvous_host`) and a port no other open run there has (`rendezvous_port`),
+        chosen under the pool, so two claims never pick the same one."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine) as s:
             lock_pool(s)
@@ -340,8 +342,10 @@ class Dispatcher:
                 nodes.append(_node_placement(h.name, free, runs_dir / str(run.id)))
             placement: dict[str, Any] = dict(nodes[0])
             if len(nodes) > 1:
+                assert rendezvous_host is not None
                 placement["nodes"] = nodes
-                placement["rdzv"] = endpoint
+                port = rendezvous_port(run_id, _ports_in_use(s, rendezvous_host))
+                placement["rdzv"] = f"{rendezvous_host}:{port}"
             if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
                 placement["resume_from"] = run.placement["resume_from"]
             # What `/gpu queue` says until the runner starts (bot.app.runs.starts).
@@ -457,14 +461,34 @@ def _oom_batch(run: TrainingRun) -> tuple[int | None, bool]:
     return (size if isinstance(size, int) and size > 0 else None), True
 
 
-# torchrun's rendezvous port on node 0 of a run over several hosts: one per run id in a
-# range above torchrun's default (29400), so two such runs sharing a first host differ.
+# torchrun's rendezvous port on node 0 of a run over several hosts: in a range above
+# torchrun's default (29400), one that no other open run on that host has.
 RENDEZVOUS_PORT_BASE = 29500
 RENDEZVOUS_PORTS = 500
 
 
-def rendezvous_port(run_id: int) -> int:
-    return RENDEZVOUS_PORT_BASE + run_id % RENDEZVOUS_PORTS
+def rendezvous_port(run_id: int, in_use: Collection[int] = ()) -> int:
+    """The run's own port (base + id mod the range), or the next one up (wrapping in the
+    range) that `in_use` does not hold: two runs whose ids differ by a multiple of the
+    range, with node 0 on one host at once, would otherwise both listen there and join
+    each other's torchrun."""
+    for step in range(RENDEZVOUS_PORTS):
+        port = RENDEZVOUS_PORT_BASE + (run_id + step) % RENDEZVOUS_PORTS
+        if port not in in_use:
+            return port
+    raise RuntimeError(f"every rendezvous port {RENDEZVOUS_PORT_BASE}+ is in use on this host")
+
+
+def _ports_in_use(s: Session, host: str) -> set[int]:
+    """The rendezvous ports of the open runs whose node 0 is `host` (an address)."""
+    ports = set()
+    for placement in s.exec(
+        select(TrainingRun.placement).where(col(TrainingRun.state).in_(RUN_ON_HOST))
+    ):
+        where, _, port = str((placement or {}).get("rdzv") or "").rpartition(":")
+        if where == host and port.isdigit():
+            ports.add(int(port))
+    return ports
 
 
 def _node_placement(host_name: str, free: list[Gpu], run_dir: Path) -> dict[str, Any]:
