@@ -36,6 +36,7 @@ from bot.domain.commands import Reserve, Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import Host, Notification, TrainingRun, UsageInterval
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshRunner, SshTarget
+from tests.runtime_helpers import dms as _dms
 from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
 from training.agent import LEASE_NAME, LOST_NAME
 
@@ -349,15 +350,3 @@ def test_a_run_that_always_asks_to_resume_fails_after_the_cap(
     assert run.state == "failed" and run.exit_code == 75
     assert len([d for d in _dms(local_rt, "alice") if "back in line" in d]) == 2
     assert "starts again from step 0: it had no checkpoint yet" in _dms(local_rt, "alice")[1]
-
-
-def _dms(rt: Runtime, user: str) -> list[str]:
-    with Session(rt.engine) as s:
-        return [
-            n.text
-            for n in s.exec(
-                select(Notification)
-                .where(Notification.kind == "dm", Notification.target == user)
-                .order_by(col(Notification.id))
-            )
-        ]

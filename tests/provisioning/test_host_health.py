@@ -29,10 +29,11 @@ from bot.app.utilization import probe
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Queue, Release, Reserve, Run, Status
 from bot.faces.runtime import Runtime, build_runtime
-from db.models import Gpu, Host, Notification, Reservation
+from db.models import Gpu, Host, Reservation
 from provisioning.base import ProvisioningError
 from provisioning.ssh import SshClient, SshRunner, SshTarget
 from tests.isolated_hosts import Bootstrapped
+from tests.runtime_helpers import dms as _dms
 from tests.ssh_hosts import SshHost, SshLab, pip_env
 
 START = datetime(2026, 12, 7, 9, 0, tzinfo=UTC)
@@ -94,16 +95,6 @@ def stranger_b(stranger_lab: SshLab) -> Iterator[SshHost]:
 def _host(rt: Runtime, name: str) -> Host:
     with Session(rt.engine) as s:
         return s.exec(select(Host).where(Host.name == name)).one()
-
-
-def _dms(rt: Runtime, user: str) -> list[str]:
-    with Session(rt.engine) as s:
-        return [
-            n.text
-            for n in s.exec(
-                select(Notification).where(Notification.kind == "dm", Notification.target == user)
-            )
-        ]
 
 
 def _check(checker: HostChecker) -> list[str]:

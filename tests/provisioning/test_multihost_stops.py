@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
 from bot.app import runwatch
 from bot.app.config import load_settings
@@ -32,8 +32,11 @@ from bot.app.runs import RunService
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Cancel, Run
 from bot.faces.runtime import Runtime, build_runtime
-from db.models import HOST_UNREACHABLE, Host, Notification, TrainingRun, UsageInterval
+from db.models import HOST_UNREACHABLE, Host, TrainingRun, UsageInterval
 from provisioning.ssh import SshClient, SshRunner, SshTarget
+from tests.runtime_helpers import dms as _dms
+from tests.runtime_helpers import drive_until
+from tests.runtime_helpers import run_row as _run
 from tests.ssh_hosts import SshLab
 from tests.training.test_agent import FakeImds
 from training.agent import LEASE_NAME
@@ -126,23 +129,8 @@ def _runs(rt: Runtime) -> RunService:
     return rt.service.runs
 
 
-def _run(rt: Runtime, rid: int) -> TrainingRun:
-    with Session(rt.engine) as s:
-        run = s.get(TrainingRun, rid)
-        assert run is not None
-        return run
-
-
 def _until(rt: Runtime, done: Callable[[], bool], what: str) -> None:
-    runs = _runs(rt)
-    deadline = (
-        time.monotonic() + 300
-    )  # a guard against a hang (torchrun on a loaded machine), not a speed goal
-    while not done():
-        assert time.monotonic() < deadline, what
-        runs.poll()
-        runs.dispatch()
-        time.sleep(0.2)
+    drive_until(_runs(rt), done, what)
 
 
 def _status_step(path: str) -> int:
@@ -164,18 +152,6 @@ def _started_on_both(rt: Runtime, rid: int) -> TrainingRun:
     run = _run(rt, rid)
     assert [n["host"] for n in run.placement["nodes"]] == ["gpu-a", "gpu-b"]
     return run
-
-
-def _dms(rt: Runtime, user: str) -> list[str]:
-    with Session(rt.engine) as s:
-        return [
-            n.text
-            for n in s.exec(
-                select(Notification)
-                .where(Notification.kind == "dm", Notification.target == user)
-                .order_by(col(Notification.id))
-            )
-        ]
 
 
 def _intervals(rt: Runtime, rid: int) -> list[tuple[str, UsageInterval]]:

@@ -34,16 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
 from bot.app.billing import note_host_state
 from bot.app.config import load_settings
 from bot.app.remote import PreparedHost
 from bot.domain.commands import Run
 from bot.faces.runtime import Runtime, build_runtime
-from db.models import HOST_STOPPED, HOST_UNREACHABLE, Host, Notification, TrainingRun
+from db.models import HOST_STOPPED, HOST_UNREACHABLE, Host
 from db.session import transaction
 from provisioning.ssh import SshClient, SshRunner, SshTarget
+from tests.runtime_helpers import dms as _dms
+from tests.runtime_helpers import run_row as _run
 from tests.ssh_hosts import SshLab
 from tests.training.test_agent import FakeImds
 from training.agent import LEASE_NAME
@@ -97,25 +99,6 @@ def runtime(
     finally:
         client.close()
         rt.engine.dispose()
-
-
-def _run(rt: Runtime, rid: int) -> TrainingRun:
-    with Session(rt.engine) as s:
-        run = s.get(TrainingRun, rid)
-        assert run is not None
-        return run
-
-
-def _dms(rt: Runtime, user: str) -> list[str]:
-    with Session(rt.engine) as s:
-        return [
-            n.text
-            for n in s.exec(
-                select(Notification)
-                .where(Notification.kind == "dm", Notification.target == user)
-                .order_by(col(Notification.id))
-            )
-        ]
 
 
 def _status(path: str) -> Any:

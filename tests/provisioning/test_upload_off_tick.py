@@ -28,8 +28,11 @@ from bot.domain.clock import VirtualClock
 from bot.domain.commands import Queue, Run
 from bot.faces.runtime import Runtime, build_runtime
 from bot.faces.terminal import render
-from db.models import Notification, TrainingRun, UsageInterval
+from db.models import UsageInterval
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshError, SshTarget, UploadReport
+from tests.runtime_helpers import dms as _dms
+from tests.runtime_helpers import drive_until
+from tests.runtime_helpers import run_row as _run
 from tests.ssh_hosts import SshLab
 
 START = datetime(2026, 12, 7, 9, 0, tzinfo=UTC)
@@ -99,32 +102,8 @@ def _project(tmp_path: Path, home: Path) -> str:
     return stage(proj, home).source.text()
 
 
-def _run(rt: Runtime, rid: int) -> TrainingRun:
-    with Session(rt.engine) as s:
-        run = s.get(TrainingRun, rid)
-        assert run is not None
-        return run
-
-
 def _until(runs: RunService, done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 120  # a guard against a hang, not a speed goal
-    while not done():
-        assert time.monotonic() < deadline, "the runs did not get there"
-        runs.poll()
-        runs.dispatch()
-        time.sleep(0.2)
-
-
-def _dms(rt: Runtime, user: str) -> list[str]:
-    with Session(rt.engine) as s:
-        return [
-            n.text
-            for n in s.exec(
-                select(Notification)
-                .where(Notification.kind == "dm", Notification.target == user)
-                .order_by(col(Notification.id))
-            )
-        ]
+    drive_until(runs, done, "the runs did not get there", guard_s=120)
 
 
 def _open_intervals(rt: Runtime, rid: int) -> int:
