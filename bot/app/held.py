@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, and_, bindparam, case, update
+from sqlalchemy import ColumnElement, Row, and_, bindparam, case, update
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.util import identity_key
 from sqlmodel import Session, col, func, select
@@ -142,33 +142,35 @@ def fleet_counts(s: Session) -> FleetCounts:
     return FleetCounts(ready_hosts, ready, free, starting, away)
 
 
-class GrantHost(NamedTuple):
-    """The host a grant goes to, as plain columns: what its usage is priced by (id,
-    price, market) and what the grant's reply shows of it."""
-
-    id: int
-    name: str
-    provider: str
-    state: str
-    address: str
-    ssh_user: str
-    ssh_port: int
-    market: str
-    hourly_usd: float
-    down_since: datetime | None
-    down_reason: str | None
-
-
-_GRANT_HOST_COLUMNS: tuple[Any, ...] = tuple(getattr(Host, name) for name in GrantHost._fields)
+# The host a grant goes to, as plain columns: what its usage is priced by (id, price,
+# market) and what the grant's reply shows of it (bot.app.service.common.ShownHost).
+_GRANT_HOST_COLUMNS: tuple[Any, ...] = tuple(
+    getattr(Host, name)
+    for name in (
+        "id",
+        "name",
+        "provider",
+        "state",
+        "address",
+        "ssh_user",
+        "ssh_port",
+        "market",
+        "hourly_usd",
+        "down_since",
+        "down_reason",
+    )
+)
 
 
 def free_gpus(
     s: Session, host_id: int, model: str
-) -> tuple[GrantHost | None, list[tuple[int, int]]]:
+) -> tuple[Row[Any] | None, list[tuple[int, int]]]:
     """The host, and (id, index) of its present, free GPUs of this model, by index; the
     host is None when none is free. One query for both: the grant pass read the host
     (as an ORM object) and then its GPUs, two statements of every reserve."""
-    columns: tuple[Any, ...] = (Gpu.id, Gpu.index, *_GRANT_HOST_COLUMNS)
+    # The GPU's columns labelled, so that the row's `id` is the host's.
+    gpu_cols: tuple[Any, ...] = (col(Gpu.id).label("gpu_id"), col(Gpu.index).label("gpu_index"))
+    columns: tuple[Any, ...] = (*gpu_cols, *_GRANT_HOST_COLUMNS)
     stmt: Any = (
         select(*columns)
         .join(Host, col(Host.id) == col(Gpu.host_id))
@@ -186,8 +188,7 @@ def free_gpus(
         .order_by(col(Gpu.index))
     )
     rows = s.connection().execute(stmt).all()
-    host = GrantHost(*rows[0][2:]) if rows else None
-    return host, [(row[0], row[1]) for row in rows]
+    return (rows[0] if rows else None), [(row[0], row[1]) for row in rows]
 
 
 def held_host_ids(s: Session) -> set[int]:

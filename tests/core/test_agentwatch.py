@@ -34,9 +34,10 @@ from bot.app.hostagent import host_holds
 from bot.app.remote import PreparedHost
 from bot.domain.commands import Reserve, Run
 from bot.faces.runtime import Runtime, build_runtime
-from db.models import Host, Notification, TrainingRun, UsageInterval
+from db.models import Host, TrainingRun, UsageInterval
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshRunner, SshTarget
 from tests.runtime_helpers import dms as _dms
+from tests.runtime_helpers import run_row
 from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
 from training.agent import LEASE_NAME, LOST_NAME
 
@@ -115,21 +116,10 @@ class Bench:
         return doc
 
     def run(self, rid: int) -> TrainingRun:
-        with Session(self.rt.engine) as s:
-            run = s.get(TrainingRun, rid)
-            assert run is not None
-            return run
+        return run_row(self.rt, rid)
 
     def dms(self, user: str) -> list[str]:
-        with Session(self.rt.engine) as s:
-            return [
-                n.text
-                for n in s.exec(
-                    select(Notification)
-                    .where(Notification.kind == "dm", Notification.target == user)
-                    .order_by(col(Notification.id))
-                )
-            ]
+        return _dms(self.rt, user)
 
     def close(self) -> None:
         for root in self.roots.values():

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from bot.app.held import end_held, held_gpu_ids, held_host_ids, held_intervals, who_holds
 from db.models import Gpu, Host, Reservation, TrainingRun, UsageInterval, User
@@ -130,3 +130,39 @@ def test_ending_a_run_lets_go_of_its_gpus_only_never_before_they_were_taken(
 def test_ending_needs_a_holder(sqlite_engine: Engine) -> None:
     with transaction(sqlite_engine) as s, pytest.raises(ValueError, match="needs a host"):
         end_held(s, T0)
+
+
+def test_a_grant_prices_and_records_the_host_it_chose(engine: Engine) -> None:
+    """Grants by best fit over three hosts of different prices (GPU and host ids do not
+    line up): each interval names its GPU's own host, at that host's share of the price,
+    and the reply shows that host (the grant pass reads host and GPUs in one query)."""
+    from bot.domain.commands import Reserve
+    from tests.core.helpers import actor, host, make_service
+
+    svc, _ = make_service(
+        engine,
+        [
+            host("a", "A100", 4, hourly=8.0),
+            host("b", "A100", 2, hourly=6.0),
+            host("c", "H100", 8, hourly=40.0),
+        ],
+    )
+    replies = [
+        svc.reserve(actor(svc, "ann"), Reserve(count=2, model="A100")),  # best fit: b
+        svc.reserve(actor(svc, "bob"), Reserve(count=3, model="A100")),  # a
+        svc.reserve(actor(svc, "cy"), Reserve(count=1, model="H100")),  # c
+    ]
+    with Session(engine) as s:
+        hosts = {h.id: h for h in s.exec(select(Host)).all()}
+        gpus = {g.id: g for g in s.exec(select(Gpu)).all()}
+        got = []
+        for iv in s.exec(select(UsageInterval).order_by(col(UsageInterval.id))).all():
+            assert iv.host_id == gpus[iv.gpu_id].host_id
+            h = hosts[iv.host_id]
+            assert iv.usd_per_hour == pytest.approx(
+                h.hourly_usd / len([g for g in gpus.values() if g.host_id == h.id])
+            )
+            got.append(h.name)
+    assert got == ["b", "b", "a", "a", "a", "c"]
+    for reply, name in zip(replies, ["b", "a", "c"], strict=True):
+        assert f"on *{name}*" in reply.view.text or f"on {name}" in reply.view.text, reply.view.text

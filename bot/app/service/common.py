@@ -248,7 +248,7 @@ def pick_gpus(
 
 class PricedHost(Protocol):
     """What usage is priced by: the host's id, hourly price and market (a `Host`, or
-    the grant pass's plain columns, `bot.app.held.GrantHost`)."""
+    the grant pass's plain columns, `bot.app.held.free_gpus`)."""
 
     @property
     def id(self) -> int | None: ...

@@ -13,12 +13,13 @@ from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from bot.app import budgets
-from bot.app.held import GpuCount, GrantHost, free_gpus, gpu_counts
+from bot.app.held import GpuCount, free_gpus, gpu_counts
 from bot.app.ports import Core, GpuRef
 from bot.app.service.common import (
     GRANTED,
     FreeGpu,
     PricedHost,
+    ShownHost,
     end_reservation,
     pick_gpus,
     reservation_info,
@@ -165,7 +166,7 @@ class Grants:
         self,
         s: Session,
         res: Reservation,
-        host: GrantHost,
+        host: ShownHost,
         gpus: list[FreeGpu],
         now: datetime,
         present: int,
