@@ -204,6 +204,7 @@ def run() -> dict[str, object]:
             per_seed: dict[str, object] = {}
             tables: list[Table] = []
             bounds: list[float] = []
+            over_h: list[float] = []
             for seed in seeds:
                 path = d / f"{key}-{seed}.csv"
                 path.write_text(small_team_trace(seed, shape))
@@ -212,6 +213,7 @@ def run() -> dict[str, object]:
                 feasible &= all(bool(f["checker_ok"]) for w in table.values() for f in w.values())
                 b = packing_bound(jobs, catalog, gpus)
                 bounds.append(b.efficiency_bound)
+                over_h.append(b.over_quota_s / 3600.0)
                 tables.append(table)
                 per_seed[str(seed)] = {
                     "jobs": len(jobs),
@@ -223,7 +225,13 @@ def run() -> dict[str, object]:
             out[key] = {
                 "seeds": list(seeds),
                 "max_gpus": gpus,
-                "mean": {**mean, "packing_bound": round(sum(bounds) / len(bounds), 6)},
+                "mean": {
+                    **mean,
+                    "packing_bound": round(sum(bounds) / len(bounds), 6),
+                    # how long the no-wait schedule of the bound would exceed the quota:
+                    # the quota makes jobs wait then, so the bound does not bind there
+                    "no_wait_over_quota_h": round(sum(over_h) / len(over_h), 2),
+                },
                 "per_seed": per_seed,
             }
             goals[key] = {
@@ -274,10 +282,13 @@ def headline(figures: dict[str, object]) -> list[str]:
     assert isinstance(all_goals, dict)
     dev = figures.get("dev_256")
     if isinstance(dev, dict):
-        pb = dev["packing_bound"]["efficiency_bound"]
+        pb = dev["packing_bound"]
         lines.append(
             f"  dev_256: fair {cell(dev, 'fair')}  fifo {cell(dev, 'fifo')}  "
-            f"packing bound {_num(pb):.3f}  | {met(all_goals.get('dev_256'))}"
+            f"packing bound {_num(pb['efficiency_bound']):.3f} "
+            f"(no-wait over quota {_num(pb['over_quota_s']) / 3600:.0f} h; exact-world "
+            f"fair {_num(dev['exact']['fair']['checker_cost_efficiency']):.3f})  "
+            f"| {met(all_goals.get('dev_256'))}"
         )
     for key in SYNTHETIC:
         t = figures.get(key)
@@ -286,7 +297,9 @@ def headline(figures: dict[str, object]) -> list[str]:
         mean = t["mean"]
         lines.append(
             f"  {key} mean of {len(t['seeds'])} seeds: fair {cell(mean, 'fair')}  "
-            f"fifo {cell(mean, 'fifo')}  packing bound {_num(mean['packing_bound']):.3f}  "
+            f"fifo {cell(mean, 'fifo')}  packing bound {_num(mean['packing_bound']):.3f} "
+            f"(no-wait over quota {_num(mean['no_wait_over_quota_h']):.0f} h; exact-world "
+            f"fair {_num(mean['exact']['fair']['checker_cost_efficiency']):.3f})  "
             f"| {met(all_goals.get(key))}"
         )
         for seed, s in t["per_seed"].items():
