@@ -1,10 +1,16 @@
 """`make bench` part: fair, fifo and per-job, judged, in two worlds side by side, and speed.
 
-Two traces: the real dev trace at --max-gpus 256, and a seeded synthetic small team
-(`bot.sim.tracegen`: mostly short one-GPU jobs, daily sweeps) at --max-gpus 16, two 8-GPU
-instances. Two held-out seeded loads (`HELD_OUT`: a large-job cluster at 64 GPUs and
-a short-job one at 16), never tuned on, judged by the same goals. Three worlds (the
-simulator's contract, README): ``honest`` — no run time known, half the jobs checkpointable every 30 minutes, preemption in the worker's steps
+Four loads: the real dev trace at --max-gpus 256, and three seeded synthetic ones
+(`SYNTHETIC`): a small team (`bot.sim.tracegen`: mostly short one-GPU jobs, daily sweeps)
+at --max-gpus 16, two 8-GPU instances, and two held-out loads never tuned on (a
+large-job cluster at 64 GPUs and a short-job one at 16). Each synthetic load is drawn
+for five seeds (`TEAM_SEEDS`, `LARGE_SEEDS`, `SHORT_SEEDS`); its figures are reported
+per seed and as the mean, and its goals are judged on the mean. Beside each, the
+packing bound (`bot.sim.bound`): the efficiency on offer to a schedule that makes no
+job wait, with instances only in their real sizes, so a goal above it is one that only
+waiting can meet. Three worlds (the simulator's contract, README): ``honest`` — no
+run time known, half the jobs checkpointable every 30 minutes, preemption in the
+worker's steps
 (`--estimates none --checkpointable 0.5 --checkpoint-every 1800`); ``honest_none`` — the
 same with no job checkpointable; ``exact`` — the first simulator's world (exact run
 times, every job checkpointing on the signal, `--checkpointable 1 --checkpoint-every 0
@@ -27,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bot.sim.bound import packing_bound
 from bot.sim.simulate import (
     TraceJob,
     load_trace,
@@ -35,7 +42,7 @@ from bot.sim.simulate import (
     write_instances,
     write_schedule,
 )
-from bot.sim.tracegen import LARGE_JOBS, SHORT_JOBS, small_team_trace
+from bot.sim.tracegen import LARGE_JOBS, SHORT_JOBS, TeamShape, small_team_trace
 from provisioning.catalog import Catalog
 from tests.sim_checker import check
 
@@ -44,15 +51,35 @@ MAX_GPUS = 256
 POLICIES = ("fair", "per-job", "fifo")
 SYNTH_JOBS = 100_000
 SYNTH_SEED = 20240601
-TEAM_SEED = 17
-TEAM_GPUS = 16
-# Held-out loads, never tuned on (bot.sim.tracegen names their shapes and sources): a
-# large-job cluster and a short-job one, each with its own seed and quota, and the goal
-# of the trace it resembles (dev's for the large jobs, the small team's for the short).
-HELD_OUT = {
-    "large_64": (LARGE_JOBS, 101, 64, 0.85),
-    "short_16": (SHORT_JOBS, 202, 16, 0.75),
+# The synthetic loads are judged on the mean over these seeds, not on one draw: one seed
+# of a few thousand jobs moves the team's efficiency by several points either way, so a
+# change "meeting" a goal on one seed said little. The first seed of each is the one the
+# bench used alone before; the others are fixed too, so figures stay comparable.
+TEAM_SEEDS = (17, 1, 2, 7, 8)
+LARGE_SEEDS = (101, 3, 4, 9, 10)
+SHORT_SEEDS = (202, 5, 6, 11, 12)
+# Each synthetic load: (its shape, its seeds, its quota in GPUs, its efficiency goal). The
+# small team (issue 17's goal) at two 8-GPU instances; the held-out ones, never tuned on
+# (bot.sim.tracegen names their shapes and sources): a large-job cluster and a short-job
+# one, with the goal of the trace each resembles (dev's for the large jobs, the small
+# team's for the short).
+SYNTHETIC: dict[str, tuple[TeamShape, tuple[int, ...], int, float]] = {
+    "team_16": (TeamShape(), TEAM_SEEDS, 16, 0.75),
+    "large_64": (LARGE_JOBS, LARGE_SEEDS, 64, 0.85),
+    "short_16": (SHORT_JOBS, SHORT_SEEDS, 16, 0.75),
 }
+DEV_GOAL = 0.85
+# The figures averaged over seeds (the rest are per seed only).
+MEAN_KEYS = (
+    "cost_efficiency",
+    "checker_cost_efficiency",
+    "avg_queue_s",
+    "p95_queue_s",
+    "avg_jct_s",
+    "total_cost_usd",
+    "gpu_utilization",
+    "preemptions",
+)
 WORLDS: dict[str, dict[str, object]] = {
     "honest": {"estimates": "none", "checkpointable_fraction": 0.5, "checkpoint_every_s": 1800.0},
     "honest_none": {"estimates": "none", "checkpointable_fraction": 0.0},
@@ -125,40 +152,98 @@ def _judged(
     return out
 
 
+Table = dict[str, dict[str, dict[str, object]]]  # world -> policy -> figures
+
+
+def _mean(tables: list[Table]) -> Table:
+    """Each world's and policy's MEAN_KEYS averaged over the seeds' tables."""
+    out: Table = {}
+    for world, policies in tables[0].items():
+        out[world] = {}
+        for policy in policies:
+            rows = [t[world][policy] for t in tables]
+            out[world][policy] = {
+                k: round(sum(_num(r[k]) for r in rows) / len(rows), 6) for k in MEAN_KEYS
+            }
+    return out
+
+
+def _num(x: object) -> float:
+    return float(x) if isinstance(x, int | float) else float("nan")
+
+
+def _goals(t: Table, eff: float) -> dict[str, bool]:
+    """The issue's goals on one table (a trace's figures, or a synthetic load's means)."""
+    fair, fifo = t["honest"]["fair"], t["honest"]["fifo"]
+    fair0, fifo0 = t["honest_none"]["fair"], t["honest_none"]["fifo"]
+    return {
+        f"fair_efficiency_ge_{eff}": _num(fair["checker_cost_efficiency"]) >= eff,
+        "fair_queue_le_third_of_fifo": _num(fair["avg_queue_s"]) <= _num(fifo["avg_queue_s"]) / 3,
+        "none_checkpointable_no_worse_than_fifo": _num(fair0["cost_efficiency"])
+        >= _num(fifo0["cost_efficiency"])
+        and _num(fair0["avg_queue_s"]) <= _num(fifo0["avg_queue_s"]),
+    }
+
+
 def run() -> dict[str, object]:
     trace = DEV_TRACE
     if not trace.exists():
         trace = Path("/work/shared/traces/trace_dev.csv")
     catalog = Catalog.load()
     out: dict[str, object] = {"trace": str(trace), "max_gpus": MAX_GPUS}
-    tables: dict[str, dict[str, dict[str, dict[str, object]]]] = {"dev": {}, "team": {}}
+    feasible = True
+    goals: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        team_path = d / "team.csv"
-        team_path.write_text(small_team_trace(TEAM_SEED))
-        team = parse_trace(team_path.read_text().splitlines(), catalog, "A100")
-        for name, world in WORLDS.items():
-            tables["dev"][name] = _judged(trace, trace, MAX_GPUS, world, d)
-            tables["team"][name] = _judged(team_path, team, TEAM_GPUS, world, d)
-        held: dict[str, int] = {}
-        for key, (shape, seed, gpus, _) in HELD_OUT.items():
-            path = d / f"{key}.csv"
-            path.write_text(small_team_trace(seed, shape))
-            jobs_h = parse_trace(path.read_text().splitlines(), catalog, "A100")
-            held[key] = len(jobs_h)
-            tables[key] = {}
-            for name, world in WORLDS.items():
-                tables[key][name] = _judged(path, jobs_h, gpus, world, d)
-    out["dev_256"] = tables["dev"]
-    out["team_16"] = {"seed": TEAM_SEED, "jobs": len(team), **tables["team"]}
-    for key, (_, seed, _, _) in HELD_OUT.items():
-        out[key] = {"seed": seed, "jobs": held[key], **tables[key]}
+        dev: Table = {name: _judged(trace, trace, MAX_GPUS, w, d) for name, w in WORLDS.items()}
+        feasible &= all(bool(f["checker_ok"]) for w in dev.values() for f in w.values())
+        bound = packing_bound(load_trace(trace, catalog, "A100"), catalog, MAX_GPUS)
+        out["dev_256"] = {**dev, "packing_bound": bound.figures()}
+        goals["dev_256"] = _goals(dev, DEV_GOAL)
+        for key, (shape, seeds, gpus, eff) in SYNTHETIC.items():
+            per_seed: dict[str, object] = {}
+            tables: list[Table] = []
+            bounds: list[float] = []
+            over_h: list[float] = []
+            for seed in seeds:
+                path = d / f"{key}-{seed}.csv"
+                path.write_text(small_team_trace(seed, shape))
+                jobs = parse_trace(path.read_text().splitlines(), catalog, "A100")
+                table = {name: _judged(path, jobs, gpus, w, d) for name, w in WORLDS.items()}
+                feasible &= all(bool(f["checker_ok"]) for w in table.values() for f in w.values())
+                b = packing_bound(jobs, catalog, gpus)
+                bounds.append(b.efficiency_bound)
+                over_h.append(b.over_quota_s / 3600.0)
+                tables.append(table)
+                per_seed[str(seed)] = {
+                    "jobs": len(jobs),
+                    "packing_bound": b.figures(),
+                    "goals": _goals(table, eff),
+                    **table,
+                }
+            mean = _mean(tables)
+            out[key] = {
+                "seeds": list(seeds),
+                "max_gpus": gpus,
+                "mean": {
+                    **mean,
+                    "packing_bound": round(sum(bounds) / len(bounds), 6),
+                    # how long the no-wait schedule of the bound would exceed the quota:
+                    # the quota makes jobs wait then, so the bound does not bind there
+                    "no_wait_over_quota_h": round(sum(over_h) / len(over_h), 2),
+                },
+                "per_seed": per_seed,
+            }
+            goals[key] = {
+                "judged_on": f"mean over seeds {', '.join(map(str, seeds))}",
+                **_goals(mean, eff),
+            }
 
     base = load_trace(trace, catalog, "A100")
-    jobs = synthetic_trace(base, SYNTH_JOBS, SYNTH_SEED)
+    jobs_big = synthetic_trace(base, SYNTH_JOBS, SYNTH_SEED)
     t0, c0 = time.perf_counter(), time.process_time()
     # `gpubot simulate`'s defaults: the honest world with no job checkpointable
-    big = run_simulation(jobs, policy="fair", catalog=catalog, max_gpus=MAX_GPUS)
+    big = run_simulation(jobs_big, policy="fair", catalog=catalog, max_gpus=MAX_GPUS)
     wall = time.perf_counter() - t0
     out["synthetic_100k"] = {
         "jobs": big.jobs,
@@ -172,31 +257,60 @@ def run() -> dict[str, object]:
         "cost_efficiency": big.cost_efficiency,
         "avg_queue_s": big.avg_queue_s,
     }
-
-    def num(x: object) -> float:
-        return float(x) if isinstance(x, int | float) else float("nan")
-
-    def goals(t: dict[str, dict[str, dict[str, object]]], eff: float) -> dict[str, bool]:
-        fair, fifo = t["honest"]["fair"], t["honest"]["fifo"]
-        fair0, fifo0 = t["honest_none"]["fair"], t["honest_none"]["fifo"]
-        return {
-            f"fair_efficiency_ge_{eff}": num(fair["checker_cost_efficiency"]) >= eff,
-            "fair_queue_le_third_of_fifo": num(fair["avg_queue_s"]) <= num(fifo["avg_queue_s"]) / 3,
-            "none_checkpointable_no_worse_than_fifo": num(fair0["cost_efficiency"])
-            >= num(fifo0["cost_efficiency"])
-            and num(fair0["avg_queue_s"]) <= num(fifo0["avg_queue_s"]),
-        }
-
     out["goals"] = {
-        "all_schedules_feasible": all(
-            bool(f["checker_ok"]) for t in tables.values() for w in t.values() for f in w.values()
-        ),
-        "dev_256": goals(tables["dev"], 0.85),
-        "team_16": goals(tables["team"], 0.75),
-        **{key: goals(tables[key], eff) for key, (_, _, _, eff) in HELD_OUT.items()},
+        "all_schedules_feasible": feasible,
+        **goals,
         "sim_100k_under_60s": wall < 60.0,
     }
     return out
+
+
+def headline(figures: dict[str, object]) -> list[str]:
+    """The honest world's fair and fifo beside the packing bound, per trace: efficiency
+    (checked) / average queue; a synthetic load's means first, then each seed's."""
+
+    def cell(t: dict[str, object], policy: str) -> str:
+        f = t["honest"][policy]  # type: ignore[index]
+        return f"{_num(f['checker_cost_efficiency']):.3f}/{_num(f['avg_queue_s']):,.0f}s"
+
+    def met(goals: object) -> str:
+        g = goals if isinstance(goals, dict) else {}
+        return " ".join(f"{k}={'yes' if v else 'NO'}" for k, v in g.items() if k != "judged_on")
+
+    lines = ["honest world (--estimates none --checkpointable 0.5 --checkpoint-every 1800)"]
+    all_goals = figures.get("goals", {})
+    assert isinstance(all_goals, dict)
+    dev = figures.get("dev_256")
+    if isinstance(dev, dict):
+        pb = dev["packing_bound"]
+        lines.append(
+            f"  dev_256: fair {cell(dev, 'fair')}  fifo {cell(dev, 'fifo')}  "
+            f"packing bound {_num(pb['efficiency_bound']):.3f} "
+            f"(no-wait over quota {_num(pb['over_quota_s']) / 3600:.0f} h; exact-world "
+            f"fair {_num(dev['exact']['fair']['checker_cost_efficiency']):.3f})  "
+            f"| {met(all_goals.get('dev_256'))}"
+        )
+    for key in SYNTHETIC:
+        t = figures.get(key)
+        if not isinstance(t, dict):
+            continue
+        mean = t["mean"]
+        lines.append(
+            f"  {key} mean of {len(t['seeds'])} seeds: fair {cell(mean, 'fair')}  "
+            f"fifo {cell(mean, 'fifo')}  packing bound {_num(mean['packing_bound']):.3f} "
+            f"(no-wait over quota {_num(mean['no_wait_over_quota_h']):.0f} h; exact-world "
+            f"fair {_num(mean['exact']['fair']['checker_cost_efficiency']):.3f})  "
+            f"| {met(all_goals.get(key))}"
+        )
+        for seed, s in t["per_seed"].items():
+            lines.append(
+                f"    seed {seed:>4}: fair {cell(s, 'fair')}  fifo {cell(s, 'fifo')}  "
+                f"packing bound {_num(s['packing_bound']['efficiency_bound']):.3f}"
+            )
+    big = figures.get("synthetic_100k")
+    wall = _num(big.get("wall_s")) if isinstance(big, dict) else float("nan")
+    lines.append(f"  feasible: {all_goals.get('all_schedules_feasible')}  100k jobs: {wall:.1f}s")
+    return lines
 
 
 if __name__ == "__main__":

@@ -94,6 +94,11 @@ class Host(SQLModel, table=True):
     tags: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
+    # When it last became ready (its bootstrap done, or SSH answering again after a
+    # restart); None until then. An instance is idle from here, not from its launch: the
+    # idle stop and the scheduler's idle times count as the simulator does, so a
+    # never-used instance is not stopped sooner for having booted slowly.
+    ready_at: datetime | None = _ts(nullable=True)
     # Health of an SSH host (bot.app.hostcheck): since when it has not answered (None: it
     # does), why in words ("unreachable: …", "setup failed: …"), how many checks in a
     # row failed, and when the next one may dial it (backing off while it fails).

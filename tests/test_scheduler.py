@@ -806,8 +806,8 @@ def test_a_booting_instance_is_waited_for_not_launched_again() -> None:
         instance_type=launch.instance_type,
         market="ondemand",
         usd_hr=0.0,
-        created_s=NOW,
-        updated_s=NOW,
+        since_s=NOW,
+        restarted=False,
         now=NOW + 60,
         catalog=CAT,
         config=config,
@@ -828,8 +828,8 @@ def test_a_booting_instance_is_waited_for_not_launched_again() -> None:
         instance_type=launch.instance_type,
         market="ondemand",
         usd_hr=0.0,
-        created_s=0.0,
-        updated_s=NOW - 600,
+        since_s=NOW - 600,
+        restarted=True,
         now=NOW,
         catalog=CAT,
         config=config,
@@ -838,6 +838,29 @@ def test_a_booting_instance_is_waited_for_not_launched_again() -> None:
     again = decide(queue, [stopped], NOW + 60, catalog=CAT, config=config)
     assert any(isinstance(a, Start) for a in again)
     assert not any(isinstance(a, Launch) for a in again)
+
+
+def test_a_restarting_instance_is_booting_until_start_s_after_its_restart() -> None:
+    """A stopped instance started again is usable `start_s` after its restart (the
+    simulator's cloud: no bootstrap on a set-up instance), not at once because it was
+    launched long ago, and not boot + setup after the restart either."""
+    from bot.app.runs import host_view
+
+    config = cfg(max_gpus=64)
+    view = host_view(
+        name="i-again",
+        state="pending",
+        instance_type="p4d.24xlarge",
+        market="ondemand",
+        usd_hr=0.0,
+        since_s=NOW - 20,
+        restarted=True,
+        now=NOW,
+        catalog=CAT,
+        config=config,
+    )
+    assert view is not None and view.state == "pending"
+    assert view.ready_at_s == NOW - 20 + config.start_s
 
 
 def test_the_workers_scheduler_knobs_come_from_settings() -> None:

@@ -320,6 +320,16 @@ def test_run_simulation_rejects_unknown_policy(small_trace: Path) -> None:
         run_simulation(small_trace, policy="nope")
 
 
+def test_an_idle_stop_of_zero_is_refused_not_looped_on() -> None:
+    """At 0 s an instance is "idle too long" the moment it is ready: decide stopped it and
+    restarted another for the run, every tick, and the replay never ended. The worker's
+    Settings refuse 0 (GPUBOT_IDLE_STOP_AFTER must be positive); so does the simulator."""
+    jobs = [TraceJob("a", "u", 0.0, 600.0, 1, "A100")]
+    with pytest.raises(SimInputError, match="idle stop"):
+        run_simulation(jobs, policy="fair", idle_stop_s=0.0)
+    assert run_simulation(jobs, policy="fair", idle_stop_s=1.0).jobs == 1
+
+
 # ---------------------------------------------------------------- the checker can fail
 
 

@@ -281,6 +281,7 @@ class HostChecker:
             was_down = row.state == HOST_UNREACHABLE
             row.state = HOST_READY
             row.updated_at = now
+            row.ready_at = now
             row.down_since = None
             row.down_reason = None
             row.check_failures = 0

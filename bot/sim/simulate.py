@@ -336,10 +336,14 @@ def run_simulation(
         ("--resume-s", 0.0 if resume_s is None else resume_s),
         ("--checkpoint-every", checkpoint_every_s),
         ("--stop-s", stop_s),
-        ("idle stop", 0.0 if idle_stop_s is None else idle_stop_s),
     ):
         if not (math.isfinite(v) and v >= 0):
             raise SimInputError(f"{name} must be a number >= 0")
+    # Zero is refused as the worker's Settings refuse it: an instance idle "for 0 s" the
+    # moment it is ready is stopped before anything is placed on it, and the run it was
+    # bought for restarts another, forever (decide stops one, starts the other, each tick).
+    if idle_stop_s is not None and not (math.isfinite(idle_stop_s) and idle_stop_s > 0):
+        raise SimInputError("idle stop must be a number of seconds > 0")
     jobs = load_trace(trace, catalog, model) if isinstance(trace, Path) else list(trace)
     jobs.sort(key=lambda j: (j.submit_s, j.job_id))
 

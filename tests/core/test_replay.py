@@ -21,8 +21,8 @@ and the differences would add up along a chain of runs; that is the simulator's
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -32,14 +32,16 @@ from sqlmodel import Session, select
 
 from bot.app.config import Settings
 from bot.app.fleet import CatalogSupply, Fleet, attach, fleet_job
+from bot.app.history_trace import history_trace
 from bot.app.remote import PreparedHost, RemoteAccess
 from bot.app.runs import RunService, scheduler_config
+from bot.app.runs.inputs import run_history, scheduler_inputs
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock
-from bot.domain.scheduling import Action, Preempt
+from bot.domain.scheduling import Action, FleetInstance, Preempt
 from bot.faces.dispatch import handle_text
 from bot.faces.worker import tick_job
-from bot.sim.simulate import SimResult, TraceJob, checkpointable, run_simulation
+from bot.sim.simulate import SimResult, TraceJob, checkpointable, parse_trace, run_simulation
 from db.models import TrainingRun
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
@@ -132,6 +134,14 @@ SCENARIOS = {
         3,
         frozenset({"launch", "start", "stop", "end"}),
     ),
+    # An instance launched for bob's run is still booting when alice's frees the first
+    # one; bob's run goes there, and the new instance is never used: both worlds stop it
+    # an idle-stop period after it became ready, not after it was launched.
+    "never used": Scenario(
+        (job("a2", "alice", 0.0, 60, 8), job("c1", "bob", 3720.0, 30, 8)),
+        2,
+        frozenset({"launch", "start", "stop", "end"}),
+    ),
 }
 
 
@@ -181,10 +191,21 @@ def sim_actions(res: SimResult, preempts: list[tuple[float, str]]) -> list[Act]:
     return sorted(out)
 
 
+# What the worker's scheduler was told at one tick: (trace seconds, the fleet it saw).
+Watch = Callable[[float, list[FleetInstance]], None]
+
+
 def worker_actions(
-    engine: Engine, settings: Settings, catalog: Catalog, trace: Sequence[TraceJob], until: float
+    engine: Engine,
+    settings: Settings,
+    catalog: Catalog,
+    trace: Sequence[TraceJob],
+    until: float,
+    watch: Watch | None = None,
 ) -> list[Act]:
-    """The real worker through `trace` up to `until` (trace seconds), and its actions."""
+    """The real worker through `trace` up to `until` (trace seconds), and its actions;
+    `watch` sees the scheduler's inputs (`scheduler_inputs`) after every tick, with its
+    times in trace seconds."""
     clock = VirtualClock()
     t0 = clock.now().timestamp()
     cloud = ReplayCloud(
@@ -226,6 +247,10 @@ def worker_actions(
         # (bot.app.runs.starts); on a host it takes seconds, well inside a tick, so the
         # clock moves on only once it is done.
         starts.wait()
+        if watch is not None:
+            with Session(engine) as s:
+                seen = scheduler_inputs(svc.runs.ctx, s, clock.now())[1]
+            watch(t, [_shifted(f, t0) for f in seen])
         t += TICK_S
     assert runner.unknown == [], "the worker asked the host for what the runner double lacks"
 
@@ -281,3 +306,96 @@ def _job_named(what: str, job_of: dict[str, str]) -> str:
     if head in job_of:
         return f"{job_of[head]} {rest}".strip()
     return what
+
+
+def _shifted(f: FleetInstance, t0: float) -> FleetInstance:
+    """An instance's times in trace seconds."""
+
+    def sh(x: float | None) -> float | None:
+        return None if x is None else x - t0
+
+    return replace(
+        f,
+        ready_at_s=f.ready_at_s - t0,
+        idle_since_s=sh(f.idle_since_s),
+        stopped_since_s=sh(f.stopped_since_s),
+    )
+
+
+def test_the_worker_sees_booting_restarting_and_stopped_instances_as_the_simulator_does(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """The scheduler's view of an instance on its way, in the worker, at every tick: a
+    launched one is usable boot + setup after its launch, a restarted one `start_s` after
+    its restart (not at once: it was launched long ago), and a stopped one stopped since
+    it was stopped (not since the last refresh of the cloud's listing), each as the
+    simulator's records have it."""
+    scenario = SCENARIOS["restart"]
+    catalog = Catalog.load()
+    settings = Settings(
+        admins=("root",),
+        home=tmp_path / "home",
+        tick_seconds=TICK_S,
+        pool_max_instances=scenario.pool_max_instances,
+    )
+    res, expected = simulated(scenario.trace, settings, catalog)
+    until = max(t for t, kind, _ in expected if kind != "terminate") + 2 * TICK_S
+    costs = DEFAULT_COSTS
+    # what the simulator's instances did: their boots (from, usable at) and stops
+    boots: dict[str, list[tuple[float, float]]] = {}
+    stops: dict[str, list[tuple[float, float]]] = {}
+    for r in res.instances:
+        boots[r.instance_id] = [(r.launch_s, r.launch_s + costs.boot_s + costs.setup_s)]
+        boots[r.instance_id] += [(b, b + costs.start_s) for _, b in r.stopped if b != r.end_s]
+        stops[r.instance_id] = list(r.stopped)
+    seen: list[tuple[float, str, str, float]] = []
+
+    def watch(t: float, fleet: list[FleetInstance]) -> None:
+        for f in fleet:
+            if f.state == "pending":
+                seen.append((t, f.instance_id, "pending", f.ready_at_s))
+            elif f.state == "stopped":
+                assert f.stopped_since_s is not None
+                seen.append((t, f.instance_id, "stopped", f.stopped_since_s))
+
+    worker_actions(sqlite_engine, settings, catalog, scenario.trace, until, watch)
+    restarting = 0
+    for t, iid, state, when in seen:
+        if state == "pending":
+            # the boot under way at t, as the simulator had it
+            booted = [
+                (k, usable) for k, (begun, usable) in enumerate(boots[iid]) if begun <= t < usable
+            ]
+            assert [usable for _, usable in booted] == [when], (t, iid, when, boots[iid])
+            restarting += booted[0][0] > 0  # a boot after the first is a restart
+        else:
+            assert [a for a, b in stops[iid] if a <= t < b] == [when], (t, iid, when)
+    assert restarting >= 1, "the scenario restarts an instance while the worker looks"
+    assert any(state == "stopped" for _, _, state, _ in seen)
+
+
+def test_a_resumed_runs_history_is_all_its_segments(sqlite_engine: Engine, tmp_path: Path) -> None:
+    """After the worker preempted and resumed alice's 8-GPU run, what the team's history
+    says it ran is every segment, as the simulator's schedule has them: `gpubot simulate
+    --history` (`history_trace`, from the usage intervals) and the run-time predictor the
+    scheduler reads (`run_history`, which learnt only the last segment before)."""
+    scenario = SCENARIOS["preemption"]
+    res, expected, got = replay(sqlite_engine, tmp_path / "home", scenario.trace, 1)
+    assert got == expected
+    segments = [s for s in res.schedule if s.job_id == "a2"]
+    assert len(segments) == 2
+    ran = sum(s.end_s - s.start_s for s in segments)
+    with Session(sqlite_engine) as s:
+        runs = list(s.exec(select(TrainingRun)))
+        resumed = next(r for r in runs if r.gpu_count == 8)
+        assert resumed.finished_at is not None and resumed.started_at is not None
+        end = max(r.finished_at for r in runs if r.finished_at is not None).replace(tzinfo=UTC)
+        # the last segment alone is what the predictor learnt before
+        last = (resumed.finished_at - resumed.started_at).total_seconds()
+        assert last < ran
+        # a2 is the trace's longest run: only its whole length outlives ran - 1 s
+        learnt = run_history(s, end)
+        assert learnt.expected_remaining("alice", 8, ran - 1.0) == pytest.approx(1.0)
+    text, _ = history_trace(sqlite_engine, datetime(2026, 1, 1, tzinfo=UTC), end)
+    jobs = parse_trace(text.splitlines(), Catalog.load(), "A100")
+    assert [j.duration_s for j in jobs if j.gpus == 8] == [pytest.approx(ran, abs=1e-3)]

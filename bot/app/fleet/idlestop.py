@@ -1,8 +1,11 @@
 """Idle stop and terminate: a rented instance nobody has held for `idle_stop_after`
 is stopped (a spot one, which cannot stop, is terminated), one still booting after
 BOOT_TIMEOUT likewise, and one stopped for `terminate_after` is terminated. Idle time
-is read from the bill (the host's open HostPeriod) and the usage intervals, so "idle
-since" is a time that a restart does not reset."""
+is read from the bill (the host's open HostPeriod), the time the host last became ready
+and the usage intervals: "idle since" is the latest of its billed period's start, its
+readiness and its last use, so a restart does not count the time before it was stopped,
+and a never-used instance is idle from when it was ready, not from its launch (the
+simulator's rule, `bot.sim.simulate`)."""
 
 from __future__ import annotations
 
@@ -72,6 +75,10 @@ class IdleStopper:
                     select(func.max(UsageInterval.ended_at)).where(UsageInterval.host_id == host.id)
                 ).one()
                 since = period.started_at
+                # A ready host is idle from when it became ready (after this period's
+                # boot), as the simulator counts it: not from its launch or restart.
+                if host.state != HOST_PENDING and host.ready_at is not None:
+                    since = max(since, _aware(host.ready_at))
                 if last_use is not None:
                     last_use = _aware(last_use)
                     since = max(since, last_use)

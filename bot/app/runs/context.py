@@ -179,8 +179,8 @@ def host_view(
     instance_type: str | None,
     market: str,
     usd_hr: float,
-    created_s: float,
-    updated_s: float,
+    since_s: float,
+    restarted: bool,
     now: float,
     catalog: Catalog,
     config: SchedulerConfig,
@@ -189,19 +189,23 @@ def host_view(
 
     Why: a scheduler that sees only ready hosts launches again for every run queued while
     the first instance boots (the simulator, which sees the booting one, waits for it).
-    A pending host is usable boot + setup after it was launched; a stopped one has been
-    stopped since its row last changed. Its GPUs come from the catalog (the host reports
-    them only once it is up); a type the catalog does not know is left out."""
+    `since_s` is when it entered its state (its open billed period's start). A pending
+    host launched then is usable boot + setup later; one restarted then (`restarted`: it
+    was ready before, so it is set up) is usable `start_s` later, as the simulator's cloud
+    restarts one, and not at once. A stopped one has been stopped since `since_s`. Its
+    GPUs come from the catalog (the host reports them only once it is up); a type the
+    catalog does not know is left out."""
     t = catalog.get(instance_type) if instance_type else None
     if t is None:
         return None
     st: InstanceState
     if state == HOST_PENDING:
         st = "pending"
-        ready = max(now, created_s + config.boot_s + config.setup_s)
+        boot = config.start_s if restarted else config.boot_s + config.setup_s
+        ready = max(now, since_s + boot)
         stopped_since = None
     elif state == HOST_STOPPED:
-        st, ready, stopped_since = "stopped", updated_s, updated_s
+        st, ready, stopped_since = "stopped", since_s, since_s
     else:
         return None
     return FleetInstance(

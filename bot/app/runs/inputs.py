@@ -111,7 +111,16 @@ def scheduler_inputs(
         )
     fleet = []
     now_s = now.timestamp()
-    # Booting and stopped instances too: the scheduler must see what is on its way.
+    # Booting and stopped instances too: the scheduler must see what is on its way. Each
+    # is dated by its open billed period: a booting one has been booting since it was
+    # launched or restarted, a stopped one stopped since it was stopped (the host row's
+    # own times move with every refresh of the cloud's listing).
+    period_start: Any = (
+        select(HostPeriod.started_at)
+        .where(col(HostPeriod.host_id) == col(Host.id), col(HostPeriod.ended_at).is_(None))
+        .limit(1)
+        .scalar_subquery()
+    )
     away_cols: tuple[Any, ...] = (
         Host.name,
         Host.state,
@@ -120,21 +129,23 @@ def scheduler_inputs(
         Host.hourly_usd,
         Host.created_at,
         Host.updated_at,
+        Host.ready_at,
+        period_start,
     )
     away: Any = (
         select(*away_cols)
         .where(col(Host.state).in_((HOST_PENDING, HOST_STOPPED)))
         .order_by(col(Host.id))
     )
-    for name, state, itype, market, usd_hr, created, updated in s.exec(away):
+    for name, state, itype, market, usd_hr, created, updated, was_ready, since in s.exec(away):
         view = host_view(
             name=name,
             state=state,
             instance_type=itype,
             market=market,
             usd_hr=usd_hr,
-            created_s=created.timestamp(),
-            updated_s=updated.timestamp(),
+            since_s=_aware(since or (created if state == HOST_PENDING else updated)).timestamp(),
+            restarted=was_ready is not None,
             now=now_s,
             catalog=ctx.catalog,
             config=ctx.config,
@@ -198,10 +209,12 @@ def scheduler_inputs(
         .order_by(col(Host.id))
     )
     rows = s.exec(ready).all()
-    # Since when an unheld host has been idle: its last interval's end, or the start of
-    # its billed period when later (a restart), which is the fleet's idle-stop rule
-    # (bot.app.fleet.idlestop), so the scheduler does not count a restarted instance as
-    # idle since before it was stopped (it then asked to stop it and launch another).
+    # Since when an unheld host has been idle: the latest of its last interval's end, the
+    # start of its billed period (a restart) and when it became ready (its boot done),
+    # which is the fleet's idle-stop rule (bot.app.fleet.idlestop) and the simulator's,
+    # so the scheduler does not count a restarted instance as idle since before it was
+    # stopped (it then asked to stop it and launch another), nor a new one as idle while
+    # it booted.
     # Asked only for hosts nobody holds anything on now (asked even when there are none,
     # so that a dispatch costs the same statements whatever the fleet: tests/core/test_history).
     # One subquery per host, each the last entry of the host's range in the (host_id,
@@ -213,16 +226,12 @@ def scheduler_inputs(
         .where(col(UsageInterval.host_id) == col(Host.id))
         .scalar_subquery()
     )
-    paid_since: Any = (
-        select(HostPeriod.started_at)
-        .where(col(HostPeriod.host_id) == col(Host.id), col(HostPeriod.ended_at).is_(None))
-        .limit(1)
-        .scalar_subquery()
+    last: Any = select(Host.id, last_end, period_start, Host.ready_at).where(
+        col(Host.id).in_(idle_ids)
     )
-    last: Any = select(Host.id, last_end, paid_since).where(col(Host.id).in_(idle_ids))
     last_use: dict[int, datetime] = {}
-    for host_id, ended, paid in s.exec(last):
-        seen = [_aware(t) for t in (ended, paid) if t is not None]
+    for host_id, ended, paid, ready in s.exec(last):
+        seen = [_aware(t) for t in (ended, paid, ready) if t is not None]
         if seen:
             last_use[host_id] = max(seen)
     names: set[str] = set()
@@ -254,7 +263,11 @@ def scheduler_inputs(
 
 def run_history(s: Session, now: datetime) -> RunHistory:
     """The run times of the runs that finished in the last 30 days, per user and
-    size: the same predictions the simulator makes under --estimates none."""
+    size: the same predictions the simulator makes under --estimates none.
+
+    A run's time is all it ran: its last segment (started_at is that segment's start)
+    plus what its earlier ones ran (`attained_s`, kept when it was requeued), as the
+    simulator learns a preempted job's whole duration, not its last stretch."""
     history = RunHistory()
     since = now - timedelta(days=30)
     cols: tuple[Any, ...] = (
@@ -262,6 +275,7 @@ def run_history(s: Session, now: datetime) -> RunHistory:
         TrainingRun.gpu_count,
         TrainingRun.started_at,
         TrainingRun.finished_at,
+        TrainingRun.metrics,
     )
     stmt: Any = (
         select(*cols)
@@ -274,9 +288,10 @@ def run_history(s: Session, now: datetime) -> RunHistory:
         )
         .order_by(col(TrainingRun.finished_at), col(TrainingRun.id))
     )
-    for user_key, gpus, started, finished in s.exec(stmt):
+    for user_key, gpus, started, finished, metrics in s.exec(stmt):
         if started is not None and finished is not None:
-            history.add(user_key, gpus, (finished - started).total_seconds())
+            ran = (finished - started).total_seconds() + attained_s(metrics)
+            history.add(user_key, gpus, ran)
     return history
 
 

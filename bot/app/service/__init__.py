@@ -48,7 +48,7 @@ from bot.domain.commands import Extend, Release, Reserve, Status
 from bot.domain.errors import UserError
 from bot.domain.metering import Window
 from bot.domain.readmodels import HomeSnapshot
-from db.models import Gpu, Host, User
+from db.models import HOST_READY, Gpu, Host, User
 from db.session import is_postgres, lock_pool, retrying, transaction
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
@@ -158,12 +158,15 @@ class GpuService:
             lock_pool(s)
             for inst in instances:
                 host = s.exec(select(Host).where(Host.name == inst.name)).first()
+                was = host.state if host is not None else None
                 if host is None:
                     host = Host(name=inst.name, provider=inst.provider, created_at=now)
                 host.provider = inst.provider
                 host.instance_id = inst.instance_id
                 host.instance_type = inst.instance_type
                 host.market = inst.market
+                if inst.state == HOST_READY and was != HOST_READY:
+                    host.ready_at = now  # idle from here (db.models.Host.ready_at)
                 host.state = inst.state
                 host.address = inst.address
                 host.ssh_user = inst.ssh_user

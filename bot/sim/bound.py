@@ -1,0 +1,134 @@
+"""The packing bound: how cost-efficient any schedule that starts every job on arrival can be.
+
+Why: ``cost_efficiency`` is ideal / total, where the ideal pays each job's GPU-seconds at
+the cheapest on-demand per-GPU price and nothing else. That ideal is out of reach when
+instances come in 8-GPU sizes (A100, H100): a lone one-GPU job at night keeps a whole
+8-GPU instance running, whoever schedules it. A goal of 0.75 on a trace where no schedule
+can pass 0.7 without delaying jobs is a goal about delaying jobs, not about packing; this
+bound says which it is.
+
+What it is, exactly. Every job runs at its submit time for its trace duration, on as
+many instances as wanted (no quota, no queue). At each instant, for each GPU model,
+``b`` GPUs of that model are busy (the sum of the running jobs' GPUs). The fleet paid at
+that instant is the cheapest set of that model's instance types, by on-demand hourly
+price, whose GPUs add up to at least ``b`` (a small covering knapsack, ``_cover``). With
+one instance size of ``G`` GPUs at price ``P`` that is ``ceil(b / G) * P``: perfect
+consolidation at every instant. ``packed_cost_usd`` is the integral of that price over
+the trace; ``efficiency_bound`` is ``ideal_cost_usd / packed_cost_usd`` with the
+simulator's ideal (`bot.sim.simulate`).
+
+For every schedule in which each job runs once, uninterrupted, from its submit time to
+submit + duration, the simulator's total cost is at least ``packed_cost_usd``: at each
+instant its running instances carry at least the busy GPUs, and the cheapest way to carry
+them is the cover. So such a schedule's efficiency is at most the bound.
+
+What it ignores, and so where it is not a bound:
+
+* Boot and setup time, the 60 s minimum per start, the idle time before an idle stop,
+  stopped instances' storage, and a resumed job's lost work and resume time: each only
+  adds cost to a real schedule, so leaving them out keeps the bound an upper bound.
+* That a job must fit on one instance (or a run over whole instances): ignored, which
+  can only lower the cover's price; still an upper bound.
+* Queueing. A schedule that delays jobs changes ``b(t)``: a late job can fill GPUs that
+  an earlier one left idle on an instance, so the overlap, and the efficiency, can grow
+  past the bound (in the limit, holding every job until eight one-GPU jobs can start
+  together fills every instance). The bound is therefore *not* strict against a
+  schedule with queueing, and a fair or fifo figure above it is possible: it means that
+  schedule bought packing with waiting. Read it as the efficiency on offer without
+  making anyone wait.
+* The quota. The no-wait schedule may need more GPUs at once than ``--max-gpus``
+  allows; ``over_quota_s`` says for how long it would, since under the quota such
+  stretches force waiting (and the bound is not binding there either).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from bot.sim.simulate import TraceJob
+from provisioning.catalog import Catalog
+
+
+@dataclass(frozen=True)
+class PackingBound:
+    """The no-wait, perfectly consolidated schedule's cost, against the ideal."""
+
+    ideal_cost_usd: float  # the simulator's ideal: GPU-seconds at the cheapest per-GPU price
+    packed_cost_usd: float  # the cheapest fleet that carries every job from its submit time
+    efficiency_bound: float  # ideal / packed
+    peak_gpus: int  # most GPUs busy at once (all models together)
+    over_quota_s: float  # how long that schedule needs more GPUs than the quota (0 without one)
+
+    def figures(self) -> dict[str, object]:
+        return {
+            "ideal_cost_usd": round(self.ideal_cost_usd, 4),
+            "packed_cost_usd": round(self.packed_cost_usd, 4),
+            "efficiency_bound": round(self.efficiency_bound, 6),
+            "peak_gpus": self.peak_gpus,
+            "over_quota_s": round(self.over_quota_s, 3),
+        }
+
+
+def packing_bound(
+    jobs: Sequence[TraceJob], catalog: Catalog, max_gpus: int | None = None
+) -> PackingBound:
+    """The packing bound of `jobs` (module docstring); `max_gpus` only sets `over_quota_s`.
+
+    A job whose model no instance type carries cannot run anywhere and is left out, as
+    the simulator rejects it."""
+    by_model: dict[str, list[TraceJob]] = {}
+    for j in jobs:
+        if j.duration_s > 0 and catalog.for_model(j.gpu_model):
+            by_model.setdefault(j.gpu_model, []).append(j)
+    ideal = 0.0
+    packed = 0.0
+    # all models' busy GPUs over time, for the peak and the time over the quota
+    deltas: dict[float, int] = {}
+    for model, group in sorted(by_model.items()):
+        types = [(t.gpus, t.ondemand_usd_hr) for t in catalog.for_model(model)]
+        per_gpu = min(t.ondemand_per_gpu_hr for t in catalog.for_model(model))
+        ideal += sum(j.gpus * j.duration_s for j in group) * per_gpu / 3600.0
+        steps: dict[float, int] = {}
+        for j in group:
+            end = j.submit_s + j.duration_s
+            steps[j.submit_s] = steps.get(j.submit_s, 0) + j.gpus
+            steps[end] = steps.get(end, 0) - j.gpus
+            deltas[j.submit_s] = deltas.get(j.submit_s, 0) + j.gpus
+            deltas[end] = deltas.get(end, 0) - j.gpus
+        profile = _profile(steps)
+        cover = _cover(types, max(b for _, _, b in profile))
+        packed += sum((t1 - t0) * cover[b] for t0, t1, b in profile) / 3600.0
+    total = _profile(deltas)
+    peak = max((b for _, _, b in total), default=0)
+    over = sum(t1 - t0 for t0, t1, b in total if max_gpus is not None and b > max_gpus)
+    return PackingBound(
+        ideal_cost_usd=ideal,
+        packed_cost_usd=packed,
+        efficiency_bound=ideal / packed if packed > 0 else 1.0,
+        peak_gpus=peak,
+        over_quota_s=over,
+    )
+
+
+def _profile(steps: dict[float, int]) -> list[tuple[float, float, int]]:
+    """(from, to, busy GPUs) for each stretch between consecutive distinct event times."""
+    out: list[tuple[float, float, int]] = []
+    busy = 0
+    times = sorted(steps)
+    for t0, t1 in pairwise(times):
+        busy += steps[t0]
+        if busy > 0:
+            out.append((t0, t1, busy))
+    return out
+
+
+def _cover(types: Sequence[tuple[int, float]], most: int) -> list[float]:
+    """cover[b]: the cheapest hourly price of instances (any number of each type) with at
+    least b GPUs, for b = 0..most."""
+    cover = [0.0] + [math.inf] * most
+    for b in range(1, most + 1):
+        cover[b] = min(usd + cover[max(0, b - g)] for g, usd in types)
+    return cover
