@@ -71,3 +71,34 @@ def test_the_simulator_pays_at_least_the_packed_fleet_when_little_waits() -> Non
     assert res.ideal_cost_usd == pytest.approx(b.ideal_cost_usd, abs=1e-3)
     assert res.total_cost_usd >= b.packed_cost_usd
     assert 0 < b.efficiency_bound < 1
+
+
+def test_the_arrival_window_leaves_out_the_drain_after_the_last_submission() -> None:
+    """One 8-GPU instance from 0 to 20 h. j1 (1 GPU) runs 0-10 h; j2 arrives at 4 h and
+    runs alone on one GPU from 4 h to 20 h (the drain after the last submission: 4-20 h).
+    Whole trace: 26 GPU-hours on 160 paid. Window [0, 4 h]: j1's 4 GPU-hours on 32 paid
+    (j2 starts only as the window ends). A stopped stretch costs storage."""
+    from bot.sim.bound import arrival_window_efficiency
+    from bot.sim.simulate import ScheduledJob, SimResult
+    from provisioning.costs import DEFAULT_COSTS
+    from provisioning.simulated import InstanceRecord
+
+    h = 3600.0
+    jobs = [a100("j1", 0, 10 * h, 1), a100("j2", 4 * h, 16 * h, 1)]
+    schedule = (
+        ScheduledJob("j1", "u", ("i1",), 0, 0, 10 * h, 1),
+        ScheduledJob("j2", "u", ("i1",), 4 * h, 4 * h, 20 * h, 1),
+    )
+
+    def result(stopped: tuple[tuple[float, float], ...]) -> SimResult:
+        inst = InstanceRecord("i1", "p4d.24xlarge", "ondemand", 8, 0, 0, 20 * h, stopped, 0.0)
+        return SimResult("fair", 2, 0, 0, 26 / 160, 0, 0, 0, 0, 0, schedule, (inst,))
+
+    catalog = Catalog.load()
+    # j1's four GPU-hours in the window, on 4 instance-hours (32 GPU-hours paid)
+    assert arrival_window_efficiency(result(()), jobs, catalog) == pytest.approx(4 / 32)
+    # stopped for the first hour (j1 could not have run then, but the arithmetic is what
+    # is tested): 3 paid running hours and one hour of storage
+    got = arrival_window_efficiency(result(((0.0, h),)), jobs, catalog)
+    cost = 3 * A100_HR + h * DEFAULT_COSTS.storage_usd_per_s
+    assert got == pytest.approx(4 * A100_HR / 8 / cost)
