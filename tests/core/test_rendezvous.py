@@ -45,15 +45,15 @@ def test_the_ports_in_use_are_the_open_runs_with_node_0_on_that_host(engine: Eng
         s.add(user)
         s.flush()
         assert user.id is not None
-        _run(s, user.id, RUN_RUNNING, "10.0.0.5:29501")
-        _run(s, user.id, RUN_STARTING, "10.0.0.5:29502")
-        _run(s, user.id, RUN_RUNNING, "10.0.0.6:29503")  # node 0 elsewhere
-        _run(s, user.id, RUN_FAILED, "10.0.0.5:29504")  # ended: its port is free again
-        _run(s, user.id, RUN_QUEUED, "10.0.0.5:29505")  # requeued: not listening now
+        _run(s, user.id, RUN_RUNNING, "127.0.0.5:29501")
+        _run(s, user.id, RUN_STARTING, "127.0.0.5:29502")
+        _run(s, user.id, RUN_RUNNING, "127.0.0.6:29503")  # node 0 elsewhere
+        _run(s, user.id, RUN_FAILED, "127.0.0.5:29504")  # ended: its port is free again
+        _run(s, user.id, RUN_QUEUED, "127.0.0.5:29505")  # requeued: not listening now
         _run(s, user.id, RUN_RUNNING, None)  # one host: no rendezvous
         s.commit()
-        in_use = _ports_in_use(s, "10.0.0.5")
+        in_use = _ports_in_use(s, "127.0.0.5")
         assert in_use == {29501, 29502}
         # Run 501 would have taken 29501 like run 1: it takes the next free port.
         assert rendezvous_port(501, in_use) == 29503
-        assert rendezvous_port(501, _ports_in_use(s, "10.0.0.7")) == 29501
+        assert rendezvous_port(501, _ports_in_use(s, "127.0.0.7")) == 29501
