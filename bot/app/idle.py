@@ -25,7 +25,7 @@ from sqlmodel import Session, col, select
 from bot.app.access import audit
 from bot.app.held import who_holds
 from bot.app.service import Actor, GpuService
-from bot.app.service.common import end_reservation
+from bot.app.service.common import end_reservation, owned_reservation
 from bot.app.utilization import USAGE
 from bot.domain import timefmt, views
 from bot.domain.durations import format_duration
@@ -347,13 +347,7 @@ def keep(service: GpuService, actor: Actor, res_id: int) -> views.Reply:
         user = s.exec(select(User).where(User.key == actor.key)).first() or service.user_row(
             s, actor.key, actor.name
         )
-        res = locked(s, Reservation, res_id)
-        if res is None:
-            raise UserError(f"There is no reservation #{res_id}.", USAGE)
-        if res.user_id != user.id and not actor.admin:
-            raise UserError(
-                f"Reservation #{res_id} is not yours; only its holder or an admin can keep it."
-            )
+        res = owned_reservation(s, actor, user, res_id, verb="keep", usage=USAGE)
         if res.state != RES_ACTIVE:
             raise UserError(
                 f"Reservation #{res_id} is {res.state}; there is nothing to keep.", USAGE

@@ -16,6 +16,7 @@ from bot.app.held import end_held, who_holds
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
 from bot.domain import views
 from bot.domain.best_fit import best_fit
+from bot.domain.errors import UserError
 from bot.domain.readmodels import GpuState, HostState, ReservationInfo
 from db.models import (
     HOST_UNREACHABLE,
@@ -28,6 +29,7 @@ from db.models import (
     UsageInterval,
     User,
 )
+from db.session import locked
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,21 @@ def released_info(res: Reservation, holder: User) -> ReservationInfo:
         ends_at=res.ends_at,
         ended_at=res.ended_at,
     )
+
+
+def owned_reservation(
+    s: Session, actor: Actor, user: User, reservation_id: int, *, verb: str, usage: str
+) -> Reservation:
+    """The reservation named, read under its lock, refused unless it exists and is the
+    caller's or the caller is an admin: release, extend and keep refuse alike."""
+    res = locked(s, Reservation, reservation_id)
+    if res is None:
+        raise UserError(f"There is no reservation #{reservation_id}.", usage)
+    if res.user_id != user.id and not actor.admin:
+        raise UserError(
+            f"Reservation #{reservation_id} is not yours; only its holder or an admin can {verb} it."
+        )
+    return res
 
 
 def end_reservation(s: Session, res: Reservation, state: str, at: datetime) -> None:

@@ -18,6 +18,7 @@ from bot.app.ports import Actor, Core
 from bot.app.service.common import (
     TickReport,
     end_reservation,
+    owned_reservation,
     released_info,
     reservation_info,
 )
@@ -36,7 +37,7 @@ from db.models import (
     Reservation,
     User,
 )
-from db.session import lock_pool, locked, locked_rows, retrying, transaction
+from db.session import lock_pool, locked_rows, retrying, transaction
 
 log = logging.getLogger(__name__)
 
@@ -211,13 +212,7 @@ class Reservations:
         the caller's open ones, at least one and more only when `all_ok` (None: a verb
         that has no `all`, so the refusal does not offer it)."""
         if reservation_id is not None:
-            res = locked(s, Reservation, reservation_id)
-            if res is None:
-                raise UserError(f"There is no reservation #{reservation_id}.", usage)
-            if res.user_id != user.id and not actor.admin:
-                raise UserError(
-                    f"Reservation #{res.id} is not yours; only its holder or an admin can {verb} it."
-                )
+            res = owned_reservation(s, actor, user, reservation_id, verb=verb, usage=usage)
             if res.state not in RES_OPEN_STATES:
                 raise UserError(f"Reservation #{res.id} is already {res.state}.", usage)
             return [res]
