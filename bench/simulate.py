@@ -111,7 +111,7 @@ def synthetic_trace(base: list[TraceJob], n: int, seed: int) -> list[TraceJob]:
 
 
 def _judged(
-    trace: Path, jobs: list[TraceJob] | Path, max_gpus: int, world: dict[str, object], d: Path
+    trace: Path, jobs: list[TraceJob], max_gpus: int, world: dict[str, object], d: Path
 ) -> dict[str, dict[str, object]]:
     """Every policy on one trace in one world, each schedule checked by its rules."""
     catalog = Catalog.load()
@@ -121,7 +121,6 @@ def _judged(
         "checkpoint_every_s": world.get("checkpoint_every_s", 1800.0),
         "stop_s": world.get("stop_s", 30.0),
     }
-    listed = jobs if isinstance(jobs, list) else load_trace(jobs, catalog, "A100")
     for policy in POLICIES:
         res = run_simulation(
             jobs,
@@ -147,7 +146,7 @@ def _judged(
                 # beside cost_efficiency: without the drain after the last submission,
                 # which production never has (bot.sim.bound.arrival_window_efficiency)
                 "arrival_window_efficiency": round(
-                    arrival_window_efficiency(res, listed, catalog), 6
+                    arrival_window_efficiency(res, jobs, catalog), 6
                 ),
                 "instances": len(res.instances),
                 "preemptions": res.preemptions,
@@ -205,9 +204,11 @@ def run() -> dict[str, object]:
     goals: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        dev: Table = {name: _judged(trace, trace, MAX_GPUS, w, d) for name, w in WORLDS.items()}
+        # parsed once: the simulations, the drain figure and the bound all read it
+        dev_jobs = load_trace(trace, catalog, "A100")
+        dev: Table = {name: _judged(trace, dev_jobs, MAX_GPUS, w, d) for name, w in WORLDS.items()}
         feasible &= all(bool(f["checker_ok"]) for w in dev.values() for f in w.values())
-        bound = packing_bound(load_trace(trace, catalog, "A100"), catalog, MAX_GPUS)
+        bound = packing_bound(dev_jobs, catalog, MAX_GPUS)
         out["dev_256"] = {**dev, "packing_bound": bound.figures()}
         goals["dev_256"] = _goals(dev, DEV_GOAL)
         for key, (shape, seeds, gpus, eff) in SYNTHETIC.items():
@@ -249,7 +250,7 @@ def run() -> dict[str, object]:
                 **_goals(mean, eff),
             }
 
-    base = load_trace(trace, catalog, "A100")
+    base = dev_jobs
     jobs_big = synthetic_trace(base, SYNTH_JOBS, SYNTH_SEED)
     t0, c0 = time.perf_counter(), time.process_time()
     # `gpubot simulate`'s defaults: the honest world with no job checkpointable

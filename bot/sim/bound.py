@@ -170,9 +170,10 @@ def arrival_window_efficiency(
         inside(seg.start_s, seg.end_s) * seg.gpus * per_gpu[by_id[seg.job_id].gpu_model] / 3600.0
         for seg in result.schedule
     )
+    last_end = max(seg.end_s for seg in result.schedule)  # for an instance still alive
     cost = 0.0
     for inst in result.instances:
-        end = inst.end_s if inst.end_s is not None else max(s.end_s for s in result.schedule)
+        end = inst.end_s if inst.end_s is not None else last_end
         stopped = sum(inside(a, b) for a, b in inst.stopped)
         itype = catalog.get(inst.instance_type)
         assert itype is not None, inst.instance_type

@@ -87,7 +87,8 @@ class Grants:
                 free[(c.host_id, c.model)] = c.free
         # Each waiting row is read under its lock (ids in order) before it is granted:
         # an extend or a cancel that committed meanwhile is seen, not written over. The
-        # new request stays unwritten meanwhile (no autoflush) and goes last.
+        # new request goes last and is not written early by the pass's reads (no
+        # autoflush): each grant flushes itself.
         with s.no_autoflush:
             waiting = sorted(
                 locked_rows(
@@ -98,12 +99,10 @@ class Grants:
                 ),
                 key=lambda r: (r.requested_at, r.id or 0),
             )
-        if new is not None:
-            waiting.append(new)
-        blocked_models: set[str | None] = set()
-        granted = 0
-        # Reads here do not write the new request early; each grant flushes itself.
-        with s.no_autoflush:
+            if new is not None:
+                waiting.append(new)
+            blocked_models: set[str | None] = set()
+            granted = 0
             for res in waiting:
                 if (
                     None in blocked_models
