@@ -340,27 +340,6 @@ def _sums(
     return sums
 
 
-def _fair_share_additions(ivs: Sequence[ClosedInterval]) -> dict[int, tuple[float, datetime]]:
-    """Each user's GPU-seconds in `ivs`, decayed to the last of their ends: (seconds, as
-    of). Added to a counter as of an earlier instant, the counter is decayed to this one
-    first; as of a later one, the addition is decayed to it instead (a clock step back)."""
-    h = FAIR_SHARE_HALF_LIFE_S
-    out: dict[int, tuple[float, datetime]] = {}
-    for iv in sorted(ivs, key=lambda i: (i.ended_at, i.id or 0)):
-        assert iv.ended_at is not None
-        secs = max(0.0, (iv.ended_at - iv.started_at).total_seconds())
-        got = out.get(iv.user_id)
-        if got is None:
-            out[iv.user_id] = (secs, iv.ended_at)
-        else:
-            value, as_of = got
-            out[iv.user_id] = (
-                decay(value, (iv.ended_at - as_of).total_seconds(), h) + secs,
-                iv.ended_at,
-            )
-    return out
-
-
 @functools.cache
 def _fair_share_upsert(dialect: str) -> Any:
     """INSERT ... ON CONFLICT (user) DO UPDATE that brings the kept counter and the
@@ -386,7 +365,15 @@ def _add_fair_share(s: Session, ivs: Sequence[ClosedInterval]) -> None:
     the decay in SQL: every release ran a read of the counters and a write of each.
     Core, not the ORM: a counter this session has loaded is not refreshed (nothing that
     closes intervals reads one)."""
-    added = _fair_share_additions(ivs)
+    # Each user's GPU-seconds here decayed to the last of their ends, as the rebuild
+    # keeps a counter (`fair_share_of`); the upsert then meets the kept counter at the
+    # later of the two instants.
+    ends = sorted(
+        (iv.ended_at, iv.id or 0, iv.started_at, iv.user_id)
+        for iv in ivs
+        if iv.ended_at is not None
+    )
+    added = fair_share_of((ended, started, user) for ended, _, started, user in ends)
     if not added:
         return
     rows = [
