@@ -16,6 +16,7 @@ own transaction, as before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,6 +40,7 @@ from db.models import (
     UsageInterval,
     User,
 )
+from db.session import core
 from db.types import UTCDateTime
 
 
@@ -88,9 +90,22 @@ def gpu_counts(s: Session) -> list[GpuCount]:
     reserve needs to refuse the impossible and to choose a host (best fit needs only how
     many are free where), a row per host and model instead of a row per GPU. It was the
     GPUs of a hundred hosts, read twice, in every reserve."""
+    return [
+        GpuCount(host_id, state, model, int(n), int(n) - int(h))
+        for host_id, state, model, n, h in core(s).execute(_gpu_counts_stmt()).all()
+    ]
+
+
+# The hot path's statements are built once (with bound parameters where they vary) and
+# run through the connection (Core): building a statement and the ORM's execute path cost
+# more CPU than the statement itself, in every reserve and release.
+
+
+@functools.cache
+def _gpu_counts_stmt() -> Any:
     held = func.count(col(UsageInterval.id))
     columns: tuple[Any, ...] = (Gpu.host_id, Host.state, Gpu.model, func.count(), held)
-    stmt: Any = (
+    return (
         select(*columns)
         .join(Host, col(Host.id) == col(Gpu.host_id))
         .join(
@@ -102,10 +117,6 @@ def gpu_counts(s: Session) -> list[GpuCount]:
         .group_by(col(Gpu.host_id), col(Host.state), col(Gpu.model))
         .order_by(col(Gpu.host_id), func.min(col(Gpu.index)))
     )
-    return [
-        GpuCount(host_id, state, model, int(n), int(n) - int(h))
-        for host_id, state, model, n, h in s.exec(stmt).all()
-    ]
 
 
 def fleet_counts(s: Session) -> FleetCounts:
@@ -168,10 +179,16 @@ def free_gpus(
     """The host, and (id, index) of its present, free GPUs of this model, by index; the
     host is None when none is free. One query for both: the grant pass read the host
     (as an ORM object) and then its GPUs, two statements of every reserve."""
+    rows = core(s).execute(_free_gpus_stmt(), {"host_id": host_id, "model": model}).all()
+    return (rows[0] if rows else None), [(row[0], row[1]) for row in rows]
+
+
+@functools.cache
+def _free_gpus_stmt() -> Any:
     # The GPU's columns labelled, so that the row's `id` is the host's.
     gpu_cols: tuple[Any, ...] = (col(Gpu.id).label("gpu_id"), col(Gpu.index).label("gpu_index"))
     columns: tuple[Any, ...] = (*gpu_cols, *_GRANT_HOST_COLUMNS)
-    stmt: Any = (
+    return (
         select(*columns)
         .join(Host, col(Host.id) == col(Gpu.host_id))
         .join(
@@ -180,15 +197,13 @@ def free_gpus(
             isouter=True,
         )
         .where(
-            col(Gpu.host_id) == host_id,
-            col(Gpu.model) == model,
+            col(Gpu.host_id) == bindparam("host_id"),
+            col(Gpu.model) == bindparam("model"),
             col(Gpu.present).is_(True),
             col(UsageInterval.id).is_(None),
         )
         .order_by(col(Gpu.index))
     )
-    rows = s.connection().execute(stmt).all()
-    return (rows[0] if rows else None), [(row[0], row[1]) for row in rows]
 
 
 def held_host_ids(s: Session) -> set[int]:
@@ -249,17 +264,17 @@ def end_held(
         raise ValueError("end_held needs a host, a reservation or a run")
     if s.new or s.dirty:
         s.flush()  # an interval opened in this transaction is in the table before it ends
-    table: Any = UsageInterval.__table__  # type: ignore[attr-defined]
-    end = bindparam("end_at", at, type_=UTCDateTime)
-    started = table.c.started_at
-    stmt = (
-        update(table)
-        .where(*_held(host_ids=_one(host_id), reservation_id=reservation_id, run_id=run_id))
-        .values(ended_at=case((started > end, started), else_=end))
-        .returning(*_ENDED_COLUMNS)
-    )
+    params: dict[str, Any] = {"b_end_at": at}  # not column names: an UPDATE reserves those
+    if host_id is not None:
+        params["b_host_id"] = host_id
+    if reservation_id is not None:
+        params["b_reservation_id"] = reservation_id
+    if run_id is not None:
+        params["b_run_id"] = run_id
+    stmt = _end_held_stmt(host_id is not None, reservation_id is not None, run_id is not None)
     ended = sorted(
-        (EndedInterval(*row) for row in s.connection().execute(stmt)), key=lambda iv: iv.id
+        (EndedInterval(*row) for row in s.connection().execute(stmt, params)),
+        key=lambda iv: iv.id,
     )
     for iv in ended:
         loaded = s.identity_map.get(identity_key(UsageInterval, iv.id))
@@ -267,6 +282,27 @@ def end_held(
             set_committed_value(loaded, "ended_at", iv.ended_at)
     on_closed(s, ended)
     return ended
+
+
+@functools.cache
+def _end_held_stmt(by_host: bool, by_reservation: bool, by_run: bool) -> Any:
+    """end_held's UPDATE for one combination of filters, built once (bound parameters)."""
+    table: Any = UsageInterval.__table__  # type: ignore[attr-defined]
+    end = bindparam("b_end_at", type_=UTCDateTime)
+    started = table.c.started_at
+    where = [table.c.ended_at.is_(None)]
+    if by_host:
+        where.append(table.c.host_id == bindparam("b_host_id"))
+    if by_reservation:
+        where.append(table.c.reservation_id == bindparam("b_reservation_id"))
+    if by_run:
+        where.append(table.c.run_id == bindparam("b_run_id"))
+    return (
+        update(table)
+        .where(*where)
+        .values(ended_at=case((started > end, started), else_=end))
+        .returning(*_ENDED_COLUMNS)
+    )
 
 
 @dataclass(frozen=True)
