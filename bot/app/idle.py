@@ -344,9 +344,7 @@ def keep(service: GpuService, actor: Actor, res_id: int) -> views.Reply:
     the reservation, with nothing after it (db.session): the user is only read (made
     first, before that lock, in the rare case it is new)."""
     with transaction(service.engine) as s:
-        user = s.exec(select(User).where(User.key == actor.key)).first() or service.user_row(
-            s, actor.key, actor.name
-        )
+        user = service.user_row(s, actor.key, actor.name)
         res = owned_reservation(s, actor, user, res_id, verb="keep", usage=USAGE)
         if res.state != RES_ACTIVE:
             raise UserError(

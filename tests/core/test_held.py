@@ -8,11 +8,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from bot.app.held import end_held, held_gpu_ids, held_host_ids, held_intervals, who_holds
 from db.models import Gpu, Host, Reservation, TrainingRun, UsageInterval, User
-from db.session import transaction
+from db.session import core, transaction
 
 T0 = datetime(2024, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -125,6 +125,35 @@ def test_ending_a_run_lets_go_of_its_gpus_only_never_before_they_were_taken(
     with transaction(engine, write=False) as s:
         assert held_gpu_ids(s) == set()
         assert held_intervals(s) == []
+
+
+def test_ending_by_two_filters_ends_only_what_matches_both(engine: Engine) -> None:
+    # end_held's UPDATE is built once per combination of filters: each combination must
+    # still narrow by all of its filters.
+    with transaction(engine) as s:
+        ids = _setup(s)
+    with transaction(engine) as s:
+        assert (
+            end_held(s, T0 + timedelta(hours=1), host_id=ids["h1"], reservation_id=ids["res"]) == []
+        )
+        assert end_held(s, T0 + timedelta(hours=1), host_id=ids["h2"], run_id=ids["run"]) == []
+        ended = end_held(s, T0 + timedelta(hours=1), host_id=ids["h2"], reservation_id=ids["res"])
+        assert sorted(iv.gpu_id for iv in ended) == sorted([ids["h2g0"], ids["h2g1"]])
+        assert {iv.ended_at for iv in ended} == {T0 + timedelta(hours=1)}
+    with transaction(engine, write=False) as s:
+        assert held_gpu_ids(s) == {ids["h1g0"]}
+
+
+def test_a_core_read_sees_what_the_session_has_pending_as_an_orm_read_would(
+    engine: Engine,
+) -> None:
+    count_users = select(func.count()).select_from(User)
+    with transaction(engine) as s:
+        s.add(User(key="carol", display_name="Carol", created_at=T0))
+        with s.no_autoflush:  # the grant pass's reads: nothing is written early
+            assert core(s).execute(count_users).scalar_one() == 0
+        assert core(s).execute(count_users).scalar_one() == 1
+        assert not s.new
 
 
 def test_ending_needs_a_holder(sqlite_engine: Engine) -> None:

@@ -12,7 +12,7 @@ from sqlmodel import Session, col, select
 from bot.app.service import GpuService
 from bot.domain.commands import Extend, Release, Reserve, Status
 from bot.domain.errors import UserError
-from db.models import Notification, Reservation, UsageInterval
+from db.models import Notification, Reservation, UsageInterval, User
 from tests.core.helpers import HOUR, actor, host, make_service
 
 A100_BOX = host("box-a", "A100", 8, hourly=21.96)
@@ -270,3 +270,20 @@ def test_cost_is_each_gpu_second_held_at_its_share_of_the_price(engine: Engine) 
     assert costs == {"alice": Decimal("16.47"), "bob": Decimal("2.745")}
     _, only_bob, _ = svc.costs("today", "bob")
     assert only_bob == {"bob": Decimal("2.745")}
+
+
+def test_a_verb_never_puts_back_the_name_its_actor_was_made_with(engine: Engine) -> None:
+    # The Slack face makes a new user under the payload's name and renames them once
+    # users.info answers, while the first command may still be running with the actor it
+    # was given: the verbs must not write that actor's older name back.
+    svc, _ = make_service(engine, [A100_BOX])
+    first = svc.actor("U0CAROL01", name_if_new="carol")
+    assert first.name == "carol"
+    svc.actor("U0CAROL01", "Carol Danvers")
+    svc.reserve(first, Reserve(count=1))
+    svc.extend(first, Extend(duration=HOUR))
+    svc.release(first, Release())
+    with Session(engine) as s:
+        carol = s.exec(select(User).where(User.key == "U0CAROL01")).one()
+        assert carol.display_name == "Carol Danvers"
+    assert svc.actor("U0CAROL01", name_if_new="carol").name == "Carol Danvers"

@@ -125,7 +125,7 @@ class GpuService:
         if user is None or (display_name and user.display_name != display_name):
             name = display_name or (name_if_new if user is None else None)
             with transaction(self.engine) as s:
-                user = self.user_row(s, key, name)
+                user = self.user_row(s, key, name, rename=bool(display_name))
         return Actor(key=user.key, name=user.display_name, admin=self._is_admin(user))
 
     def _is_admin(self, user: User) -> bool:
@@ -134,17 +134,23 @@ class GpuService:
         # psql session) must not be able to make itself an admin. The column stays unread.
         return self.settings.is_admin(user.key)
 
-    def user_row(self, s: Session, key: str, display_name: str | None = None) -> User:
+    def user_row(
+        self, s: Session, key: str, name: str | None = None, *, rename: bool = False
+    ) -> User:
+        """The user's row, made on first sight and named `name` (else the key). Only
+        `rename` gives a known user `name`: a verb passes the name its actor was made
+        with, which can be older than the name Slack's users.info has since written,
+        and a verb that renamed would put the old name back."""
         user = s.exec(_USER_BY_KEY, params={"key": key}).first()
         if user is None:
-            user = User(key=key, display_name=display_name or key, created_at=self.clock.now())
+            user = User(key=key, display_name=name or key, created_at=self.clock.now())
             try:
                 with s.begin_nested():
                     s.add(user)
             except IntegrityError:  # created by a concurrent first request
                 user = s.exec(_USER_BY_KEY, params={"key": key}).one()
-        elif display_name and user.display_name != display_name:
-            user.display_name = display_name
+        elif rename and name and user.display_name != name:
+            user.display_name = name
             s.add(user)
         return user
 
