@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bot.sim.bound import arrival_window_efficiency, packing_bound
+from bot.sim.bound import arrival_window_efficiency, packing_bound, paid_gpu_time
 from bot.sim.simulate import (
     TraceJob,
     load_trace,
@@ -83,6 +83,11 @@ MEAN_KEYS = (
     "total_cost_usd",
     "gpu_utilization",
     "preemptions",
+    # where the paid GPU time went (bot.sim.bound.paid_gpu_time), as fractions of it
+    "busy",
+    "idle_beside_a_job",
+    "idle_with_no_job",
+    "done_again",
 )
 WORLDS: dict[str, dict[str, object]] = {
     "honest": {"estimates": "none", "checkpointable_fraction": 0.5, "checkpoint_every_s": 1800.0},
@@ -148,6 +153,9 @@ def _judged(
                 "arrival_window_efficiency": round(
                     arrival_window_efficiency(res, jobs, catalog), 6
                 ),
+                **{
+                    k: v for k, v in paid_gpu_time(res, jobs).figures().items() if k != "paid_gpu_h"
+                },
                 "instances": len(res.instances),
                 "preemptions": res.preemptions,
                 "rejected": len(res.rejected),
@@ -320,6 +328,13 @@ def headline(figures: dict[str, object]) -> list[str]:
             f"(no-wait over quota {_num(mean['no_wait_over_quota_h']):.0f} h; exact-world "
             f"fair {_num(mean['exact']['fair']['checker_cost_efficiency']):.3f})  "
             f"| {met(all_goals.get(key))}"
+        )
+        paid = mean["honest"]["fair"]
+        lines.append(
+            f"    fair's paid GPU time: busy {_num(paid['busy']):.3f} (done again "
+            f"{_num(paid['done_again']):.3f}), idle beside a job "
+            f"{_num(paid['idle_beside_a_job']):.3f}, idle with no job "
+            f"{_num(paid['idle_with_no_job']):.3f}"
         )
         for seed, s in t["per_seed"].items():
             lines.append(

@@ -102,3 +102,55 @@ def test_the_arrival_window_leaves_out_the_drain_after_the_last_submission() -> 
     got = arrival_window_efficiency(result(((0.0, h),)), jobs, catalog)
     cost = 3 * A100_HR + h * DEFAULT_COSTS.storage_usd_per_s
     assert got == pytest.approx(4 * A100_HR / 8 / cost)
+
+
+def test_paid_gpu_time_splits_what_was_paid_into_busy_idle_beside_a_job_and_empty() -> None:
+    """One 8-GPU instance launched at 0, ready at 0.5 h, stopped 3-4 h, terminated at 6 h.
+    j1 (2 GPUs) ran 0.5-2.5 h; j2 (1 GPU) ran 1-2 h, was preempted, and ran again 4.5-5.5
+    h after its resume, so one of its hours is done again. Paid: 5 running hours x 8 GPUs."""
+    from bot.sim.bound import paid_gpu_time
+    from bot.sim.simulate import ScheduledJob, SimResult
+    from provisioning.simulated import InstanceRecord
+
+    h = 3600.0
+    jobs = [a100("j1", 0, 2 * h, 2), a100("j2", h, h, 1), a100("never", 0, h, 1)]
+    schedule = (
+        ScheduledJob("j1", "u", ("i1",), 0, 0.5 * h, 2.5 * h, 2),
+        ScheduledJob("j2", "u", ("i1",), h, h, 2 * h, 1),
+        ScheduledJob("j2", "u", ("i1",), h, 4.5 * h, 5.5 * h, 1),
+    )
+    inst = InstanceRecord(
+        "i1", "p4d.24xlarge", "ondemand", 8, 0, 0.5 * h, 6 * h, ((3 * h, 4 * h),), 0.0
+    )
+    res = SimResult("fair", 3, 0, 0, 0, 0, 0, 0, 0, 0, schedule, (inst,))
+    got = paid_gpu_time(res, jobs)
+    assert got.paid_gpu_s == pytest.approx(5 * 8 * h)
+    assert got.busy_gpu_s == pytest.approx((2 * 2 + 1 + 1) * h)
+    # busy GPUs: 0.5-1 h 2, 1-2 h 3, 2-2.5 h 2, 4.5-5.5 h 1; none at 0-0.5, 2.5-3, 4-4.5, 5.5-6
+    partial = (0.5 * 6 + 1 * 5 + 0.5 * 6 + 1 * 7) * h
+    assert got.partial_idle_gpu_s == pytest.approx(partial)
+    assert got.empty_gpu_s == pytest.approx((0.5 + 0.5 + 0.5 + 0.5) * 8 * h)
+    assert got.busy_gpu_s + got.partial_idle_gpu_s + got.empty_gpu_s == pytest.approx(
+        got.paid_gpu_s
+    )
+    # j2's second hour is work done again; "never" did not run, so it is not counted
+    assert got.redone_gpu_s == pytest.approx(h)
+    assert got.figures()["idle_with_no_job"] == pytest.approx(16 / 40, abs=1e-4)
+
+
+def test_paid_gpu_time_adds_up_on_a_simulated_team_week() -> None:
+    from bot.sim.bound import paid_gpu_time
+    from bot.sim.simulate import parse_trace, run_simulation
+    from bot.sim.tracegen import small_team_trace
+
+    catalog = Catalog.load()
+    jobs = parse_trace(small_team_trace(3).splitlines(), catalog, "A100")
+    res = run_simulation(jobs, catalog=catalog, max_gpus=16, checkpointable_fraction=0.5)
+    got = paid_gpu_time(res, jobs)
+    parts = got.busy_gpu_s + got.partial_idle_gpu_s + got.empty_gpu_s
+    assert parts == pytest.approx(got.paid_gpu_s, rel=1e-9)
+    assert 0 < got.redone_gpu_s < got.busy_gpu_s
+    # the simulator's efficiency is the jobs' own GPU time over what was paid, in money
+    # (plus storage and the per-start minimum): the same order as busy minus done again
+    own = (got.busy_gpu_s - got.redone_gpu_s) / got.paid_gpu_s
+    assert res.cost_efficiency == pytest.approx(own, abs=0.05)

@@ -181,3 +181,85 @@ def arrival_window_efficiency(
         cost += (inside(inst.launch_s, end) - stopped) * hourly / 3600.0
         cost += stopped * storage_usd_s
     return ideal / cost if cost > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class PaidGpuTime:
+    """Where a schedule's paid GPU-seconds went (instances running, not stopped).
+
+    Why: on the small-team loads a third of what is paid is idle GPUs on instances that
+    are running a job (one long one-GPU job on an 8-GPU instance at night), not booting,
+    idle stops or lost work; this says which, so a change to the scheduler can be aimed
+    at the part that is large."""
+
+    paid_gpu_s: float  # GPUs x running time of every instance
+    busy_gpu_s: float  # GPU-seconds running a job segment (lost work and resumes included)
+    partial_idle_gpu_s: float  # idle GPUs on an instance that runs at least one job
+    empty_gpu_s: float  # an instance running no job: booting, restarting, before a stop
+    redone_gpu_s: float  # busy beyond the jobs' own GPU-seconds: work done again, resumes
+
+    def figures(self) -> dict[str, object]:
+        paid = self.paid_gpu_s or 1.0
+        return {
+            "paid_gpu_h": round(self.paid_gpu_s / 3600.0, 3),
+            "busy": round(self.busy_gpu_s / paid, 4),
+            "idle_beside_a_job": round(self.partial_idle_gpu_s / paid, 4),
+            "idle_with_no_job": round(self.empty_gpu_s / paid, 4),
+            "done_again": round(self.redone_gpu_s / paid, 4),
+        }
+
+
+def paid_gpu_time(result: SimResult, jobs: Sequence[TraceJob]) -> PaidGpuTime:
+    """Splits the paid GPU-seconds of `result` (PaidGpuTime). A run over several
+    instances counts its GPUs evenly on each; an instance still alive at the end runs to
+    the last segment's end."""
+    per_instance: dict[str, dict[float, float]] = {}
+    busy = 0.0
+    for seg in result.schedule:
+        share = seg.gpus / len(seg.instance_ids)
+        for iid in seg.instance_ids:
+            steps = per_instance.setdefault(iid, {})
+            steps[seg.start_s] = steps.get(seg.start_s, 0.0) + share
+            steps[seg.end_s] = steps.get(seg.end_s, 0.0) - share
+        busy += (seg.end_s - seg.start_s) * seg.gpus
+    last_end = max((seg.end_s for seg in result.schedule), default=0.0)
+    paid = partial = empty = 0.0
+    for inst in result.instances:
+        end = inst.end_s if inst.end_s is not None else max(last_end, inst.launch_s)
+        running: list[tuple[float, float]] = []
+        t = inst.launch_s
+        for a, b in sorted(inst.stopped):
+            if a > t:
+                running.append((t, min(a, end)))
+            t = max(t, b)
+        if end > t:
+            running.append((t, end))
+        events = sorted(per_instance.get(inst.instance_id, {}).items())
+        for lo, hi in running:
+            paid += (hi - lo) * inst.gpus
+            # the busy GPUs over [lo, hi]: the step function's level between events
+            level, at = 0.0, lo
+            for when, delta in events:
+                if when > at and at < hi:
+                    span = min(when, hi) - at
+                    if level <= 1e-9:
+                        empty += span * inst.gpus
+                    else:
+                        partial += span * max(0.0, inst.gpus - level)
+                    at = min(when, hi)
+                level += delta
+            if at < hi:
+                span = hi - at
+                if level <= 1e-9:
+                    empty += span * inst.gpus
+                else:
+                    partial += span * max(0.0, inst.gpus - level)
+    done = {seg.job_id for seg in result.schedule}
+    own = sum(j.duration_s * j.gpus for j in jobs if j.job_id in done and j.duration_s > 0)
+    return PaidGpuTime(
+        paid_gpu_s=paid,
+        busy_gpu_s=busy,
+        partial_idle_gpu_s=partial,
+        empty_gpu_s=empty,
+        redone_gpu_s=max(0.0, busy - own),
+    )
