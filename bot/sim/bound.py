@@ -213,14 +213,14 @@ def paid_gpu_time(result: SimResult, jobs: Sequence[TraceJob]) -> PaidGpuTime:
     """Splits the paid GPU-seconds of `result` (PaidGpuTime). A run over several
     instances counts its GPUs evenly on each; an instance still alive at the end runs to
     the last segment's end."""
-    per_instance: dict[str, dict[float, float]] = {}
+    per_instance: dict[str, dict[float, int]] = {}
     busy = 0.0
     for seg in result.schedule:
-        share = seg.gpus / len(seg.instance_ids)
+        share = seg.gpus // len(seg.instance_ids)  # a run over k instances: gpus/k on each
         for iid in seg.instance_ids:
             steps = per_instance.setdefault(iid, {})
-            steps[seg.start_s] = steps.get(seg.start_s, 0.0) + share
-            steps[seg.end_s] = steps.get(seg.end_s, 0.0) - share
+            steps[seg.start_s] = steps.get(seg.start_s, 0) + share
+            steps[seg.end_s] = steps.get(seg.end_s, 0) - share
         busy += (seg.end_s - seg.start_s) * seg.gpus
     last_end = max((seg.end_s for seg in result.schedule), default=0.0)
     paid = partial = empty = 0.0
@@ -234,26 +234,17 @@ def paid_gpu_time(result: SimResult, jobs: Sequence[TraceJob]) -> PaidGpuTime:
             t = max(t, b)
         if end > t:
             running.append((t, end))
-        events = sorted(per_instance.get(inst.instance_id, {}).items())
+        # the stretches with a job on the instance, and how many of its GPUs are busy
+        stretches = _profile(per_instance.get(inst.instance_id, {}))
         for lo, hi in running:
             paid += (hi - lo) * inst.gpus
-            # the busy GPUs over [lo, hi]: the step function's level between events
-            level, at = 0.0, lo
-            for when, delta in events:
-                if when > at and at < hi:
-                    span = min(when, hi) - at
-                    if level <= 1e-9:
-                        empty += span * inst.gpus
-                    else:
-                        partial += span * max(0.0, inst.gpus - level)
-                    at = min(when, hi)
-                level += delta
-            if at < hi:
-                span = hi - at
-                if level <= 1e-9:
-                    empty += span * inst.gpus
-                else:
-                    partial += span * max(0.0, inst.gpus - level)
+            with_a_job = 0.0
+            for t0, t1, b in stretches:
+                overlap = min(t1, hi) - max(t0, lo)
+                if overlap > 0:
+                    with_a_job += overlap
+                    partial += overlap * max(0, inst.gpus - b)
+            empty += (hi - lo - with_a_job) * inst.gpus
     done = {seg.job_id for seg in result.schedule}
     own = sum(j.duration_s * j.gpus for j in jobs if j.job_id in done and j.duration_s > 0)
     return PaidGpuTime(
