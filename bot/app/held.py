@@ -262,8 +262,6 @@ def end_held(
     reads as the database has it without a reload."""
     if host_id is None and reservation_id is None and run_id is None:
         raise ValueError("end_held needs a host, a reservation or a run")
-    if s.new or s.dirty:
-        s.flush()  # an interval opened in this transaction is in the table before it ends
     params: dict[str, Any] = {"b_end_at": at}  # not column names: an UPDATE reserves those
     if host_id is not None:
         params["b_host_id"] = host_id
@@ -273,7 +271,8 @@ def end_held(
         params["b_run_id"] = run_id
     stmt = _end_held_stmt(host_id is not None, reservation_id is not None, run_id is not None)
     ended = sorted(
-        (EndedInterval(*row) for row in s.connection().execute(stmt, params)),
+        # after what the session has pending, as the ORM's own execute would flush it
+        (EndedInterval(*row) for row in core(s).execute(stmt, params)),
         key=lambda iv: iv.id,
     )
     for iv in ended:

@@ -167,8 +167,11 @@ class Core(Protocol):
     @property
     def supply(self) -> Supply: ...
 
-    def user_row(self, s: Session, key: str, display_name: str | None = None) -> User:
-        """The user with this key, created on first sight."""
+    def user_row(
+        self, s: Session, key: str, name: str | None = None, *, rename: bool = False
+    ) -> User:
+        """The user with this key, created on first sight (named `name`); renamed only
+        with `rename` (GpuService.user_row)."""
         ...
 
     def gpu_count(self, s: Session, host_id: int) -> int:
