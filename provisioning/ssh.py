@@ -19,6 +19,7 @@ Rules every operation keeps, because the worker polls many hosts from one proces
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import logging
@@ -60,6 +61,12 @@ class SshError(ProvisioningError):
 
 class SshNotAllowed(SshError):
     """The target is outside what this process may dial (see GPUBOT_SSH_LOOPBACK_ONLY)."""
+
+
+class SshUnreachable(SshError):
+    """The host did not take the connection (refused, silent, key or login refused) or the
+    link died under an operation: the host is not answering, as opposed to a command that
+    ran there and failed or took too long. Callers back off dialling it (bot.app.remote)."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +255,12 @@ class SshRunner(Protocol):
 
     def is_alive(self, target: SshTarget, pid: int) -> bool: ...
 
+    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
+        """Blocks until the process has ended (True) or `timeout` seconds passed with it
+        still running (False). Other operations on the host go on meanwhile: a run's end
+        is learnt within a fraction of a second, not at the next poll."""
+        ...
+
     def close(self, target: SshTarget | None = None) -> None:
         """Drop cached connections (one target's, or all)."""
         ...
@@ -324,7 +337,7 @@ def detached_command_line(
 
 def alive_command_line(pid: int) -> str:
     """Exit 0 when pid runs; a zombie counts as dead (an orphan may wait for its reaper)."""
-    pid = _check_pid(pid)
+    pid = check_pid(pid)
     return (
         f"if [ -d /proc/self ]; then "
         f"s=$(sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -c1); "
@@ -333,8 +346,23 @@ def alive_command_line(pid: int) -> str:
     )
 
 
+# How often a process's end is looked for while waiting for it (wait_gone).
+GONE_POLL_S = 0.2
+
+
+def wait_gone_command_line(pid: int, timeout: float) -> str:
+    """Exit 0 once pid has ended (a zombie counts as ended, as in alive_command_line), 1
+    when it still runs after `timeout` seconds. A loop on the host rather than one check
+    per round trip: the wait costs one channel, not a command every fraction of a second."""
+    rounds = max(1, int(timeout / GONE_POLL_S))
+    return (
+        f"i=0; while [ $i -lt {rounds} ]; do {{ {alive_command_line(pid)}; }} || exit 0; "
+        f"sleep {GONE_POLL_S} 2>/dev/null || sleep 1; i=$((i+1)); done; exit 1"
+    )
+
+
 def kill_group_command_line(pgid: int, signal: str) -> str:
-    pgid = _check_pid(pgid)
+    pgid = check_pid(pgid)
     name = signal.upper().removeprefix("SIG")
     if name not in SIGNALS:
         raise ValueError(f"not a signal kill_group sends: {signal!r}")
@@ -362,7 +390,7 @@ def tail_command_line(path: str, lines: int) -> str:
     return f"if [ -e {quoted} ]; then tail -n {int(lines)} -- {quoted}; fi"
 
 
-def _check_pid(pid: int) -> int:
+def check_pid(pid: int) -> int:
     # 0, 1 and negative numbers mean "my group", "every process" or init to kill(1).
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
         raise ValueError(f"not a process id this layer may touch: {pid!r}")
@@ -635,13 +663,13 @@ class SshClient:
         try:
             conn.open()
         except paramiko.BadHostKeyException as exc:
-            raise SshError(
+            raise SshUnreachable(
                 f"{target.label} presented a different host key than expected; not connecting"
             ) from exc
         except paramiko.AuthenticationException as exc:
-            raise SshError(f"{target.label} did not accept the SSH key") from exc
+            raise SshUnreachable(f"{target.label} did not accept the SSH key") from exc
         except TimeoutError as exc:
-            raise SshError(
+            raise SshUnreachable(
                 f"cannot reach {target.label}: no answer within {self.connect_timeout:g}s"
             ) from exc
         except paramiko.ssh_exception.NoValidConnectionsError as exc:
@@ -651,9 +679,13 @@ class SshClient:
                 else (getattr(err, "strerror", None) or str(err)).lower()
                 for err in exc.errors.values()
             }
-            raise SshError(f"cannot reach {target.label}: {', '.join(sorted(reasons))}") from exc
+            raise SshUnreachable(
+                f"cannot reach {target.label}: {', '.join(sorted(reasons))}"
+            ) from exc
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise SshError(f"cannot reach {target.label}: {exc or type(exc).__name__}") from exc
+            raise SshUnreachable(
+                f"cannot reach {target.label}: {exc or type(exc).__name__}"
+            ) from exc
         transport = conn.client.get_transport()
         if transport is not None and self.keepalive_s:
             transport.set_keepalive(self.keepalive_s)
@@ -710,7 +742,7 @@ class SshClient:
                     ) from exc
                 except TimeoutError as exc:
                     self._quiet_close(conn)
-                    raise SshError(f"{what} on {target.label} stalled; gave up") from exc
+                    raise SshUnreachable(f"{what} on {target.label} stalled; gave up") from exc
                 except _LINK_ERRORS as exc:
                     died = not conn.is_connected
                     if not died and isinstance(exc, OSError):
@@ -722,7 +754,7 @@ class SshClient:
                         log.info("ssh: link to %s dropped; redialing once", target.label)
                         continue
                     if died:
-                        raise SshError(
+                        raise SshUnreachable(
                             f"lost the connection to {target.label} during {what}"
                         ) from exc
                     raise SshError(
@@ -909,6 +941,38 @@ class SshClient:
 
     def is_alive(self, target: SshTarget, pid: int) -> bool:
         return self._exec(target, alive_command_line(pid), None, "a process check", True).ok
+
+    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
+        """The wait runs on a channel of its own, opened on the host's cached connection
+        under its lock and then waited on outside it, so uploads, polls and other waits
+        on the same host go on meanwhile (paramiko multiplexes channels on one link)."""
+        line = wait_gone_command_line(pid, timeout)
+        slot = self._slot(target)
+        with slot.lock:
+            conn = self._connect(slot, target)
+            transport = conn.client.get_transport()
+            if transport is None or not transport.is_active():
+                self._quiet_close(conn)
+                raise SshUnreachable(f"lost the connection to {target.label}")
+            try:
+                channel = transport.open_session(timeout=self.connect_timeout)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                # sshd's MaxSessions per connection, or a link that just died.
+                raise SshError(f"cannot open a channel on {target.label}: {exc}") from exc
+        try:
+            channel.exec_command(line)
+            deadline = time.monotonic() + timeout + self.command_timeout
+            while not channel.status_event.wait(0.5):
+                if not transport.is_active() or channel.closed:
+                    raise SshUnreachable(f"lost the connection to {target.label} during a wait")
+                if time.monotonic() > deadline:
+                    raise SshError(f"a wait on {target.label} did not end within {timeout:g}s")
+            return bool(channel.recv_exit_status() == 0)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise SshUnreachable(f"lost the connection to {target.label} during a wait") from exc
+        finally:
+            with contextlib.suppress(Exception):
+                channel.close()
 
 
 def _part_name(remote_path: str) -> str:

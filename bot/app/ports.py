@@ -209,3 +209,7 @@ class Core(Protocol):
     ) -> None:
         """Queues a DM in the caller's transaction."""
         ...
+
+    def nudge(self) -> None:
+        """Asks this process's worker for a tick now (GpuService.nudge)."""
+        ...

@@ -130,6 +130,10 @@ class Recorder:
         self.calls.append(("is_alive", str(pid)))
         return self.inner.is_alive(target, pid)
 
+    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
+        self.calls.append(("wait_gone", str(pid)))
+        return self.inner.wait_gone(target, pid, timeout)
+
     def close(self, target: SshTarget | None = None) -> None:
         self.inner.close(target)
 

@@ -19,6 +19,7 @@ from bot.app.access import RunGate, StaticMembership
 from bot.app.config import Settings
 from bot.app.ports import Core, HostAccess, HostSeat, Interpreter, bot_python
 from bot.app.runs.starts import OffTickStarts
+from bot.app.runs.watch import ExitWatchers
 from bot.domain.scheduling import LAS_AFTER_S, FleetInstance, InstanceState, SchedulerConfig
 from db.models import HOST_PENDING, HOST_STOPPED, Gpu, Host
 from provisioning.catalog import Catalog
@@ -52,6 +53,12 @@ class RunContext:
     # Starts that upload code, off the tick (bot.app.runs.starts): dispatch hands them
     # out, poll leaves a run alone while its start is in flight.
     starts: OffTickStarts = field(default_factory=OffTickStarts)
+    # A watcher per running process (bot.app.runs.watch): its end asks for a tick at
+    # once, and is what its GPUs are billed to. Made by `build`, from the ports above.
+    watchers: ExitWatchers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.watchers = ExitWatchers(self.access, self.core.clock, self.core.nudge)
 
     @property
     def engine(self) -> Any:

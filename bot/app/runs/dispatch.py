@@ -236,6 +236,10 @@ class Dispatcher:
             _kill_started(reachable, pgids)
             log.warning("run %s was requeued while it started here; stopped what started", run_id)
             return False
+        for rank, (host, pgid) in enumerate(zip(host_names, pgids, strict=True)):
+            # Its end is learnt as it happens, and node 0's first figures as they come.
+            status = str(nodes[0]["status"]) if rank == 0 else None
+            self.ctx.watchers.ensure(run_id, host, pgid, status)
         return True
 
     def _start_node(
@@ -404,8 +408,8 @@ class Dispatcher:
                     + ", ".join(map(str, placement["gpu_indexes"]))
                 )
             text = (
-                f"Run #{run_id} started on {where}. This message shows its progress, "
-                f"updated about once a minute; `/gpu logs {run_id}` shows its log."
+                f"Run #{run_id} started on {where}. This message shows its progress: its "
+                f"{runwatch.cadence(runwatch.live_period(1))}. `/gpu logs {run_id}` shows its log."
             )
             # The run's live message (bot.app.runwatch edits it in place while it runs).
             message = enqueue(

@@ -60,6 +60,7 @@ class Poller:
                     )
                 )
             )
+        self._watch(rows)
         finished = 0
         now = self.ctx.core.clock.now()
         for run in rows:
@@ -154,9 +155,32 @@ class Poller:
                 if self._retry_oom(run.id, status, runner, target, placement):
                     continue
                 summary["error"] = f"{summary.get('error') or 'out of GPU memory'}. {OOM_ADVICE}"
-            self.records.finish(run.id, state, exit_code, summary, tail, status)
+            ended = self.ctx.watchers.exited_at(run.id, placement["host"], int(placement["pgid"]))
+            self.records.finish(run.id, state, exit_code, summary, tail, status, ended)
             finished += 1
         return finished
+
+    def _watch(self, rows: list[TrainingRun]) -> None:
+        """A watcher on every process of every running run (bot.app.runs.watch), none on
+        anything else: after a restart, or for a run adopted from a worker that died,
+        its end is learnt as it happens too."""
+        keys: list[tuple[int, str, int]] = []
+        status: dict[tuple[int, str, int], str] = {}
+        for run in rows:
+            assert run.id is not None
+            placement = run.placement
+            nodes = placement.get("nodes") or [placement]
+            for rank, node in enumerate(nodes):
+                if "pgid" not in node or "host" not in node:
+                    continue
+                key = (run.id, str(node["host"]), int(node["pgid"]))
+                keys.append(key)
+                shown = (run.metrics.get("live") or {}).get("figures")
+                if rank == 0 and not shown and "status" in placement:
+                    status[key] = str(placement["status"])  # its first figures still to come
+        self.ctx.watchers.keep_only(keys)
+        for key in keys:
+            self.ctx.watchers.ensure(*key, status.get(key))
 
     def _failed_node(self, nodes: list[dict[str, Any]]) -> str | None:
         """Why the first of these nodes that ended without finishing did, or None while

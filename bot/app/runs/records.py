@@ -116,16 +116,22 @@ class RunRecords:
         summary: dict[str, Any],
         log_tail: str,
         status: RunStatus | None = None,
+        ended_at: datetime | None = None,
     ) -> None:
+        """`ended_at`: when its process was seen gone (bot.app.runs.watch), which is what
+        its GPUs are billed to; the time of this call when nobody saw it end."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine) as s:
             lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
             run = locked(s, TrainingRun, run_id)
             if run is None or run.state not in RUN_OPEN_STATES:
                 return
-            cost = self.close_intervals(s, run_id, now)
+            end = now
+            if ended_at is not None:
+                end = min(now, max(ended_at, run.started_at or ended_at))
+            cost = self.close_intervals(s, run_id, end)
             run.state = state
-            run.finished_at = now
+            run.finished_at = end
             run.exit_code = exit_code
             run.metrics = {**run.metrics, "summary": summary, "cost_usd": round(cost, 4)}
             owner = s.get(User, run.user_id)
