@@ -52,6 +52,9 @@ HOST_PENDING = "pending"
 HOST_STOPPED = "stopped"
 HOST_TERMINATED = "terminated"
 HOST_UNREACHABLE = "unreachable"
+# A host the team declared that has not answered its first check yet (bot.app.hostcheck):
+# nothing is granted or placed on it until it has.
+HOST_CHECKING = "checking"
 
 
 def _ts(nullable: bool = False) -> Any:
@@ -82,7 +85,7 @@ class Host(SQLModel, table=True):
     instance_type: str | None = Field(default=None, max_length=64)
     # "ondemand", "spot", or "owned" (on-prem and this machine: no hourly bill).
     market: str = Field(default="owned", max_length=16)
-    # ready, pending, stopped, terminated, unreachable.
+    # ready, pending, checking, stopped, terminated, unreachable.
     state: str = Field(default=HOST_READY, max_length=16)
     # Where SSH reaches it (host name or address) and as whom; empty for the local host.
     address: str = Field(default="", max_length=255)

@@ -460,3 +460,29 @@ def test_a_bad_setting_is_a_config_failure_line(cli: tuple[typer.Typer, Path]) -
     result = CliRunner().invoke(app, [], env={"GPUBOT_PROVIDER": "azure"})
     assert result.exit_code == 1
     assert result.output.startswith("✗ Config: provider (from GPUBOT_PROVIDER) must be one of")
+
+
+def test_the_run_environment_note_names_the_directories_to_open(tmp_path: Path) -> None:
+    """What keeps the run account from the bot's virtualenv is named, with the exact fix."""
+    from bot.app.runaccount import closed_dirs
+
+    private = tmp_path / "private"
+    venv = private / "checkout" / ".venv"
+    venv.mkdir(parents=True)
+    private.chmod(0o700)
+    assert private in closed_dirs(venv)
+    assert venv not in closed_dirs(venv) and (private / "checkout") not in closed_dirs(venv)
+    private.chmod(0o755)
+    assert private not in closed_dirs(venv)
+
+
+def test_doctor_says_what_the_run_account_will_run_with(run_account: str) -> None:
+    from bot.faces.doctor import Note, run_account_interpreter
+
+    said = run_account_interpreter(run_account)
+    if said is None:
+        return  # it can use the bot's own interpreter here: nothing to say
+    assert isinstance(said, Note) and said.ok
+    assert "cannot use the bot's interpreter" in said.detail
+    assert "installs an environment of its own" in said.detail
+    assert said.fix is not None and "chmod o+x" in said.fix

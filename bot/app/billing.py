@@ -33,6 +33,7 @@ from bot.domain.metering import (
 )
 from bot.domain.views import Block, Context, Fields, Header, Table, Text, View
 from db.models import (
+    HOST_CHECKING,
     HOST_PENDING,
     HOST_READY,
     HOST_STOPPED,
@@ -49,7 +50,7 @@ from provisioning.costs import gpu_share
 _CENT = Decimal("0.01")
 
 # An unreachable host is still billed: the cloud does not know we cannot reach it.
-_RUNNING_STATES = (HOST_READY, HOST_PENDING, HOST_UNREACHABLE)
+_RUNNING_STATES = (HOST_READY, HOST_PENDING, HOST_CHECKING, HOST_UNREACHABLE)
 # Only rented machines have a volume the team pays for while stopped.
 _RENTED_PROVIDERS = ("aws", "sim")
 

@@ -30,6 +30,7 @@ from sqlmodel import Session, col, func, select
 from bot.app.rollups import on_closed
 from bot.domain.readmodels import FleetCounts
 from db.models import (
+    HOST_CHECKING,
     HOST_PENDING,
     HOST_READY,
     HOST_TERMINATED,
@@ -146,7 +147,7 @@ def fleet_counts(s: Session) -> FleetCounts:
     for state, hosts, present, busy in s.connection().execute(stmt).all():
         if state == HOST_READY:
             ready_hosts, ready, free = int(hosts), int(present), int(present) - int(busy)
-        elif state == HOST_PENDING:
+        elif state in (HOST_PENDING, HOST_CHECKING):
             starting += int(present)
         else:
             away += int(present)

@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
 from bot.app.billing import note_host_state
@@ -146,7 +147,11 @@ class HostChecker:
                     select(Host)
                     .where(
                         Host.provider == self.cloud,
-                        col(Host.state).in_((HOST_PENDING, HOST_UNREACHABLE)),
+                        or_(
+                            col(Host.state).in_((HOST_PENDING, HOST_UNREACHABLE)),
+                            # ready, but its last dial was not answered (bot.app.remote)
+                            and_(col(Host.state) == HOST_READY, col(Host.down_since).is_not(None)),
+                        ),
                     )
                     .order_by(col(Host.id))
                 ):
@@ -272,16 +277,18 @@ class HostChecker:
 
     def _ready(self, result: CheckResult) -> None:
         """A cloud instance set up: ready (granted on and placed from the next tick on),
-        its down marks cleared; the channel hears it when it had been marked down."""
+        its down marks cleared; the channel hears it when it had been marked down. One
+        that was ready and only missed a dial answers again: its marks are cleared."""
         now = self.service.clock.now()
         with transaction(self.service.engine) as s:
             row = s.exec(select(Host).where(Host.name == result.host)).first()
-            if row is None or row.state not in (HOST_PENDING, HOST_UNREACHABLE):
+            if row is None or row.state not in (HOST_PENDING, HOST_UNREACHABLE, HOST_READY):
                 return  # stopped or ended while it was being set up
             was_down = row.state == HOST_UNREACHABLE
+            if row.state != HOST_READY:
+                row.ready_at = now
             row.state = HOST_READY
             row.updated_at = now
-            row.ready_at = now
             row.down_since = None
             row.down_reason = None
             row.check_failures = 0
@@ -360,7 +367,9 @@ class HostChecker:
             row.down_reason = result.reason[:300]
             row.next_check_at = now + backoff(row.check_failures)
             failures = row.check_failures
-            if row.state != HOST_UNREACHABLE and (at_once or failures >= self.down_after):
+            # A host that never answered is not flapping: down at its first failed check.
+            never = row.ready_at is None
+            if row.state != HOST_UNREACHABLE and (at_once or never or failures >= self.down_after):
                 row.state = HOST_UNREACHABLE
                 row.updated_at = now
                 s.add(row)

@@ -68,6 +68,11 @@ class ReservationInfo:
     position: int | None = None
 
 
+# Host states whose GPUs are on their way: an instance booting, a declared host that has
+# not answered its first check yet.
+_STARTING = ("pending", "checking")
+
+
 @dataclass(frozen=True)
 class FleetCounts:
     """The fleet in the counts `/gpu status` sums up in its first line: hosts that are
@@ -88,8 +93,8 @@ class FleetCounts:
             ready_hosts=len(ready),
             ready_gpus=sum(len(h.gpus) for h in ready),
             free_gpus=sum(h.free for h in ready),
-            starting_gpus=sum(len(h.gpus) for h in hosts if h.state == "pending"),
-            away_gpus=sum(len(h.gpus) for h in hosts if h.state not in ("ready", "pending")),
+            starting_gpus=sum(len(h.gpus) for h in hosts if h.state in _STARTING),
+            away_gpus=sum(len(h.gpus) for h in hosts if h.state not in ("ready", *_STARTING)),
         )
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -132,6 +133,14 @@ class Reply:
     # Set when the reply is an error, so faces can style it and tests can tell.
     error: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def with_note(self, note: str | None) -> Reply:
+        """The same reply with a sentence of context after its first block (a choice the
+        bot made for the caller, said where they read the result); unchanged for None."""
+        if not note:
+            return self
+        blocks = (*self.view.blocks[:1], Context(note), *self.view.blocks[1:])
+        return replace(self, view=View(text=f"{self.view.text} {note}", blocks=blocks))
 
 
 # --- action ids shared with the Slack face -------------------------------------
@@ -282,7 +291,9 @@ def granted_view(res: ReservationInfo, now: datetime, tz: str, was_waiting: bool
     return View(text=summary, blocks=tuple(blocks))
 
 
-def waiting_view(res: ReservationInfo) -> View:
+def waiting_view(res: ReservationInfo, why: Sequence[str] = ()) -> View:
+    """`why`: what keeps hosts that have such GPUs from granting them (bot.app.service's
+    reservations: a host not answered yet, or down), one sentence each."""
     ahead = (res.position or 1) - 1
     queue = "you are first in line" if ahead == 0 else f"{ahead} ahead of you"
     text = (
@@ -290,7 +301,11 @@ def waiting_view(res: ReservationInfo) -> View:
         f"is waiting ({queue}); I'll DM you when it is granted. "
         f"`/gpu release {res.id}` leaves the line."
     )
-    return View(text=text, blocks=(Text(text),))
+    blocks: tuple[Block, ...] = (Text(text),)
+    if why:
+        blocks += (Context(" ".join(why)),)
+        text += " " + " ".join(why)
+    return View(text=text, blocks=blocks)
 
 
 def already_view(res: ReservationInfo, now: datetime, tz: str) -> View:
@@ -368,11 +383,13 @@ def status_view(snap: StatusSnapshot) -> View:
         blocks.append(Text("*Waiting*"))
         blocks.append(waiting_table(snap.waiting, now))
         for host in snap.hosts:
-            if host.down_since is not None:
+            trouble = host_trouble(host.state, host.down_since, host.down_reason, now, snap.tz)
+            if trouble is not None and host.state != "ready":
+                again = " again" if host.state == "unreachable" else ""
                 blocks.append(
                     Context(
-                        f"{host.name} is {down_phrase(host.down_since, host.down_reason, now, snap.tz)}; "
-                        "what waits for its GPUs gets them when it answers again."
+                        f"{host.name} is {trouble}; what waits for its GPUs gets them "
+                        f"when it answers{again}."
                     )
                 )
     if snap.mine:
@@ -429,7 +446,9 @@ def yours_lines(mine: tuple[ReservationInfo, ...], now: datetime, tz: str) -> st
 
 def _idle_word(host_state: str) -> str:
     """What an unheld GPU is: free only on a ready host."""
-    return {"ready": "free", "pending": "starting up"}.get(host_state, host_state)
+    return {"ready": "free", "pending": "starting up", "checking": "not answered yet"}.get(
+        host_state, host_state
+    )
 
 
 def _no_hosts(snap: StatusSnapshot) -> str:
@@ -447,18 +466,38 @@ def _host_line(host: HostState, now: datetime, tz: str) -> str:
     price = f", ${host.hourly_usd:.2f}/h" if host.hourly_usd else ""
     where = f" ({host.address})" if host.address else ""
     line = f"*{host.name}*{where}: {host.provider}, {host.state}{price}, {host.free}/{len(host.gpus)} free"
-    if host.down_since is not None:
-        line += f", {down_phrase(host.down_since, host.down_reason, now, tz)}"
+    trouble = host_trouble(host.state, host.down_since, host.down_reason, now, tz)
+    if trouble is not None:
+        line += f", {trouble}"
     elif host.provider == "ssh" and host.gpus and all(g.model == "cpu" for g in host.gpus):
         line += ", CPU only: no NVIDIA GPU found, runs use its CPUs"
-    elif host.provider == "ssh" and host.state == "pending" and not host.gpus:
-        line += ", being set up (bootstrap, then its GPUs are read)"
     return line
 
 
 def down_phrase(since: datetime, reason: str | None, now: datetime, tz: str) -> str:
     """How a host marked down reads wherever work waits on it."""
     return f"down since {when(since, now, tz)}: {reason or 'no answer'}"
+
+
+def host_trouble(
+    state: str, down_since: datetime | None, reason: str | None, now: datetime, tz: str
+) -> str | None:
+    """What is wrong with a host, in the words every reply uses (status, the queue, a
+    reservation left waiting), or None when nothing is: down (bot.app.hostcheck marked
+    it), not answered its first check yet, or ready but not answering its last dial (it
+    answered before, so it stays ready until its checks fail: one lost dial is no outage)."""
+    if state == "checking":
+        return (
+            "not answered yet: it is being checked, and nothing is granted on it until it answers"
+        )
+    if down_since is None:
+        return None
+    if state == "ready":
+        return (
+            f"not answering since {when(down_since, now, tz)} ({reason or 'no answer'}); "
+            "being checked"
+        )
+    return down_phrase(down_since, reason, now, tz)
 
 
 def prices_view(catalog: Catalog, model: str | None) -> View:

@@ -683,13 +683,50 @@ def check_run_account(settings: Settings) -> list[Check]:
                 f"chmod 700 {home} (every gpubot command also does this on start)",
             )
         ]
-    return [
+    checks: list[Check] = [
         Check(
             name,
             True,
             f"runs run as {settings.run_as} (uid {account.pw_uid}), in {account.pw_dir}/.gpubot/runs",
         )
     ]
+    own = run_account_interpreter(settings.run_as)
+    if own is not None:
+        checks.append(own)
+    return checks
+
+
+def run_account_interpreter(account: str) -> Check | None:
+    """Whether the run account can run `training` and torch with the bot's interpreter;
+    where it cannot (a checkout in a private home), what its first run will do instead
+    and the exact fix, so nobody learns it from a run that waits minutes for an install."""
+    from bot.app.runaccount import bot_pip_env, run_account_fix
+    from provisioning import shell
+    from provisioning.local_runner import LOCAL_TARGET, LocalRunner
+    from provisioning.ssh import SshError
+
+    try:
+        runner = LocalRunner(run_as=account)
+        probe = runner.run(
+            LOCAL_TARGET,
+            shell.join([sys.executable, "-c", "import training.runner, torch"]),
+            timeout=180,
+            cwd=runner.account.home,
+        )
+    except SshError as exc:
+        return Check("Run environment", False, f"cannot run a command as {account}: {exc}")
+    if probe.ok:
+        return None
+    why = (probe.stderr.strip().splitlines() or [f"exit {probe.exit_code}"])[-1][:200]
+    source = ", ".join(sorted(bot_pip_env())) or "pip's defaults (PyPI)"
+    return Note(
+        "Run environment",
+        True,
+        f"{account} cannot use the bot's interpreter {sys.executable} ({why}): its first run "
+        f"installs an environment of its own under {runner.account.home}/.gpubot (the train "
+        f"extra, torch included, from {source}), which takes minutes once",
+        run_account_fix(account),
+    )
 
 
 # --- the command -----------------------------------------------------------------------

@@ -28,10 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import site
 import stat
-import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,19 +41,18 @@ from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
 from bot.app.fleet import CatalogSupply, Fleet, attach
 from bot.app.hostcheck import HostChecker
-from bot.app.ports import FIXED_POOL, Interpreter, Supply
-from bot.app.remote import Prepare, PreparedHost, RemoteAccess, bootstrap_prepare
+from bot.app.ports import FIXED_POOL, Supply
+from bot.app.remote import Prepare, RemoteAccess, bootstrap_prepare
 from bot.app.rollups import backfill_rollups
+from bot.app.runaccount import RunAccount
 from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
 from bot.domain.clock import Clock, SystemClock
 from db.migrate import upgrade
-from db.models import HOST_PENDING, HOST_UNREACHABLE, Host
+from db.models import HOST_CHECKING, HOST_UNREACHABLE, Host
 from db.session import make_engine, transaction
-from provisioning import shell
 from provisioning.aws import Ec2Compute
-from provisioning.base import Compute, Instance, ProvisioningError
-from provisioning.bootstrap import bootstrap, default_package_dir
+from provisioning.base import Compute, Instance
 from provisioning.catalog import Catalog
 from provisioning.hosts import LocalCompute, StaticHostsCompute
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
@@ -136,22 +132,22 @@ def make_compute(settings: Settings, runner: SshRunner | None = None) -> Compute
 
 
 def _static_listing(engine: Engine, compute: StaticHostsCompute) -> list[Instance]:
-    """The static hosts as configured, without dialling any: a host given without a GPU
-    list is pending until bot.app.hostcheck has bootstrapped it and read its inventory (a bare
-    `python3` there cannot import `training`), and one marked down stays down until a
-    check sees it answer, across restarts."""
+    """The static hosts as configured, without dialling any. A host that has never
+    answered a check (new, or only ever down) is `checking` until bot.app.hostcheck's
+    first check answers: declaring its GPUs does not make it reachable, and nothing is
+    granted on it meanwhile. A host given without a GPU list gets them from that check
+    (its bootstrap, then its inventory: a bare `python3` there cannot import
+    `training`). One marked down stays down until a check sees it answer, across
+    restarts; one that answered before keeps its state."""
     with transaction(engine, write=False) as s:
-        down = {
-            h.name
-            for h in s.exec(select(Host).where(Host.provider == "ssh"))
-            if h.state == HOST_UNREACHABLE and h.down_reason
-        }
+        rows = {h.name: h for h in s.exec(select(Host).where(Host.provider == "ssh"))}
     out = []
     for inst in StaticHostsCompute(compute.hosts).list_instances():
-        if inst.name in down:
+        row = rows.get(inst.name)
+        if row is not None and row.state == HOST_UNREACHABLE and row.down_reason:
             inst = replace(inst, state=HOST_UNREACHABLE)
-        elif not inst.gpus:
-            inst = replace(inst, state=HOST_PENDING)
+        elif row is None or row.ready_at is None or not inst.gpus:
+            inst = replace(inst, state=HOST_CHECKING)
         out.append(inst)
     return out
 
@@ -196,91 +192,6 @@ def private_database(settings: Settings) -> None:
     for path in settings.home.glob("gpubot.db*"):
         if path.is_file() and path.stat().st_uid == os.geteuid():
             path.chmod(0o600)
-
-
-def prepare_run_account(runner: LocalRunner) -> PreparedHost:
-    """Where `python -m training.runner` comes from when it runs as the run account.
-
-    The bot's own interpreter when that account can run it and import `training` with
-    it (a virtualenv under /opt, readable by all: torch and all come with it). Otherwise
-    the package is staged into the account's ``~/.gpubot`` as bootstrap does for a remote
-    host, with a virtualenv made from the account's ``python3`` (torch only if that
-    interpreter has it). Raises SshError naming the paths when neither works."""
-    account = runner.account
-    root = f"{account.home}/.gpubot"
-    probe = runner.run(
-        LOCAL_TARGET,
-        shell.join([sys.executable, "-c", "import training.runner"]),
-        timeout=120,
-        cwd=account.home,
-    )
-    if probe.ok:
-        return PreparedHost(root=root, python=sys.executable)
-    why = (probe.stderr.strip().splitlines() or [f"exit {probe.exit_code}"])[-1][:200]
-    try:
-        report = bootstrap(runner, LOCAL_TARGET, remote_root=root, install_torch=False)
-    except ProvisioningError as exc:
-        raise SshError(
-            f"the run account {account.name} cannot use the bot's interpreter "
-            f"{sys.executable} ({why}), and staging the training package "
-            f"({default_package_dir()}) into {root} failed: {exc}. Make the bot's "
-            f"virtualenv and code readable by {account.name}, or give it a python3."
-        ) from None
-    # Lent again on every preparation, not only the first: the marker remembers a torch
-    # that came from a lent path, and a bot venv that moved or was rebuilt since would
-    # leave the account's venv pointing at nothing. The venv's own packages come first.
-    torch = _lend_bot_packages(runner, report.venv_python) or report.torch
-    log.info(
-        "run account %s cannot use %s (%s); staged the training package into %s (torch: %s)",
-        account.name,
-        sys.executable,
-        why,
-        report.root,
-        torch or "none: recipes and torch scripts will fail",
-    )
-    return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
-
-
-# The .pth that lends the bot's site-packages to the staged virtualenv.
-_LENT_PTH = "_gpubot_bot_packages.pth"
-
-
-def _lend_bot_packages(runner: LocalRunner, python: str) -> str | None:
-    """The staged virtualenv's interpreter may not reach the bot's, but often it can read
-    the bot's site-packages (torch and all): with the same Python minor version, a .pth
-    naming them lends it those packages, as bootstrap does with an image's virtualenv.
-    Returns torch's version when it then imports; None otherwise."""
-
-    def ask(code: str) -> str | None:
-        result = runner.run(LOCAL_TARGET, shell.join([python, "-c", code]), timeout=180)
-        return result.stdout.strip() if result.ok else None
-
-    ours = "{}.{}".format(*sys.version_info[:2])
-    if ask("import sys; print('%d.%d' % sys.version_info[:2])") != ours:
-        return None
-    purelib = ask("import sysconfig; print(sysconfig.get_path('purelib'))")
-    if not purelib or not purelib.startswith("/"):
-        return None
-    lent = "".join(f"{d}\n" for d in site.getsitepackages())
-    runner.write_file(LOCAL_TARGET, f"{purelib}/{_LENT_PTH}", lent.encode())
-    return ask("import torch; print(torch.__version__)")
-
-
-class RunAccount:
-    """The run account's interpreter, prepared on first use (`prepare_run_account`) when a
-    run starts or a probe runs there: a failure then fails that run or probe with the
-    reason (SshError), instead of the bot refusing to start, and the next use tries again."""
-
-    def __init__(self, runner: LocalRunner) -> None:
-        self.runner = runner
-        self._found: Interpreter | None = None
-        self._lock = threading.Lock()
-
-    def interpreter(self) -> Interpreter:
-        with self._lock:
-            if self._found is None:
-                self._found = prepare_run_account(self.runner).interpreter()
-            return self._found
 
 
 def local_access(settings: Settings) -> LocalAccess:
@@ -368,6 +279,7 @@ def _static_wiring(compute: StaticHostsCompute, parts: _Parts) -> _Wiring:
             prepare=_for_hosts(parts.prepare, cloud=False),
             # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
             wait_for_prepare=False,
+            clock=service.clock,
         )
         service.runs = RunService(service, access, catalog)
         hostcheck.attach(service, HostChecker(service, access, compute.hosts))
@@ -390,6 +302,7 @@ def _cloud_wiring(compute: Ec2Compute, parts: _Parts) -> _Wiring:
             ),
             # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
             wait_for_prepare=False,
+            clock=service.clock,
         )
         service.runs = RunService(service, access, compute.catalog)
         fleet = Fleet(service, compute, access, catalog=compute.catalog)

@@ -18,6 +18,7 @@ from bot.domain.commands import Logs, Queue
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from db.models import (
+    HOST_CHECKING,
     HOST_PENDING,
     HOST_READY,
     HOST_UNREACHABLE,
@@ -101,8 +102,7 @@ class RunBoard:
                 ]
                 if run.state == RUN_QUEUED and waits_on and run.gpu_model not in ready_models:
                     h = waits_on[0]
-                    assert h.down_since is not None
-                    start = f"waits: {h.name} {views.down_phrase(h.down_since, h.down_reason, now, self.ctx.core.settings.timezone)}"
+                    start = f"waits: {h.name} {self._trouble(h, now)}"
                 age = format_duration(now - run.submitted_at)
                 progress = "–"
                 if run.placement.get("stage"):
@@ -144,25 +144,28 @@ class RunBoard:
             ),
         )
         for h, _models in down:
-            assert h.down_since is not None
-            blocks += (
-                views.Context(
-                    f"{h.name} is {views.down_phrase(h.down_since, h.down_reason, now, self.ctx.core.settings.timezone)}"
-                ),
-            )
+            blocks += (views.Context(f"{h.name} is {self._trouble(h, now)}"),)
         return views.Reply(views.View(text=summary, blocks=blocks))
+
+    def _trouble(self, host: FleetHost, now: datetime) -> str:
+        tz = self.ctx.core.settings.timezone
+        said = views.host_trouble(host.state, host.down_since, host.down_reason, now, tz)
+        return said or host.state
 
     @staticmethod
     def _down_hosts(
         fleet: list[FleetHost],
     ) -> tuple[list[tuple[FleetHost, set[str]]], set[str]]:
-        """Hosts marked down (bot.app.hostcheck) with their GPU models, and the models some
-        ready host offers: a run waits on a down host when only that host has its model."""
+        """Hosts marked down (bot.app.hostcheck) or not answered yet, with their GPU models,
+        and the models some ready host offers: a run waits on such a host when only it
+        has its model."""
         down: list[tuple[FleetHost, set[str]]] = []
         ready: set[str] = set()
         for host in fleet:
             models = set(host.models)
-            if host.state == HOST_UNREACHABLE and host.down_since is not None:
+            if host.state == HOST_CHECKING or (
+                host.state == HOST_UNREACHABLE and host.down_since is not None
+            ):
                 down.append((host, models))
             elif host.state == HOST_READY:
                 ready |= models

@@ -19,7 +19,6 @@ from bot.domain.best_fit import best_fit
 from bot.domain.errors import UserError
 from bot.domain.readmodels import GpuState, HostState, ReservationInfo
 from db.models import (
-    HOST_UNREACHABLE,
     RES_ACTIVE,
     RES_OPEN_STATES,
     RES_WAITING,
@@ -234,7 +233,6 @@ def read_hosts(s: Session) -> list[HostState]:
         by_host.setdefault(host_id, []).append(state)
     out = []
     for host_id, name, provider, state_, address, user, port, market, usd, down, why in hosts:
-        down_now = state_ == HOST_UNREACHABLE
         out.append(
             HostState(
                 name=name,
@@ -246,8 +244,8 @@ def read_hosts(s: Session) -> list[HostState]:
                 market=market,
                 hourly_usd=usd,
                 gpus=tuple(by_host.get(host_id, ())),
-                down_since=down if down_now else None,
-                down_reason=why if down_now else None,
+                down_since=down,
+                down_reason=why if down is not None else None,
             )
         )
     return out
@@ -307,6 +305,6 @@ def to_host_state(host: ShownHost, gpus: list[GpuState]) -> HostState:
         market=host.market,
         hourly_usd=host.hourly_usd,
         gpus=tuple(gpus),
-        down_since=host.down_since if host.state == HOST_UNREACHABLE else None,
-        down_reason=host.down_reason if host.state == HOST_UNREACHABLE else None,
+        down_since=host.down_since,
+        down_reason=host.down_reason if host.down_since is not None else None,
     )

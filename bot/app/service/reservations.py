@@ -5,7 +5,7 @@ that takes the pool first (db.session's lock order)."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import and_, or_
 from sqlalchemy.exc import IntegrityError
@@ -28,12 +28,14 @@ from bot.domain.commands import Extend, Release, Reserve
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from db.models import (
+    HOST_READY,
     RES_ACTIVE,
     RES_CANCELLED,
     RES_EXPIRED,
     RES_OPEN_STATES,
     RES_RELEASED,
     RES_WAITING,
+    Host,
     Reservation,
     User,
 )
@@ -101,7 +103,8 @@ class Reservations:
                 info = reservation_info(s, res)
                 if res.state == RES_ACTIVE:
                     return views.Reply(views.granted_view(info, now, self.core.settings.timezone))
-                return views.Reply(views.waiting_view(info))
+                why = self._unready(s, model, cmd.count, counts, now)
+                return views.Reply(views.waiting_view(info, why))
         except IntegrityError:
             if not request_key:
                 raise
@@ -119,6 +122,27 @@ class Reservations:
                 reservation_info(s, prior), self.core.clock.now(), self.core.settings.timezone
             )
         )
+
+    def _unready(
+        self, s: Session, model: str | None, count: int, counts: list[GpuCount], now: datetime
+    ) -> tuple[str, ...]:
+        """Why hosts that have GPUs for this request grant nothing now (not answered yet,
+        or down), in status's words: a reservation left waiting on them says so. Read only
+        when it waits, so a granted reserve pays nothing for it."""
+        fits: dict[int, int] = {}
+        for c in counts:
+            if c.host_state != HOST_READY and model in (None, c.model):
+                fits[c.host_id] = fits.get(c.host_id, 0) + c.present
+        ids = [host_id for host_id, n in fits.items() if n >= count]
+        if not ids:
+            return ()
+        tz = self.core.settings.timezone
+        notes = []
+        for host in s.exec(select(Host).where(col(Host.id).in_(ids)).order_by(col(Host.id))):
+            trouble = views.host_trouble(host.state, host.down_since, host.down_reason, now, tz)
+            if trouble is not None:
+                notes.append(f"{host.name} is {trouble}.")
+        return tuple(notes)
 
     def _by_request_key(self, s: Session, key: str) -> Reservation | None:
         return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
