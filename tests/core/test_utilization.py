@@ -26,8 +26,10 @@ from bot.app.ports import HostSeat, Interpreter, bot_python
 from bot.app.runs import RunService
 from bot.app.service import GpuService
 from bot.app.utilization import (
+    CHART_WINDOW,
     TIERS,
     Sample,
+    chart_start,
     collect,
     snapshot_job,
     thin,
@@ -555,3 +557,20 @@ def test_the_worker_runs_the_three_jobs(sqlite_engine: Engine) -> None:
     assert jobs["util-sample"].trigger_args == {"seconds": 30.0}
     assert jobs["idle-check"].trigger_args == {"seconds": 30.0}
     assert "util-post" in jobs
+
+
+def test_the_chart_axis_fits_data_shorter_than_its_window() -> None:
+    """A fresh install has twenty minutes of samples: the axis spans them (with a little
+    room before), not six hours with all the data in its last pixel; older data keeps
+    the whole window."""
+    from bot.domain.charts import GpuSeries
+
+    now = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+    fresh = [now - timedelta(minutes=m) for m in (20, 10, 0)]
+    series = [GpuSeries("a:0 A100", fresh, [50.0] * 3, [10.0] * 3)]
+    start = chart_start(series, now)
+    assert now - timedelta(minutes=22) <= start <= now - timedelta(minutes=20)
+    old = [now - CHART_WINDOW - timedelta(minutes=5), now]
+    assert chart_start([GpuSeries("a:0 A100", old, [1.0, 2.0], [0.0, 0.0])], now) == (
+        now - CHART_WINDOW
+    )
