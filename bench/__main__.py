@@ -24,6 +24,7 @@ BENCHES: list[str] = [
     "history",
     "host_bootstrap",
     "multinode",
+    "run_end",
 ]
 
 

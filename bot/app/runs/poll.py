@@ -86,8 +86,12 @@ class Poller:
                     runner.kill_group(target, int(placement["pgid"]), "TERM")
                     self._signal_nodes(others, "TERM")
                     self.records.update_placement(run.id, term_sent=True)
-                raw = runner.read_file(target, placement["status"])
+                # Alive first, then the status: a process seen gone wrote its last status
+                # before it went, so what is read after is final. Read the other way
+                # round, a run that ended between the two reads looked like one that
+                # died without a final status, and was failed instead of finished.
                 alive = runner.is_alive(target, int(placement["pgid"]))
+                raw = runner.read_file(target, placement["status"])
             except SshError as exc:
                 log.warning("poll of run %s on %s failed: %s", run.id, placement["host"], exc)
                 continue
