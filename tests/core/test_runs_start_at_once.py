@@ -10,6 +10,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
@@ -126,7 +127,7 @@ def test_a_run_is_billed_to_when_its_process_ended_not_to_when_it_was_polled(
     assert runs.dispatch() == 1
     ended_at = clock.now()
     deadline = time.monotonic() + WAIT_S
-    while not runs.ctx.watchers.exited_at(rid, "local", _pgid(sqlite_engine, rid)):
+    while not runs.ctx.executor.ended_at(rid, _placement(sqlite_engine, rid)):
         assert time.monotonic() < deadline, "its watcher never saw it end"
         time.sleep(0.05)
     clock.advance(timedelta(minutes=10))  # the poll comes round much later
@@ -139,11 +140,11 @@ def test_a_run_is_billed_to_when_its_process_ended_not_to_when_it_was_polled(
         assert interval.ended_at == ended_at
 
 
-def _pgid(engine: Engine, run_id: int) -> int:
+def _placement(engine: Engine, run_id: int) -> dict[str, Any]:
     with Session(engine) as s:
         run = s.get(TrainingRun, run_id)
         assert run is not None
-        return int(run.placement["pgid"])
+        return dict(run.placement)
 
 
 def test_a_refused_command_does_not_nudge(sqlite_engine: Engine, tmp_path: Path) -> None:

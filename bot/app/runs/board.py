@@ -271,14 +271,8 @@ class RunBoard:
                 RUN_CANCELLED: "was cancelled before it started",
             }.get(run_state, f"is {run_state} and never started")
             return views.message(f"Run #{cmd.run_id} {why}, so it has no log.")
-        seat = self.ctx.access.runner_for(placement["host"])
-        if seat is None:
-            raise UserError(
-                f"Host {placement['host']} is not reachable from here.", "/gpu logs ID [LINES]"
-            )
-        runner, target = seat.runner, seat.target
         try:
-            text = runner.tail(target, placement["log"], cmd.lines)
+            text = self.ctx.executor.tail(placement, cmd.lines)
         except SshError as exc:
             raise UserError(f"Could not read the log of run #{cmd.run_id}: {exc}") from None
         body = text.strip() or "(the log is empty so far)"

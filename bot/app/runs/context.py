@@ -18,8 +18,9 @@ from sqlmodel import Session, col, select
 from bot.app.access import RunGate, StaticMembership
 from bot.app.config import Settings
 from bot.app.ports import Core, HostAccess, HostSeat, Interpreter, bot_python
+from bot.app.runs.executor import RunExecutor
+from bot.app.runs.processes import ProcessExecutor
 from bot.app.runs.starts import OffTickStarts
-from bot.app.runs.watch import ExitWatchers
 from bot.domain.scheduling import LAS_AFTER_S, FleetInstance, InstanceState, SchedulerConfig
 from db.models import HOST_PENDING, HOST_STOPPED, Gpu, Host
 from provisioning.catalog import Catalog
@@ -44,6 +45,9 @@ class RunContext:
     catalog: Catalog
     config: SchedulerConfig
     gate: RunGate
+    # Where claimed runs run (bot.app.runs.executor): process groups on the hosts that
+    # `access` reaches, or a cluster's batch jobs when the provider gives that executor.
+    executor: RunExecutor
     # Why runs are not accepted here at all (`gpubot serve` on this machine without
     # GPUBOT_RUN_AS), or None: submit says it, dispatch starts nothing, and what ran
     # already is still polled and shown.
@@ -53,12 +57,6 @@ class RunContext:
     # Starts that upload code, off the tick (bot.app.runs.starts): dispatch hands them
     # out, poll leaves a run alone while its start is in flight.
     starts: OffTickStarts = field(default_factory=OffTickStarts)
-    # A watcher per running process (bot.app.runs.watch): its end asks for a tick at
-    # once, and is what its GPUs are billed to. Made by `build`, from the ports above.
-    watchers: ExitWatchers = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.watchers = ExitWatchers(self.access, self.core.clock, self.core.nudge)
 
     @property
     def engine(self) -> Any:
@@ -66,7 +64,12 @@ class RunContext:
 
     @classmethod
     def build(
-        cls, core: Core, access: HostAccess, catalog: Catalog, refusal: str | None = None
+        cls,
+        core: Core,
+        access: HostAccess,
+        catalog: Catalog,
+        refusal: str | None = None,
+        executor: RunExecutor | None = None,
     ) -> RunContext:
         return cls(
             core=core,
@@ -75,6 +78,7 @@ class RunContext:
             config=scheduler_config(core.settings, catalog),
             gate=RunGate(core.settings, StaticMembership()),
             refusal=refusal,
+            executor=executor or ProcessExecutor(access, core.clock, core.nudge),
         )
 
 
@@ -90,7 +94,7 @@ class LocalAccess:
     interpreter: Callable[[], Interpreter] = bot_python
 
     def runner_for(self, host_name: str) -> HostSeat | None:
-        if host_name != "local":
+        if host_name != self.target.name:  # the one host it reaches: this machine
             return None
         return HostSeat(self.runner, self.target, self.runs_dir, self.interpreter)
 

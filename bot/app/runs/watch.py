@@ -107,15 +107,14 @@ class ExitWatchers:
         with self._lock:
             return self._exited.get((run_id, host, pgid))
 
-    def keep_only(self, keys: Iterable[Key]) -> None:
-        """Stops the watchers of processes no longer among `keys` (the poll's running
-        runs) and forgets their exit times."""
-        wanted = set(keys)
+    def keep_only(self, run_ids: Iterable[int]) -> None:
+        """Stops the watchers of every run but these (the poll's running runs) and forgets
+        the others' exit times."""
+        wanted = set(run_ids)
         with self._lock:
-            gone = [k for k in self._watches if k not in wanted]
-            for k in gone:
+            for k in [k for k in self._watches if k[0] not in wanted]:
                 self._watches.pop(k).stop.set()
-            for k in [k for k in self._exited if k not in wanted]:
+            for k in [k for k in self._exited if k[0] not in wanted]:
                 del self._exited[k]
 
     def watching(self) -> list[Key]:
