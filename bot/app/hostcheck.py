@@ -107,9 +107,10 @@ def cpu_only(gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
 
 
 class HostChecker:
-    """Checks every static host on its own thread; one check per host at a time. With
-    `cloud` (a provider's name), also sets up that provider's instances that are not
-    ready yet (pending, or down after a failed setup)."""
+    """Checks every static host on its own thread; one check per host at a time; `owner`:
+    the provider the static hosts are listed under. With `cloud` (a provider's name), also
+    sets up that provider's instances that are not ready yet (pending, or down after a
+    failed setup, or ready but not answering their last dial)."""
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class HostChecker:
         access: RemoteAccess,
         hosts: tuple[StaticHost, ...],
         *,
+        owner: str = "",
         cloud: str | None = None,
         down_after: int = DOWN_AFTER,
         workers: int = 4,
@@ -124,6 +126,7 @@ class HostChecker:
         self.service = service
         self.access = access
         self.hosts = {h.name: h for h in hosts}
+        self.owner = owner
         self.cloud = cloud
         self.down_after = down_after
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hostcheck")
@@ -307,7 +310,7 @@ class HostChecker:
         target = self.hosts[name].target
         return Instance(
             name=name,
-            provider="ssh",
+            provider=self.owner,
             state=state,
             gpus=gpus,
             market="owned",

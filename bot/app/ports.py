@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from bot.app.config import Settings
     from bot.domain import views
     from bot.domain.clock import Clock
+    from bot.domain.readmodels import HostState
     from db.models import Host, User
     from provisioning.ssh import SshRunner, SshTarget
 
@@ -147,6 +148,36 @@ class FixedPool:
 FIXED_POOL = FixedPool()
 
 
+class HostDisplay(Protocol):
+    """How the providers' hosts read in replies: each provider words its own."""
+
+    def note(self, host: HostState) -> str | None:
+        """A word on a host in /gpu status (a CPU-only server, a Slurm node's state), or None."""
+        ...
+
+    def called(self, host_name: str, provider: str) -> str:
+        """What a sentence calls the host: "this machine" for the local one, else its name."""
+        ...
+
+    def empty_pool(self) -> str:
+        """What /gpu status says when there is no host at all."""
+        ...
+
+
+class PlainDisplay:
+    """Hosts read as their names, with no notes: a runtime with no provider's words
+    (tests of the use cases alone)."""
+
+    def note(self, host: HostState) -> str | None:
+        return None
+
+    def called(self, host_name: str, provider: str) -> str:
+        return host_name
+
+    def empty_pool(self) -> str:
+        return "No hosts are configured."
+
+
 class Core(Protocol):
     """The part of `GpuService` that runs, the host watch and budgets use: its engine,
     settings and clock, users, GPU holdings and the outbox; and the fleet the runtime
@@ -166,6 +197,9 @@ class Core(Protocol):
 
     @property
     def supply(self) -> Supply: ...
+
+    @property
+    def display(self) -> HostDisplay: ...
 
     def user_row(
         self, s: Session, key: str, name: str | None = None, *, rename: bool = False

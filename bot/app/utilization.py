@@ -664,7 +664,7 @@ def _why_nothing(service: GpuService, hosts: Sequence[Host], busy: set[str]) -> 
         except ProbeFailed as exc:
             lines.append(f"{h.name}: did not answer ({exc}).")
             continue
-        this = "this machine" if h.name == "local" else h.name
+        this = service.display.called(h.name, h.provider)
         if not snap.gpus:
             # The probe's own words usually start with "no NVIDIA driver"; say it once.
             reason = (snap.error or "").removeprefix(NO_DRIVER).strip(" :()")

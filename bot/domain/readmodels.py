@@ -37,6 +37,8 @@ class HostState:
     # Set while bot.app.hostcheck has it marked down: since when, and why in words.
     down_since: datetime | None = None
     down_reason: str | None = None
+    # Its provider's word on it in /gpu status ("CPU only: …"), or None.
+    note: str | None = None
 
     @cached_property
     def free(self) -> int:
@@ -119,8 +121,8 @@ class StatusSnapshot:
     waiting: tuple[ReservationInfo, ...]
     mine: tuple[ReservationInfo, ...]
     mine_only: bool = False
-    # What an empty pool means on this provider: the cloud launches on demand, so
-    # "no hosts" there is the normal state before the first request, not a set-up fault.
-    provider: str = "local"
+    # What an empty pool means on the configured providers (a cloud launches on demand,
+    # so "no hosts" there is the normal state before the first request, not a fault).
+    empty_pool: str = "No hosts are configured."
     # The team's time zone, for every time shown (bot.domain.timefmt).
     tz: str = "UTC"

@@ -452,14 +452,7 @@ def _idle_word(host_state: str) -> str:
 
 
 def _no_hosts(snap: StatusSnapshot) -> str:
-    if snap.mine_only:
-        return "You hold no GPUs."
-    if snap.provider == "aws":
-        return (
-            "No instances are running: the first `/gpu reserve` or `/gpu run` launches one "
-            "(`/gpu prices` lists what it costs)."
-        )
-    return "No hosts are configured."
+    return "You hold no GPUs." if snap.mine_only else snap.empty_pool
 
 
 def _host_line(host: HostState, now: datetime, tz: str) -> str:
@@ -469,8 +462,8 @@ def _host_line(host: HostState, now: datetime, tz: str) -> str:
     trouble = host_trouble(host.state, host.down_since, host.down_reason, now, tz)
     if trouble is not None:
         line += f", {trouble}"
-    elif host.provider == "ssh" and host.gpus and all(g.model == "cpu" for g in host.gpus):
-        line += ", CPU only: no NVIDIA GPU found, runs use its CPUs"
+    elif host.note:
+        line += f", {host.note}"
     return line
 
 

@@ -35,7 +35,7 @@ from sqlmodel import Session, col, select
 from bot.app.billing import TeamBill, note_host_state
 from bot.app.config import Settings
 from bot.app.held import GpuCount
-from bot.app.ports import FIXED_POOL, GpuRef, Provisioner, Supply
+from bot.app.ports import FIXED_POOL, GpuRef, HostDisplay, PlainDisplay, Provisioner, Supply
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
 from bot.app.service.common import IN_FLIGHT, OutboxItem, TickReport
 from bot.app.service.grants import Grants
@@ -81,6 +81,8 @@ class GpuService:
         # What the pool can grow into (a cloud's catalog); a fixed pool refuses what no
         # host fits, a cloud queues it for the fleet to launch.
         self.supply = supply
+        # How hosts read in replies: the providers' words, set by the runtime.
+        self.display: HostDisplay = PlainDisplay()
         # Training runs (bot.app.runs.RunService), set by the runtime when hosts can run them.
         self.runs: RunService | None = None
         # The fleet (bot.app.fleet.Fleet), attached by the runtime when a cloud provider is
