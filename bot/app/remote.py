@@ -24,7 +24,7 @@ from sqlmodel import select
 
 from bot.app.ports import HostAccess, HostSeat, Interpreter
 from bot.domain.clock import Clock, SystemClock
-from db.models import HOST_READY, HOST_STOPPED, HOST_TERMINATED, Host
+from db.models import HOST_READY, HOST_STOPPED, HOST_TERMINATED, HOST_UNREACHABLE, Host
 from db.session import transaction
 from provisioning.base import Instance, ProvisioningError
 from provisioning.bootstrap import DEFAULT_METADATA_URL, AgentInstall, bootstrap
@@ -115,6 +115,11 @@ def _instance(host: Host) -> Instance:
         ssh_user=host.ssh_user,
         ssh_port=host.ssh_port,
     )
+
+
+# Host states of a host known to answer (unless `down_since` says its last dial failed):
+# ready, or unreachable without a failed dial (draining after a spot notice).
+_ANSWERING = (HOST_READY, HOST_UNREACHABLE)
 
 
 class _Reporting:
@@ -265,17 +270,19 @@ class RemoteAccess:
         return self._prepare(instance.name, target) is not None
 
     def runner_for(self, host_name: str) -> HostSeat | None:
-        """The seat of a host that is ready and answered its last dial; None otherwise.
-        Only the host checks (bot.app.hostcheck) dial a host that is not: one that has not
-        answered yet, is down, or just failed a dial, so a dead host costs a dial per
-        check on the checks' backoff, not one per tick per job."""
+        """The seat of a host that answered and has not failed a dial since; None
+        otherwise. Only the host checks (bot.app.hostcheck) dial a host that has not
+        answered yet (checking, or a cloud instance being set up) or stopped answering
+        (`down_since`), so a dead host costs a dial per check on the checks' backoff,
+        not one per tick per job. A host draining after a spot notice still answers:
+        its runs are signalled, read and requeued through it."""
         if self.local is not None:
             found = self.local.runner_for(host_name)
             if found is not None:
                 return found
         with transaction(self.engine, write=False) as s:
             host = s.exec(select(Host).where(Host.name == host_name)).first()
-        if host is None or host.state != HOST_READY or host.down_since is not None:
+        if host is None or host.state not in _ANSWERING or host.down_since is not None:
             return None
         inst = _instance(host)
         try:
