@@ -109,7 +109,7 @@ def _slurm_message(stderr: str) -> str:
     return re.sub(r"^(\w+: )?(error: )?(Batch job submission failed: )?", "", last)
 
 
-def _refusal(stderr: str) -> str:
+def explain_denial(stderr: str) -> str:
     """Why scancel or scontrol said no, with what to do about a permission."""
     said = _slurm_message(stderr)
     if re.search(r"permission denied|Invalid user id", said, re.IGNORECASE):
@@ -121,7 +121,12 @@ def _refusal(stderr: str) -> str:
     return said
 
 
-def explain_refusal(stderr: str, spec: JobSpec, nodes: Sequence[SlurmNode]) -> str:
+def explain_refusal(
+    stderr: str,
+    spec: JobSpec,
+    nodes: Sequence[SlurmNode],
+    normalize: Callable[[str], str | None] | None = None,
+) -> str:
     """An sbatch refusal in words a person acts on, from what the cluster has."""
     said = _slurm_message(stderr)
     partitions = sorted({p for n in nodes for p in n.partitions})
@@ -142,7 +147,7 @@ def explain_refusal(stderr: str, spec: JobSpec, nodes: Sequence[SlurmNode]) -> s
                 for m in n.gpus
                 if not asked or asked.lower() in (m.lower(), n.gres_types.get(m, "").lower())
             ]
-            label = model_of(asked) if asked else ""
+            label = model_of(asked, normalize) if asked else ""
             if not fits:
                 have = sorted({m for n in pool for m in n.gpus})
                 return (
@@ -327,10 +332,13 @@ class SlurmClient:
         """A finished job's end from accounting (sacct, when slurmdbd runs), else from the
         jobcomp/filetxt file (readable only where the controller's file is); None when
         neither knows it."""
-        sacct = self.run(
-            ["sacct", "-X", "-n", "-P", "-j", str(int(job_id)), "-o", SACCT_FIELDS],
-            env={"SLURM_TIME_FORMAT": "%s"},
-        )
+        argv = ["sacct", "-X", "-n", "-P", "-j", str(int(job_id)), "-o", SACCT_FIELDS]
+        try:
+            sacct = self.run(argv, env={"SLURM_TIME_FORMAT": "%s"})
+        except SlurmUnavailable:
+            raise
+        except SlurmError:  # no sacct here: the jobcomp file may still know
+            sacct = RunResult(127, "", "")
         if sacct.ok and (end := parse_sacct(sacct.stdout, job_id)) is not None:
             return end
         kind, path = self.jobcomp()
@@ -382,10 +390,9 @@ class SlurmClient:
             try:
                 known = list(nodes) if nodes is not None else self.nodes()
             except SlurmError:
-                known = []
-            raise SlurmError(
-                f"Slurm refused job {spec.name!r}: {explain_refusal(result.stderr, spec, known)}"
-            )
+                known = []  # the refusal is still said, without what the cluster has
+            why = explain_refusal(result.stderr, spec, known, self.normalize)
+            raise SlurmError(f"Slurm refused job {spec.name!r}: {why}")
         first = result.stdout.strip().split(";")[0]
         if not first.isdigit():
             raise SlurmError(f"sbatch gave no job id: {result.stdout.strip()[:200]!r}")
@@ -407,8 +414,10 @@ class SlurmClient:
         if signal:
             argv += [f"--signal={signal}", "--full"]
         result = self.run([*argv, str(int(job_id))])
-        if not result.ok:
-            raise SlurmError(f"Slurm refused to cancel job {job_id}: {_refusal(result.stderr)}")
+        if not result.ok and "Invalid job id" not in result.stderr:
+            raise SlurmError(
+                f"Slurm refused to cancel job {job_id}: {explain_denial(result.stderr)}"
+            )
 
     def set_time_limit(self, job_id: int, seconds: int) -> None:
         """Raising a running job's limit needs a Slurm operator or admin (or root)."""
@@ -416,8 +425,14 @@ class SlurmClient:
         result = self.run(["scontrol", "update", f"JobId={int(job_id)}", limit])
         if not result.ok:
             raise SlurmError(
-                f"Slurm refused to change job {job_id}'s time limit: {_refusal(result.stderr)}"
+                f"Slurm refused to change job {job_id}'s time limit: {explain_denial(result.stderr)}"
             )
 
     def requeue(self, job_id: int) -> None:
-        self._checked(["scontrol", "requeue", str(int(job_id))], f"requeue job {job_id}")
+        """Back to pending (a running job submitted with requeue=True); it starts again
+        after AuthInfo's cred_expire (default 120 s) with SLURM_RESTART_COUNT set."""
+        result = self.run(["scontrol", "requeue", str(int(job_id))])
+        if not result.ok:
+            raise SlurmError(
+                f"Slurm refused to requeue job {job_id}: {explain_denial(result.stderr)}"
+            )

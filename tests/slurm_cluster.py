@@ -234,13 +234,8 @@ class SlurmCluster:
 
     def start_controller(self) -> None:
         """Start slurmctld again on its saved state (jobs survive) and wait until the
-        node has registered again, so a job submitted next can start."""
-        with _held(CONTROL, "the Slurm test cluster"):
-            marker = _read_marker()
-            if not _alive(marker["pids"]["slurmctld"], "slurmctld"):
-                marker["pids"]["slurmctld"] = self._spawn("slurmctld")
-                MARKER.write_text(json.dumps(marker))
-            self._wait_ready()
+        node has registered again (about 4 s here), so a job submitted next can start."""
+        self.repair()
 
     @contextlib.contextmanager
     def controller_down(self) -> Iterator[None]:
@@ -351,7 +346,7 @@ class SlurmCluster:
             raise
 
     def open(self, wait_s: float = WAIT_S) -> None:
-        """Start the cluster or attach to the one running with this config."""
+        """Attach to the machine's cluster, starting it when nobody uses one."""
         reason = unavailable()
         if reason is not None:
             raise SlurmClusterUnavailable(reason)
@@ -362,23 +357,26 @@ class SlurmCluster:
         while True:
             with _held(CONTROL, "the Slurm test cluster", wait_s):
                 marker = _read_marker() if MARKER.exists() else None
-                alive = marker is not None and all(
-                    _alive(pid, name) for name, pid in marker["pids"].items()
-                )
-                if alive and marker is not None and marker.get("digest") == digest:
-                    self._users_fd = _flock(USERS, fcntl.LOCK_SH, 5.0, "the users lock")
-                    return
-                # Dead, stale or another session's config: replace it once nobody uses it.
+                ours = marker is not None and marker["digest"] == digest
                 try:
                     users = _flock(USERS, fcntl.LOCK_EX, 0.0, "the users lock")
                 except SlurmClusterUnavailable:
                     users = None
+                if users is None and ours:
+                    # In use with this config: a daemon that is down now (a test took the
+                    # controller down, one crashed) is brought back by the next lease.
+                    self._users_fd = _flock(USERS, fcntl.LOCK_SH, 5.0, "the users lock")
+                    return
                 if users is not None:
                     try:
-                        if marker is not None:
-                            _stop_all(marker["pids"])
-                            MARKER.unlink(missing_ok=True)
-                        self._start(digest)
+                        alive = marker is not None and all(
+                            _alive(pid, name) for name, pid in marker["pids"].items()
+                        )
+                        if not (ours and alive):  # dead, or left by another config
+                            if marker is not None:
+                                _stop_all(marker["pids"])
+                                MARKER.unlink(missing_ok=True)
+                            self._start(digest)
                         fcntl.flock(users, fcntl.LOCK_SH)  # from exclusive to shared
                     except BaseException:
                         os.close(users)
@@ -416,16 +414,27 @@ class SlurmCluster:
     def lease(self) -> Iterator[SlurmCluster]:
         """The whole cluster for one test; every job is cancelled when it ends."""
         with _held(LEASE, "the Slurm test cluster's lease"):
-            if not self.controller_alive():
-                self.start_controller()  # a test before this one failed with it down
+            self.repair()
+            self.cancel_all()  # left by a session that was killed mid-test
             try:
                 yield self
             finally:
                 self.cancel_all()
 
-    def controller_alive(self) -> bool:
+    def repair(self) -> None:
+        """Start again whatever daemon is down (a test that failed with the controller
+        down, a crash), on the saved state, and wait until the node takes jobs."""
         with _held(CONTROL, "the Slurm test cluster"):
-            return _alive(_read_marker()["pids"]["slurmctld"], "slurmctld")
+            marker = _read_marker()
+            pids = marker["pids"]
+            munged = self._start_munged()  # None while one answers
+            if munged is not None:
+                pids["munged"] = munged
+            for name in DAEMONS:
+                if not _alive(pids[name], name):
+                    pids[name] = self._spawn(name)
+            MARKER.write_text(json.dumps(marker))
+            self._wait_ready()
 
     def cancel_all(self) -> None:
         """Cancel every job and wait until none is left running (guarded, not timed)."""

@@ -174,6 +174,8 @@ def test_a_job_sees_only_the_environment_it_was_given(
     text = out.read_text()
     assert "RUN_FLAVOR=a b $c\n" in text and f"[{word}]" in text
     assert secret not in text and "SLACK_BOT_TOKEN" not in text
+    for name in ("PYTEST_CURRENT_TEST", "GPUBOT_SSH_LOOPBACK_ONLY", "VIRTUAL_ENV"):
+        assert f"\n{name}=" not in f"\n{text}", name  # the test process's own variables
     assert "SLURM_JOB_PARTITION=gpu" in text
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from provisioning.catalog import Catalog
-from provisioning.slurm import JobSpec, explain_refusal
+from provisioning.slurm import JobSpec, batch_line, explain_denial, explain_refusal
 from provisioning.slurm_parse import (
     expand_hostlist,
     format_duration,
@@ -90,6 +90,13 @@ def test_nodes_read_from_sinfo_json_with_gpus_by_model_and_in_use() -> None:
         "fan broken",
     )
     assert drained.gpus_used == {"A100": 4} and drained.gpus_free() == 0
+    doc = _doc("sinfo_drained.json")
+    doc["nodes"][0]["gres_used"] = "gpu:a100:1(IDX:2)"
+    [unused] = parse_nodes(doc)
+    assert unused.gpus_used == {"A100": 1} and unused.gpus_free() == 0  # drained: none
+    doc["nodes"][0]["state_flags"] = []
+    [mixed] = parse_nodes(doc)
+    assert mixed.state == "mixed" and mixed.gpus_free("A100") == 3
 
 
 def test_a_controller_that_is_down_is_an_error_not_an_empty_cluster() -> None:
@@ -219,6 +226,22 @@ def test_refusals_in_words() -> None:
         [node],
     )
     assert other == "Slurm refused the job: Job violates accounting/QOS policy"
+
+
+def test_denials_say_what_the_bot_needs() -> None:
+    for case in ("timelimit_not_operator", "timelimit_not_owner", "scancel_not_owner"):
+        said = explain_denial(_stderr(case))
+        assert said.startswith("the bot's account is not a Slurm operator"), case
+        assert "adminlevel=operator" in said
+    assert (
+        explain_denial(_stderr("requeue_not_requeueable")) == "Job is pending execution for job 3"
+    )
+
+
+def test_the_batch_script_execs_the_words_as_given() -> None:
+    line = batch_line(["python", "-c", "print('hi')"], {"RUN": "a b"})
+    assert line == "exec env RUN='a b' python -c 'print('\"'\"'hi'\"'\"')'"
+    assert batch_line(["true"], {}) == "exec true"
 
 
 def _with(spec: JobSpec, **changes: Any) -> JobSpec:
