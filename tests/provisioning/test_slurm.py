@@ -177,6 +177,7 @@ def test_a_job_sees_only_the_environment_it_was_given(
     for name in ("PYTEST_CURRENT_TEST", "GPUBOT_SSH_LOOPBACK_ONLY", "VIRTUAL_ENV"):
         assert f"\n{name}=" not in f"\n{text}", name  # the test process's own variables
     assert "SLURM_JOB_PARTITION=gpu" in text
+    assert "\nHOME=/root\n" in f"\n{text}" and "\nUSER=root\n" in f"\n{text}"
 
 
 def test_a_forgotten_job_still_has_its_final_state(slurm: SlurmClient) -> None:

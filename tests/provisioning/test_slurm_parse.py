@@ -240,8 +240,8 @@ def test_denials_say_what_the_bot_needs() -> None:
 
 def test_the_batch_script_execs_the_words_as_given() -> None:
     line = batch_line(["python", "-c", "print('hi')"], {"RUN": "a b"})
-    assert line == "exec env RUN='a b' python -c 'print('\"'\"'hi'\"'\"')'"
-    assert batch_line(["true"], {}) == "exec true"
+    assert line.endswith("; exec env RUN='a b' python -c 'print('\"'\"'hi'\"'\"')'")
+    assert batch_line(["true"], {}).endswith("; exec true")
 
 
 def _with(spec: JobSpec, **changes: Any) -> JobSpec:
