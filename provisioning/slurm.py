@@ -440,6 +440,22 @@ class SlurmClient:
                 f"Slurm refused to change job {job_id}'s time limit: {explain_denial(result.stderr)}"
             )
 
+    def run_in_job(
+        self,
+        job_id: int,
+        argv: Sequence[str],
+        *,
+        node: str | None = None,
+        timeout: float | None = None,
+    ) -> RunResult:
+        """`argv` as a step inside a running job's allocation (`srun --overlap`): it
+        sees the job's GPUs (CUDA_VISIBLE_DEVICES), e.g. for telemetry. The bot must own
+        the job or be root; a non-zero exit is a result."""
+        step = ["srun", f"--jobid={int(job_id)}", "--overlap", "--nodes=1", "--ntasks=1"]
+        if node:
+            step.append(f"--nodelist={node}")
+        return self.run([*step, *argv], timeout=timeout)
+
     def requeue(self, job_id: int) -> None:
         """Back to pending (a running job submitted with requeue=True); it starts again
         after AuthInfo's cred_expire (default 120 s) with SLURM_RESTART_COUNT set."""

@@ -105,6 +105,8 @@ def test_jobs_hold_gpus_pend_for_resources_and_are_ended(slurm: SlurmClient) -> 
     a, b = set(jobs[first].gpu_indexes[node]), set(jobs[second].gpu_indexes[node])
     assert len(a) == len(b) == 2 and not a & b and a | b == {0, 1, 2, 3}
     assert slurm.gpu_indexes(first) == jobs[first].gpu_indexes
+    inside = slurm.run_in_job(first, ["sh", "-c", "echo $CUDA_VISIBLE_DEVICES"], node=node)
+    assert inside.ok and inside.stdout.split() == [",".join(map(str, sorted(a)))]
     assert (jobs[second].partition, jobs[first].gpu_model, jobs[third].gpus) == ("short", "A100", 1)
     [full] = slurm.nodes()
     assert full.gpus_used == {"A100": 4} and full.gpus_free() == 0
