@@ -25,6 +25,7 @@ BENCHES: list[str] = [
     "host_bootstrap",
     "multinode",
     "run_end",
+    "slurm",
 ]
 
 
