@@ -68,6 +68,9 @@ class ReservationInfo:
     gpu_models: tuple[str, ...] = ()
     # Filled when waiting: 1-based place in line.
     position: int | None = None
+    # How to use what it holds, where its provider says (a cluster's holding job: the
+    # `srun --jobid` line); empty: the host's SSH login and CUDA_VISIBLE_DEVICES.
+    how: tuple[str, ...] = ()
 
 
 # Host states whose GPUs are on their way: an instance booting, a declared host that has
@@ -124,5 +127,7 @@ class StatusSnapshot:
     # What an empty pool means on the configured providers (a cloud launches on demand,
     # so "no hosts" there is the normal state before the first request, not a fault).
     empty_pool: str = "No hosts are configured."
+    # What the providers say of themselves (a cluster controller that does not answer).
+    notes: tuple[str, ...] = ()
     # The team's time zone, for every time shown (bot.domain.timefmt).
     tz: str = "UTC"

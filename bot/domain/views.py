@@ -249,6 +249,8 @@ def _how_to_use(res: ReservationInfo) -> list[Block]:
     host = res.host
     if host is None:
         return []
+    if res.how:  # its provider's own lines (a cluster's holding job)
+        return [Text("*How to use them*"), Code("\n".join(res.how))]
     devices = ",".join(str(i) for i in res.gpu_indexes)
     is_cpu = all(m == "cpu" for m in res.gpu_models)
     lines = []
@@ -379,6 +381,7 @@ def status_view(snap: StatusSnapshot) -> View:
         blocks.append(Table(("gpu", "model", "held by", "until"), tuple(rows)))
     if not hosts:
         blocks.append(Text(_no_hosts(snap)))
+    blocks += [Context(note) for note in snap.notes]
     if snap.waiting and not snap.mine_only:
         blocks.append(Text("*Waiting*"))
         blocks.append(waiting_table(snap.waiting, now))
@@ -449,6 +452,13 @@ def _idle_word(host_state: str) -> str:
     return {"ready": "free", "pending": "starting up", "checking": "not answered yet"}.get(
         host_state, host_state
     )
+
+
+# What an empty pool that grows on demand (a cloud) says: nothing is wrong.
+GROWS_ON_DEMAND = (
+    "No instances are running: the first `/gpu reserve` or `/gpu run` launches one "
+    "(`/gpu prices` lists what it costs)."
+)
 
 
 def _no_hosts(snap: StatusSnapshot) -> str:

@@ -18,6 +18,7 @@ from bot.domain.readmodels import HostState
 from bot.providers.aws import AwsProvider
 from bot.providers.base import Note, Parts, Probes, Provider, ProviderKind, guarded
 from bot.providers.local import LocalProvider
+from bot.providers.slurm import SlurmProvider
 from bot.providers.ssh import SshProvider
 from provisioning.aws import Ec2Compute
 from provisioning.aws_doctor import Check
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 KINDS: dict[str, ProviderKind] = {
-    kind.name: kind for kind in (LocalProvider, SshProvider, AwsProvider)
+    kind.name: kind for kind in (LocalProvider, SshProvider, AwsProvider, SlurmProvider)
 }
 
 
@@ -127,6 +128,12 @@ class _Listed:
     def empty_pool(self) -> str:
         return "No hosts are configured."
 
+    def status_lines(self) -> list[str]:
+        return []
+
+    def cost_note(self) -> str | None:
+        return None
+
 
 @functools.singledispatch
 def for_compute(compute: Compute, settings: Settings) -> Provider:
@@ -168,3 +175,10 @@ class Displays:
 
     def empty_pool(self) -> str:
         return self.providers[-1].empty_pool() if self.providers else "No hosts are configured."
+
+    def status_lines(self) -> list[str]:
+        return [line for p in self.providers for line in p.status_lines()]
+
+    def cost_note(self) -> str | None:
+        notes = [n for p in self.providers if (n := p.cost_note()) is not None]
+        return " ".join(notes) or None

@@ -34,6 +34,7 @@ from bot.app.ports import Supply
 from bot.app.remote import RemoteAccess
 from bot.app.runs import RunService
 from bot.app.runs.processes import ProcessExecutor
+from bot.domain import views
 from bot.domain.readmodels import HostState
 from bot.providers.base import Parts, Probes, for_hosts
 from provisioning.aws import DLAMI_SSM_PARAMETER, Ec2Compute, Ec2Settings, make_session
@@ -136,10 +137,13 @@ class AwsProvider:
         return host_name
 
     def empty_pool(self) -> str:
-        return (
-            "No instances are running: the first `/gpu reserve` or `/gpu run` launches one "
-            "(`/gpu prices` lists what it costs)."
-        )
+        return views.GROWS_ON_DEMAND
+
+    def status_lines(self) -> list[str]:
+        return []
+
+    def cost_note(self) -> str | None:
+        return None
 
     # --- gpubot doctor ------------------------------------------------------------------
 

@@ -141,6 +141,14 @@ class Provider(Protocol):
         """What /gpu status says when it has no host."""
         ...
 
+    def status_lines(self) -> list[str]:
+        """What /gpu status says of the provider itself (its controller not answering)."""
+        ...
+
+    def cost_note(self) -> str | None:
+        """What /gpu cost adds about its prices (a rate not set), or None."""
+        ...
+
 
 class ProviderKind(Protocol):
     """A provider's class: how it is made from the settings, and its doctor checks,

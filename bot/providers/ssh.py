@@ -100,6 +100,12 @@ class SshProvider:
     def empty_pool(self) -> str:
         return "No hosts are configured."
 
+    def status_lines(self) -> list[str]:
+        return []
+
+    def cost_note(self) -> str | None:
+        return None
+
     # --- gpubot doctor ------------------------------------------------------------------
 
     @classmethod

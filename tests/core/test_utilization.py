@@ -39,10 +39,13 @@ from bot.domain.commands import Reserve
 from bot.faces.dispatch import handle_text
 from bot.faces.terminal import render
 from bot.faces.worker import periodic_jobs
+from bot.providers import Displays
+from bot.providers.local import LocalProvider
 from db.models import Gpu, GpuSample, Host, Notification, TrainingRun, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
+from provisioning.hosts import LocalCompute
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.ssh import RunResult, SshClient, SshError, SshRunner, SshTarget
 from tests.core.helpers import actor, host, make_service
@@ -295,6 +298,8 @@ def test_the_real_probe_on_this_machine_says_no_driver_end_to_end(
     _no_gpu_here()
     svc, _ = make_service(engine, [local_instance()])
     with_access(svc, local=(LocalRunner(), LOCAL_TARGET))
+    # As the runtime wires it: the local provider words its host "this machine".
+    svc.display = Displays([LocalProvider(svc.settings, LocalCompute(probe=list))])
     alice = actor(svc, "alice")
     before = render(handle_text(svc, alice, "/gpu util").view)
     assert "No utilization samples for local yet: nothing has been held or run" in before

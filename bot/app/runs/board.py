@@ -85,8 +85,10 @@ class RunBoard:
                 start = "started"
                 if run.state == RUN_QUEUED:
                     where = f"#{waiting} in line"
-                else:
-                    where = f"{run.state} on {run.placement.get('host', '?')}"
+                elif "host" in run.placement:
+                    where = f"{run.state} on {run.placement['host']}"
+                else:  # handed to a cluster, whose scheduler has not started it
+                    where = run.state
                 price = prices.get(run.gpu_model or "", 0.0) * run.gpu_count
                 if run.max_seconds:
                     cost = f"≤ ${price * run.max_seconds / 3600:.2f}" if price else "$0 (owned)"

@@ -22,11 +22,10 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from bot.app import budgets, runwatch, sources
+from bot.app import budgets, sources
 from bot.app.held import held_gpu_ids
-from bot.app.outbox import enqueue
 from bot.app.runs.context import RunContext
-from bot.app.runs.executor import StartFailed
+from bot.app.runs.executor import StartFailed, Unavailable
 from bot.app.runs.inputs import anything_to_decide, scheduler_inputs
 from bot.app.runs.records import RunRecords
 from bot.domain import code_sources, views
@@ -61,9 +60,13 @@ class Dispatcher:
         self.preempt_slot = -(2**62)  # the last preemption slot dispatch looked at
 
     def dispatch(self) -> int:
-        """Places queued runs with the scheduler and starts them; returns how many started."""
+        """Places queued runs with the scheduler and starts them; returns how many started.
+        Where the place's own scheduler places runs (a cluster), every queued run is
+        handed to it instead."""
         if self.ctx.refusal is not None:
             return 0
+        if self.ctx.executor.places:
+            return self._hand_over()
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             if not anything_to_decide(s):
@@ -109,6 +112,36 @@ class Dispatcher:
             if self._start(int(action.run_id), names, action.gpus_per_instance):
                 started += 1
         return started
+
+    def _hand_over(self) -> int:
+        """Every queued run to the cluster, oldest first: claimed (no GPUs: its scheduler
+        gives them when it starts it, and poll meters them from then) and submitted. One
+        the cluster refuses fails with the cluster's words; a controller that does not
+        answer leaves the rest in line for the next tick."""
+        with transaction(self.ctx.engine, write=False) as s:
+            queued = [
+                int(i)
+                for i in s.exec(
+                    select(TrainingRun.id)
+                    .where(TrainingRun.state == RUN_QUEUED)
+                    .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
+                )
+                if i is not None
+            ]
+        runs_dir = self.ctx.executor.runs_dir("")
+        if not queued or runs_dir is None:
+            return 0
+        handed = 0
+        for run_id in queued:
+            claimed = self._claim_for_cluster(run_id, runs_dir)
+            if claimed is None:
+                continue
+            placement, run = claimed
+            started = self._run_start(run_id, run, [], placement)
+            if started is None:
+                return handed  # the cluster does not answer: the rest wait for the next tick
+            handed += int(started)
+        return handed
 
     @retrying
     def _preempt(self, run_id: int, for_run: str) -> None:
@@ -191,13 +224,14 @@ class Dispatcher:
                 run_id, lambda: self._run_start(run_id, run, host_names, placement)
             )
             return True
-        return self._run_start(run_id, run, host_names, placement)
+        return bool(self._run_start(run_id, run, host_names, placement))
 
     def _run_start(
         self, run_id: int, run: TrainingRun, host_names: list[str], placement: dict[str, Any]
-    ) -> bool:
+    ) -> bool | None:
         """The claimed run started on each of its hosts (code first, then the runner), or
-        ended with the reason when it cannot start; True when it started."""
+        ended with the reason when it cannot start; True when it started. None: the place
+        does not answer now, and the run is back in line, as it was."""
         executor = self.ctx.executor
 
         def code(runner: SshRunner, target: SshTarget, run_dir: str, log_path: str) -> None:
@@ -205,6 +239,10 @@ class Dispatcher:
 
         try:
             changes = executor.start(run, placement, code)
+        except Unavailable as exc:
+            log.warning("run %s stays in line: %s", run_id, exc)
+            self._unclaim(run_id)
+            return None
         except Exception as exc:
             # Any failure ends it with its reason (off the tick nobody else would say it).
             cause = exc.cause if isinstance(exc, StartFailed) else exc
@@ -225,6 +263,51 @@ class Dispatcher:
         # Its end is learnt as it happens, and its first figures as they come.
         executor.watch(run_id, {**placement, **changes}, True)
         return True
+
+    @retrying
+    def _claim_for_cluster(
+        self, run_id: int, runs_dir: Path
+    ) -> tuple[dict[str, Any], TrainingRun] | None:
+        """The run claimed for a cluster's scheduler: `starting`, with where its files go
+        and no GPUs yet (its scheduler gives them when it starts it: poll then meters
+        them). None when another worker or a cancel got there first."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            won = s.exec(
+                update(TrainingRun)
+                .where(col(TrainingRun.id) == run_id, col(TrainingRun.state) == RUN_QUEUED)
+                .values(state=RUN_STARTING)
+            )
+            if won.rowcount != 1:
+                return None
+            run = locked(s, TrainingRun, run_id)
+            assert run is not None
+            node = _node_placement("", [], runs_dir / str(run_id))
+            placement = {k: v for k, v in node.items() if k not in ("host", "gpu_indexes", "cpu")}
+            if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
+                placement["resume_from"] = run.placement["resume_from"]
+            placement["stage"] = "handed to the cluster"
+            run.placement = placement
+            run.started_at = now
+            s.add(run)
+            return placement, run
+
+    @retrying
+    def _unclaim(self, run_id: int) -> None:
+        """A claim that could not start (its place does not answer): back in line as it
+        was, its resume point kept."""
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs, if it took any, go back: the pool first
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state != RUN_STARTING:
+                return
+            self.records.close_intervals(s, run_id, self.ctx.core.clock.now())
+            resume = run.placement.get("resume_from")
+            run.placement = {"resume_from": resume} if resume else {}
+            run.state = RUN_QUEUED
+            run.host_id = None
+            run.started_at = None
+            s.add(run)
 
     @retrying
     def _claim(
@@ -328,49 +411,23 @@ class Dispatcher:
         """What the executor started recorded on the placement (its `changes`) and its
         owner told; False, recording nothing, when the run is no longer this claim's
         (requeued or claimed again meanwhile). One row under its lock: a cancel that
-        landed while it started stays "cancelling"."""
+        landed while it started stays "cancelling". A cluster's job is only recorded:
+        it runs (and its owner hears) when the cluster's scheduler starts it (poll)."""
         with transaction(self.ctx.engine) as s:
             run = locked(s, TrainingRun, run_id)
             assert run is not None
             if run.state not in (RUN_STARTING, RUN_CANCELLING) or run.started_at != claimed_at:
                 return False
+            if self.ctx.executor.places:
+                run.placement = {**run.placement, **changes}
+                s.add(run)
+                return True
             run.placement = {**run.placement, **changes}
             run.placement.pop("stage", None)
             if run.state == RUN_STARTING:
                 run.state = RUN_RUNNING
             s.add(run)
-            owner = s.get(User, run.user_id)
-            assert owner is not None
-            unit = "CPU slot" if placement["cpu"] else "GPU"
-            count = len(placement["gpu_indexes"])
-            if len(host_names) > 1:
-                where = (
-                    f"{len(host_names)} hosts ({', '.join(host_names)}), "
-                    f"{count} {unit}{'s' if count != 1 else ''} on each"
-                )
-            else:
-                where = (
-                    f"{host_names[0]}, {unit}"
-                    + ("s " if count != 1 else " ")
-                    + ", ".join(map(str, placement["gpu_indexes"]))
-                )
-            text = (
-                f"Run #{run_id} started on {where}. This message shows its progress: its "
-                f"{runwatch.cadence(runwatch.live_period(1))}. `/gpu logs {run_id}` shows its log."
-            )
-            # The run's live message (bot.app.runwatch edits it in place while it runs).
-            message = enqueue(
-                s,
-                "dm",
-                owner.key,
-                views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
-                self.ctx.core.clock.now(),
-                # A resumed run says it started again (bot.app.agentwatch's resume count).
-                dedupe=f"run-started:{run_id}"
-                + (f":{placement['resume_from']['count']}" if "resume_from" in placement else ""),
-            )
-            runwatch.started_live(s, run, message)
-            s.add(run)
+            self.records.tell_started(s, run, host_names, self.ctx.core.clock.now())
         return True
 
     def _prepare_code(

@@ -29,6 +29,11 @@ from training.status import RunStatus
 PrepareCode = Callable[[SshRunner, SshTarget, str, str], None]
 
 
+class Unavailable(Exception):
+    """The place does not answer now (a cluster's controller is down): nothing was
+    started, and the run waits in line for the next try."""
+
+
 class StartFailed(Exception):
     """A run could not start (the message says why); `host`: the host of the node that
     could not, for a run over several ("" for one)."""
@@ -47,10 +52,24 @@ class Look:
     alive: bool
     # Its status document (node 0's, which holds rank 0): None before its first write.
     status: RunStatus | None
+    # A cluster's run that its scheduler has not started yet: why, in the cluster's words
+    # with its expected start ("pending: Resources, expected 15:20 UTC"); None otherwise.
+    waiting: str | None = None
+    # A cluster's run that its scheduler started: each node and the GPU indexes it holds
+    # there, so its GPUs are metered from then (empty for an executor gpubot places for).
+    where: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # What a GPU-hour of it costs where its place prices the use itself (a cluster's
+    # rate for the model); None where the host's own price is shared.
+    usd_per_gpu_hour: float | None = None
 
 
 class RunExecutor(Protocol):
     """Starting, looking at, stopping and reading the runs of one kind of place."""
+
+    # Whether the place's own scheduler places runs (a cluster): dispatch then hands it
+    # every queued run as it comes, without GPUs, and its look says where it runs once it
+    # does; otherwise gpubot's scheduler places runs on hosts and `start` gets its claim.
+    places: bool
 
     def runs_dir(self, host: str) -> Path | None:
         """Where runs on `host` keep their directories; None when it cannot be reached now."""

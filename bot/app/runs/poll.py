@@ -80,6 +80,17 @@ class Poller:
             except SshError as exc:
                 log.warning("poll of run %s on %s failed: %s", run.id, placement.get("host"), exc)
                 continue
+            if look.waiting is not None:
+                # A cluster's scheduler has not started it: `/gpu queue` says why.
+                if placement.get("stage") != look.waiting:
+                    self.records.update_placement(run.id, stage=look.waiting)
+                continue
+            if look.where and run.state == RUN_STARTING:
+                # A cluster's scheduler started it: its GPUs are metered from now.
+                self.records.mark_running(run.id, look.where, look.usd_per_gpu_hour)
+                if look.alive:
+                    continue
+                placement = {**placement, "host": look.where[0][0]}
             # Node 0 holds rank 0: its status file is the run's (one result, one DM).
             status, alive = look.status, look.alive
             if status is not None:

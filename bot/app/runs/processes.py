@@ -42,6 +42,8 @@ class ProcessExecutor:
     through each host's seat. `agents`: the providers whose hosts run the host agent
     (training.agent: their leases and reports are tended before each poll)."""
 
+    places = False  # gpubot's scheduler places runs on these hosts
+
     def __init__(
         self,
         access: HostAccess,

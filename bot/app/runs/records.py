@@ -9,10 +9,11 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from bot.app import runwatch
 from bot.app.held import attained_s, end_held
+from bot.app.outbox import enqueue
 from bot.app.ports import Core, HostAccess
 from bot.app.runs.context import RunContext
 from bot.domain import views
@@ -21,6 +22,8 @@ from db.models import (
     RUN_QUEUED,
     RUN_RUNNING,
     RUN_STARTING,
+    Gpu,
+    Host,
     TrainingRun,
     UsageInterval,
     User,
@@ -49,6 +52,96 @@ class RunRecords:
     @property
     def engine(self) -> Any:
         return self.ctx.engine
+
+    def tell_started(
+        self, s: Session, run: TrainingRun, host_names: list[str], now: datetime
+    ) -> None:
+        """The owner's "started" DM, which becomes the run's live message (bot.app.runwatch
+        edits it in place while it runs), in the caller's transaction."""
+        assert run.id is not None
+        placement = run.placement
+        owner = s.get(User, run.user_id)
+        assert owner is not None
+        unit = "CPU slot" if placement.get("cpu") else "GPU"
+        indexes = list(placement.get("gpu_indexes") or [])
+        count = len(indexes)
+        if len(host_names) > 1:
+            where = (
+                f"{len(host_names)} hosts ({', '.join(host_names)}), "
+                f"{count} {unit}{'s' if count != 1 else ''} on each"
+            )
+        else:
+            where = (
+                f"{host_names[0]}, {unit}"
+                + ("s " if count != 1 else " ")
+                + ", ".join(map(str, indexes))
+            )
+        text = (
+            f"Run #{run.id} started on {where}. This message shows its progress: its "
+            f"{runwatch.cadence(runwatch.live_period(1))}. `/gpu logs {run.id}` shows its log."
+        )
+        message = enqueue(
+            s,
+            "dm",
+            owner.key,
+            views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run.id))),
+            now,
+            # A resumed run says it started again (bot.app.agentwatch's resume count).
+            dedupe=f"run-started:{run.id}"
+            + (f":{placement['resume_from']['count']}" if "resume_from" in placement else ""),
+        )
+        runwatch.started_live(s, run, message)
+        s.add(run)
+
+    @retrying
+    def mark_running(
+        self,
+        run_id: int,
+        where: tuple[tuple[str, tuple[int, ...]], ...],
+        usd_per_gpu_hour: float | None,
+    ) -> bool:
+        """A run a cluster's scheduler has just started (its look says where): its GPUs
+        metered from now, on the nodes' GPU rows, and its owner told. False when it is no
+        longer waiting to start (cancelled meanwhile, or marked by an earlier poll)."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs are taken: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state != RUN_STARTING or "host" in run.placement:
+                return False
+            hosts = []
+            for name, indexes in where:
+                host = s.exec(select(Host).where(Host.name == name)).first()
+                if host is None:
+                    log.warning("run %s runs on %s, which is not listed yet", run_id, name)
+                    return False
+                gpus = list(
+                    s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.index).in_(indexes)))
+                )
+                self.ctx.core.open_usage(
+                    s,
+                    host,
+                    gpus,
+                    run.user_id,
+                    now,
+                    run_id=run_id,
+                    usd_per_gpu_hour=usd_per_gpu_hour,
+                )
+                hosts.append(host)
+            first, indexes = where[0]
+            run.placement = {
+                **run.placement,
+                "host": first,
+                "gpu_indexes": list(indexes),
+                "cpu": False,
+            }
+            run.placement.pop("stage", None)
+            run.host_id = hosts[0].id
+            run.started_at = now
+            run.state = RUN_RUNNING
+            s.add(run)
+            self.tell_started(s, run, [name for name, _ in where], now)
+        return True
 
     @retrying
     def update_placement(self, run_id: int, **changes: Any) -> None:

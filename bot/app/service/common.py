@@ -132,6 +132,7 @@ def reservation_info(
         gpu_indexes=indexes,
         gpu_models=models,
         position=position,
+        how=tuple(str(line) for line in (res.external or {}).get("how", ())),
     )
 
 
@@ -205,7 +206,14 @@ def read_hosts(s: Session) -> list[HostState]:
     hosts = conn.execute(
         select(*host_cols).where(Host.state != "terminated").order_by(col(Host.id))
     ).all()
-    gpu_cols: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.index, Gpu.model, Gpu.memory_gb)
+    gpu_cols: tuple[Any, ...] = (
+        Gpu.id,
+        Gpu.host_id,
+        Gpu.index,
+        Gpu.model,
+        Gpu.memory_gb,
+        Gpu.held_by,
+    )
     gpus = conn.execute(
         select(*gpu_cols)
         .where(col(Gpu.present).is_(True))
@@ -213,10 +221,13 @@ def read_hosts(s: Session) -> list[HostState]:
     ).all()
     holder = {h.interval.gpu_id: h for h in who_holds(s)} if gpus else {}
     by_host: dict[int, list[GpuState]] = {}
-    for gpu_id, host_id, index, model, memory_gb in gpus:
+    for gpu_id, host_id, index, model, memory_gb, held_by in gpus:
         h = holder.get(gpu_id)
         if h is None:
-            state = GpuState(gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb)
+            # Free, or held outside gpubot (a cluster job of another's, in its words).
+            state = GpuState(
+                gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb, holder=held_by
+            )
         else:
             iv, u, r = h.interval, h.user, h.reservation
             state = GpuState(

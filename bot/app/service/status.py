@@ -54,7 +54,11 @@ class StatusBoard:
             waiting=tuple(waiting),
             mine=tuple(mine),
             mine_only=cmd.mine_only,
-            empty_pool=display.empty_pool(),
+            # A pool that grows on demand (a cloud) is empty before its first request.
+            empty_pool=views.GROWS_ON_DEMAND
+            if self.core.supply.offered()
+            else display.empty_pool(),
+            notes=tuple(display.status_lines()),
             tz=self.core.settings.timezone,
         )
         return views.Reply(views.status_view(snap))
