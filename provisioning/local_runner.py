@@ -38,6 +38,12 @@ from dataclasses import dataclass
 from typing import IO
 
 from provisioning import shell
+from provisioning.manifest import (
+    local_tree,
+    parse_remote_manifest,
+    plan_upload,
+    remote_manifest_command_line,
+)
 from provisioning.ssh import (
     GONE_POLL_S,
     RunResult,
@@ -48,11 +54,7 @@ from provisioning.ssh import (
     check_pid,
     detached_command_line,
     kill_group_command_line,
-    local_tree,
     parse_pid,
-    parse_remote_manifest,
-    plan_upload,
-    remote_manifest_command_line,
     run_command_line,
     tail_command_line,
 )

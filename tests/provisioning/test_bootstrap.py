@@ -42,7 +42,8 @@ from provisioning.bootstrap import (
     train_requirements,
 )
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from provisioning.ssh import RunResult, SshClient, SshRunner, SshTarget, UploadReport, local_tree
+from provisioning.manifest import local_tree
+from provisioning.ssh import RunResult, SshClient, SshRunner, SshTarget, UploadReport
 from tests.provisioning.conftest import target_for
 from tests.ssh_hosts import SshLab
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from provisioning.base import Instance
+from provisioning.manifest import parse_remote_manifest
 from provisioning.ssh import (
     InstanceResolver,
     SshClient,
@@ -29,7 +30,6 @@ from provisioning.ssh import (
     SshNotAllowed,
     SshTarget,
     StaticResolver,
-    parse_remote_manifest,
 )
 from tests.provisioning.conftest import Bench
 from tests.ssh_hosts import SshHost, SshLab
