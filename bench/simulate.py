@@ -39,13 +39,12 @@ import time
 from pathlib import Path
 
 from bot.sim.bound import arrival_window_efficiency, packing_bound, paid_gpu_time
+from bot.sim.output import write_instances, write_schedule
 from bot.sim.simulate import (
     TraceJob,
     load_trace,
     parse_trace,
     run_simulation,
-    write_instances,
-    write_schedule,
 )
 from bot.sim.tracegen import LARGE_JOBS, SHORT_JOBS, TeamShape, small_team_trace
 from provisioning.catalog import Catalog

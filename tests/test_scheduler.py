@@ -302,7 +302,8 @@ def test_simulated_schedules_are_feasible(
     rows: list[tuple[float, float, int, int]], policy: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """End to end through the simulator, judged by the independent checker."""
-    from bot.sim.simulate import TraceJob, run_simulation, write_instances, write_schedule
+    from bot.sim.output import write_instances, write_schedule
+    from bot.sim.simulate import TraceJob, run_simulation
     from tests.sim_checker import check
 
     d = tmp_path_factory.mktemp("sim")

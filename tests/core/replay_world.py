@@ -39,7 +39,8 @@ from bot.domain.clock import VirtualClock
 from provisioning.base import GpuDevice, Instance, ProvisioningError
 from provisioning.catalog import Catalog
 from provisioning.compute import LaunchSpec
-from provisioning.ssh import RunResult, SshTarget, UploadReport, remote_manifest_command_line
+from provisioning.manifest import remote_manifest_command_line
+from provisioning.ssh import RunResult, SshTarget, UploadReport
 from training.exitcodes import EXIT_PREEMPTED
 from training.status import RunStatus
 
