@@ -55,13 +55,8 @@ from db.models import (
     TrainingRun,
 )
 from db.session import locked, transaction
-from provisioning.ssh import (
-    SshError,
-    SshRunner,
-    SshTarget,
-    parse_remote_manifest,
-    remote_manifest_command_line,
-)
+from provisioning.manifest import parse_remote_manifest, remote_manifest_command_line
+from provisioning.ssh import SshError, SshRunner, SshTarget
 from training.status import RunStatus, parse_status
 
 if TYPE_CHECKING:

@@ -218,7 +218,7 @@ def test_the_upload_refuses_a_symlink_too(tmp_path: Path) -> None:
     """local_tree (what upload_dir sends) checks on its own: a staged copy or a package
     directory that holds a link is refused, never sent by content."""
     from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-    from provisioning.ssh import SymlinkRefused, local_tree
+    from provisioning.manifest import SymlinkRefused, local_tree
 
     tree = tmp_path / "tree"
     (tree / "sub").mkdir(parents=True)

@@ -81,8 +81,12 @@ class Poller:
                 log.warning("poll of run %s on %s failed: %s", run.id, placement.get("host"), exc)
                 continue
             if look.waiting is not None:
-                # A cluster's scheduler has not started it: `/gpu queue` says why.
-                if placement.get("stage") != look.waiting:
+                if run.state == RUN_RUNNING:
+                    # The cluster put it back in its queue (a preemption, a requeue):
+                    # its GPUs go back until the cluster starts it again.
+                    self.records.back_in_cluster_queue(run.id, look.waiting)
+                elif placement.get("stage") != look.waiting:
+                    # A cluster's scheduler has not started it: `/gpu queue` says why.
                     self.records.update_placement(run.id, stage=look.waiting)
                 continue
             if look.where and run.state == RUN_STARTING:

@@ -86,9 +86,11 @@ class RunRecords:
             owner.key,
             views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run.id))),
             now,
-            # A resumed run says it started again (bot.app.agentwatch's resume count).
+            # A resumed run says it started again (bot.app.agentwatch's resume count, or
+            # the times a cluster put it back in its queue).
             dedupe=f"run-started:{run.id}"
-            + (f":{placement['resume_from']['count']}" if "resume_from" in placement else ""),
+            + (f":{placement['resume_from']['count']}" if "resume_from" in placement else "")
+            + (f":q{placement['requeued']}" if placement.get("requeued") else ""),
         )
         runwatch.started_live(s, run, message)
         s.add(run)
@@ -142,6 +144,43 @@ class RunRecords:
             s.add(run)
             self.tell_started(s, run, [name for name, _ in where], now)
         return True
+
+    @retrying
+    def back_in_cluster_queue(self, run_id: int, waiting: str) -> None:
+        """A running run its cluster put back in its queue (preempted, requeued): its GPUs
+        metered no more until the cluster starts it again (it resumes from its checkpoint
+        in its own directory), its owner told once per requeue."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state != RUN_RUNNING:
+                return
+            self.close_intervals(s, run_id, now)
+            if run.started_at is not None:  # the segment it ran, for the scheduler's rules
+                ran = max(0.0, (now - run.started_at).total_seconds())
+                run.metrics = {**run.metrics, "attained_s": attained_s(run.metrics) + ran}
+            count = int(run.placement.get("requeued") or 0) + 1
+            placement = {
+                k: v for k, v in run.placement.items() if k not in ("host", "gpu_indexes", "cpu")
+            }
+            run.placement = {**placement, "requeued": count, "stage": waiting}
+            run.state = RUN_STARTING
+            run.host_id = None
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            text = (
+                f"Run #{run_id} was put back in the cluster's queue ({waiting}); it resumes "
+                "from its checkpoint when the cluster starts it again."
+            )
+            self.ctx.core.notify_dm(
+                s,
+                owner.key,
+                views.message(text).view,
+                now,
+                dedupe=f"run-requeued:{run_id}:q{count}",
+            )
 
     @retrying
     def update_placement(self, run_id: int, **changes: Any) -> None:
