@@ -9,6 +9,13 @@ unless a test session has it, whose lease this bench then waits for):
 - one `jobs()` (one `squeue --json` and its parsing) with the cluster's own few jobs,
   and the same call's command alone.
 
+The bot's own figures (bot.providers.slurm):
+- reserve -> granted on the idle test cluster: `/gpu reserve 1 a100` until its reply
+  says "Reserved" (the holding job runs); median of RUNS. Goal < 3 s.
+- `/gpu status` with 50 nodes (8 A100s each) and 1,000 jobs in squeue, 200 of them
+  others' running jobs: p99 over STATUSES calls (goal < 100 ms), and how many times
+  Slurm was read meanwhile (the cluster is read at most once per cache period).
+
 Without the cluster (no root, no Slurm), for the status bench:
 - parsing a synthetic `squeue --json` of 1,000 jobs and `sinfo --json` of 50 nodes
   (8 A100s each), built from the recorded 22.05 output (tests/provisioning/
@@ -18,8 +25,10 @@ Without the cluster (no root, no Slurm), for the status bench:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -150,10 +159,133 @@ def _on_cluster() -> dict[str, object]:
         }
 
 
+STATUSES = 300
+STATUS_GOAL_MS = 100.0
+
+
+class _Recorded:
+    """A SlurmClient double that answers with the synthetic cluster, counting reads."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self._nodes = parse_nodes(load_json(synthetic_sinfo())[0])
+        jobs = parse_jobs(load_json(synthetic_squeue())[0])
+        # Others' jobs, not gpubot's: their GPUs show as held by their Slurm user.
+        self._jobs = [dataclasses.replace(j, name=f"train-{j.job_id}") for j in jobs]
+        self.where = "on this machine"
+
+    def nodes(self) -> list[Any]:
+        self.reads += 1
+        return list(self._nodes)
+
+    def jobs(self) -> list[Any]:
+        return list(self._jobs)
+
+
+def _settings(home: Path, status_cache_s: float) -> Any:
+    from bot.app.config import Settings
+
+    return Settings(home=home, status_cache_s=status_cache_s)
+
+
+def _status_at_scale(status_cache_s: float) -> dict[str, object]:
+    """`/gpu status` over a 50-node cluster with 1,000 jobs, read from the database; the
+    cluster read through the provider's cache as the worker's upkeep reads it.
+    `status_cache_s` 0: every status reads the database (no status cache)."""
+    from bot.app.service import GpuService
+    from bot.domain.clock import SystemClock
+    from bot.domain.commands import Status
+    from bot.providers import Displays, Parts
+    from bot.providers.slurm import SlurmProvider
+    from db.migrate import upgrade
+    from db.session import make_engine
+    from provisioning.local_runner import LocalRunner
+
+    with tempfile.TemporaryDirectory(prefix="gpubot-bench-slurm-") as tmp:
+        home = Path(tmp)
+        engine = make_engine(f"sqlite:///{home / 'gpubot.db'}")
+        upgrade(engine)
+        settings = _settings(home, status_cache_s)
+        client = _Recorded()
+        provider = SlurmProvider(settings, {}, LocalRunner(), client=client)  # type: ignore[arg-type]
+        service = GpuService(engine, settings, SystemClock(), provider.supply)
+        service.display = Displays([provider])
+        provider.connect(service, Parts(settings, engine, LocalRunner(), None, None, False))
+        actor = service.actor("alice")
+        first = service.status(actor, Status()).view.text
+        reads = client.reads
+        took = _timed(lambda: service.status(actor, Status()), STATUSES)
+        engine.dispose()
+    return {
+        "nodes": 50,
+        "jobs": 1000,
+        "first_line": first,
+        "status": took,
+        "slurm_reads_during": client.reads - reads,
+        "statuses": STATUSES,
+    }
+
+
+def _reserve_to_granted() -> dict[str, object]:
+    """`/gpu reserve 1 a100` on the idle test cluster until its reply says Reserved."""
+    import os
+    import sys
+
+    from bot.app.config import load_settings
+    from bot.app.remote import PreparedHost
+    from bot.domain.commands import Release, Reserve
+    from bot.faces.runtime import build_runtime
+
+    took = []
+    with (
+        running_cluster() as cluster,
+        cluster.lease(),
+        tempfile.TemporaryDirectory(prefix="gpubot-bench-slurm-") as tmp,
+    ):
+        env = {
+            "GPUBOT_PROVIDER": "slurm",
+            "GPUBOT_HOME": str(Path(tmp) / "home"),
+            "SLURM_CONF": str(cluster.conf),
+            "GPUBOT_SLURM_WORKDIR": tmp,
+        }
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            rt = build_runtime(
+                load_settings(),
+                prepare=lambda r, t: PreparedHost(root=tmp, python=sys.executable),
+            )
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        svc = rt.service
+        alice = svc.actor("alice")
+        for _ in range(RUNS):
+            t0 = time.perf_counter()
+            text = svc.reserve(alice, Reserve(1, "A100")).view.text
+            took.append(time.perf_counter() - t0)
+            if not text.startswith("Reserved"):
+                raise RuntimeError(f"not granted at once on an idle cluster: {text}")
+            svc.release(alice, Release(all=True))
+            cluster.cancel_all()
+        rt.engine.dispose()
+    return {
+        "median_s": round(statistics.median(took), 3),
+        "max_s": round(max(took), 3),
+        "runs": [round(t, 3) for t in took],
+    }
+
+
 def run() -> dict[str, object]:
     out: dict[str, object] = {"goal_s": GOAL_S, "poll_s": POLL_S, "parse": _parsing()}
+    out["status_at_scale"] = _status_at_scale(1.0)
+    out["status_at_scale_uncached"] = _status_at_scale(0.0)
     try:
         out["cluster"] = _on_cluster()
+        out["reserve_to_granted"] = _reserve_to_granted()
     except SlurmClusterUnavailable as exc:
         out["cluster"] = {"skipped": str(exc)}
     return out
@@ -178,4 +310,20 @@ def headline(figures: dict[str, object]) -> list[str]:
             f"parse squeue of 1,000 jobs median {q['median_ms']} ms (p99 {q['p99_ms']}), "
             f"sinfo of 50 nodes median {n['median_ms']} ms (p99 {n['p99_ms']})"
         )
+    granted = figures.get("reserve_to_granted")
+    if isinstance(granted, dict):
+        lines.append(
+            f"/gpu reserve -> granted median {granted['median_s']} s, max {granted['max_s']} s "
+            f"(goal < {GOAL_S:g} s)"
+        )
+    for key, how in (("status_at_scale", "cached 1 s"), ("status_at_scale_uncached", "no cache")):
+        scale = figures.get(key)
+        if isinstance(scale, dict):
+            st = scale["status"]
+            assert isinstance(st, dict)
+            lines.append(
+                f"/gpu status ({how}), 50 nodes and 1,000 jobs: median {st['median_ms']} ms, "
+                f"p99 {st['p99_ms']} ms (goal < {STATUS_GOAL_MS:g}); Slurm read "
+                f"{scale['slurm_reads_during']} times in {scale['statuses']} statuses"
+            )
     return lines
