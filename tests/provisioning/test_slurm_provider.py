@@ -23,7 +23,7 @@ from sqlmodel import Session, select
 
 from bot.app.config import load_settings
 from bot.app.remote import PreparedHost
-from bot.domain.commands import Extend, Release, Reserve, Run, Status
+from bot.domain.commands import Cancel, Extend, Logs, Queue, Release, Reserve, Run, Status
 from bot.domain.errors import UserError
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import Reservation, TrainingRun
@@ -181,3 +181,51 @@ def test_a_digits_run_is_a_batch_job_whose_result_dm_says_its_accuracy(
     accuracy = float(re.search(r"test_accuracy (\d+\.\d+)%", result).group(1))  # type: ignore[union-attr]
     assert accuracy >= 95.0, result
     assert "GPU-hours" in result
+
+
+def test_a_run_that_pends_in_slurm_is_queued_there_and_cancel_ends_its_job(
+    slurm_rt: Runtime, slurm_cluster: SlurmCluster
+) -> None:
+    """The verbs around a run on a cluster: /gpu queue says where it waits (Slurm's queue,
+    and why), /gpu logs answers before it has a log, /gpu cancel scancels its batch job,
+    and /gpu cost bills the reservation that held the GPUs at the configured rate."""
+    svc = slurm_rt.service
+    runs = svc.runs
+    assert runs is not None
+    alice, bob = svc.actor("alice"), svc.actor("bob")
+    assert "Reserved" in svc.reserve(alice, Reserve(4, "A100")).view.text
+    rid = int(runs.submit(bob, Run(recipe="digits", model="A100")).extra["run_id"])
+
+    def step() -> None:
+        svc.tick()
+        runs.poll()
+        runs.dispatch()
+
+    def job() -> int | None:
+        with Session(slurm_rt.engine) as s:
+            run = s.get(TrainingRun, rid)
+            assert run is not None
+            found = run.placement.get("job")
+            return int(found) if found is not None else None
+
+    _until(lambda: job() is not None, "the run handed to Slurm", step)
+    assert re.search(rf"^{job()} gpubot-run-{rid} PENDING", _squeue(slurm_cluster), re.M)
+    step()
+    board = str(runs.queue(bob, Queue()).view.blocks)
+    assert f"#{rid}" in board and "Slurm" in board, board
+    logs = runs.logs(bob, Logs(rid)).view.text
+    assert f"#{rid}" in logs, logs  # an answer, not a traceback, before there is a log
+    said = runs.cancel(bob, Cancel(rid)).view.text
+    assert f"run #{rid}" in said, said
+    _until(lambda: f"gpubot-run-{rid}" not in _squeue(slurm_cluster), "the batch job ends", step)
+
+    def ended() -> bool:
+        with Session(slurm_rt.engine) as s:
+            run = s.get(TrainingRun, rid)
+            return run is not None and run.state == "cancelled"
+
+    _until(ended, "the run cancelled", step)
+    svc.release(alice, Release(all=True))
+    _, costs, _ = svc.costs("today", "alice")
+    assert costs["alice"] > 0, costs  # 4 A100s at $2.00 an hour, for as long as they were held
+    assert "bob" not in svc.costs("today", "bob")[1]  # the run never ran: nothing billed
