@@ -154,9 +154,12 @@ def diverging(obs: Observations) -> Alert | None:
 def nonfinite(obs: Observations) -> Alert | None:
     if obs.nonfinite_losses <= 0 and not any("NaN or inf" in w for w in obs.warnings):
         return None
+    n = obs.nonfinite_losses
     seen = (
-        f"{obs.nonfinite_losses} NaN/inf losses were reported."
-        if obs.nonfinite_losses
+        "1 NaN/inf loss was reported."
+        if n == 1
+        else f"{n} NaN/inf losses were reported."
+        if n
         else "NaN/inf losses were reported."
     )
     return Alert(

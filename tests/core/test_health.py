@@ -30,6 +30,8 @@ def test_nan_losses_are_named_with_the_fix() -> None:
     assert alert.key == "nonfinite"
     assert text.startswith("Run #7 (recipe digits): 3 NaN/inf losses")
     assert "lower the learning rate" in text
+    (one,) = judge(obs(history=HEALTHY, nonfinite_losses=1)).alerts
+    assert one.seen == "1 NaN/inf loss was reported."
 
 
 def test_a_loss_far_above_its_start_is_diverging() -> None:

@@ -142,8 +142,9 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     assert _managed(server_lab) == []
     started_at = clock.now()
 
-    # 1. The command. An empty cloud pool has no model to default to, and says so.
-    bare = handle_text(svc, svc.actor("alice"), "/gpu run --recipe digits")
+    # 1. The command. An empty cloud pool has no model to default to for a script, and
+    # says so (a recipe, which runs anywhere, would take the cheapest: tests/core/test_runs).
+    bare = handle_text(svc, svc.actor("alice"), "/gpu run -- python train.py")
     assert bare.error and "Say which GPU model to run on (`--gpu MODEL`)" in str(bare.view)
     reply = handle_text(svc, svc.actor("alice"), "/gpu run --recipe digits --gpu T4")
     assert not reply.error, reply.view
