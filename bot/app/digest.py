@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, select
 
-from bot.app.billing import WindowCosts, shown_cents, window_costs
+from bot.app.billing import WindowCosts, dearest_runs, shown_cents, window_costs
 from bot.app.billing import host_periods as load_periods
 from bot.app.config import Settings, parse_weekly_time
 from bot.domain import timefmt, views
@@ -233,18 +233,17 @@ def _samples(
 
 
 def _top_runs(s: Session, spend: WindowCosts, users: dict[str, User]) -> tuple[TopRun, ...]:
-    by_run, owner = spend.runs()
-    top = sorted(by_run.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_RUNS]
+    top = dearest_runs(s, spend, TOP_RUNS)
+    ids = [run_id for run_id, _, _ in top]
+    columns: tuple[Any, ...] = (TrainingRun.id, TrainingRun.recipe, TrainingRun.command)
+    known = {
+        run_id: (recipe and f"recipe {recipe}") or views.command_phrase(command)
+        for run_id, recipe, command in s.exec(select(*columns).where(col(TrainingRun.id).in_(ids)))
+    }
     out = []
-    for run_id, usd in top:
-        run = s.get(TrainingRun, run_id)
-        what = (
-            "?"
-            if run is None
-            else (run.recipe and f"recipe {run.recipe}") or views.command_phrase(run.command)
-        )
-        key = owner.get(run_id, "")
+    for run_id, key, usd in top:
         name = users[key].display_name if key in users else key
+        what = known.get(run_id, "?")
         out.append(TopRun(run_id=run_id, user=name, what=_clip(what, 40), usd=usd))
     return tuple(out)
 
