@@ -19,18 +19,20 @@ locks the one user row and nothing after it, so no cycle can form.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from sqlalchemy import and_, case
 from sqlmodel import Session, col, func, select
 
 from bot.app.access import audit
 from bot.app.billing import window_costs
 from bot.app.config import Settings
-from bot.app.held import held_intervals
 from bot.app.outbox import enqueue
+from bot.app.rollups import closed_in
 from bot.domain import timefmt, views
 from bot.domain.commands import Budget
 from bot.domain.errors import UserError
@@ -44,6 +46,7 @@ from db.models import (
     Host,
     Reservation,
     TrainingRun,
+    UsageInterval,
     User,
 )
 from db.session import retrying, transaction
@@ -85,25 +88,19 @@ def _hours(seconds: float) -> Decimal:
 def gpu_rate(s: Session, model: str | None) -> Decimal:
     """The per-GPU price a request for `model` may be charged: the dearest share among
     the hosts that carry it (a waiting request does not know yet where it will land, so
-    it is counted at the most it could cost)."""
-    counts = s.exec(
-        select(Host, func.count(col(Gpu.id)))
+    it is counted at the most it could cost). One grouped query: it read every host as
+    an object, and asked each one in turn whether it had the model."""
+    carries = func.sum(case((col(Gpu.model) == model, 1), else_=0))
+    columns: tuple[Any, ...] = (Host.id, Host.hourly_usd, func.count(col(Gpu.id)), carries)
+    best = Decimal(0)
+    for _, hourly, n, has in s.connection().execute(
+        select(*columns)
         .join(Gpu, col(Gpu.host_id) == col(Host.id))
         .where(Host.state != "terminated", col(Gpu.present).is_(True))
-        .group_by(col(Host.id))
-    ).all()
-    best = Decimal(0)
-    for host, n in counts:
-        if model is not None:
-            has = s.exec(
-                select(Gpu.id).where(
-                    Gpu.host_id == host.id, Gpu.model == model, col(Gpu.present).is_(True)
-                )
-            ).first()
-            if has is None:
-                continue
-        if n:
-            best = max(best, gpu_share(_usd(host.hourly_usd), int(n)))
+        .group_by(col(Host.id), col(Host.hourly_usd))
+    ):
+        if (model is None or has) and n:
+            best = max(best, gpu_share(_usd(hourly), int(n)))
     return best
 
 
@@ -112,15 +109,12 @@ def reservation_estimate(s: Session, model: str | None, count: int, duration_s: 
 
 
 def run_estimate(s: Session, model: str | None, gpus: int, max_seconds: int | None) -> Decimal:
+    return _run_estimate(gpu_rate(s, model), gpus, max_seconds)
+
+
+def _run_estimate(rate: Decimal, gpus: int, max_seconds: int | None) -> Decimal:
     seconds = max_seconds if max_seconds else RUN_WITHOUT_MAX.total_seconds()
-    return gpu_rate(s, model) * gpus * _hours(seconds)
-
-
-def _open_rate(
-    s: Session, *, reservation_id: int | None = None, run_id: int | None = None
-) -> Decimal:
-    held = held_intervals(s, reservation_id=reservation_id, run_id=run_id)
-    return sum((_usd(iv.usd_per_hour) for iv in held), Decimal(0))
+    return rate * gpus * _hours(seconds)
 
 
 def committed_usd(
@@ -131,32 +125,84 @@ def committed_usd(
     skip_reservation: int | None = None,
     skip_run: int | None = None,
 ) -> Decimal:
-    """What this person's open reservations and runs will still cost from `now` on."""
-    total = Decimal(0)
-    for res in s.exec(
-        select(Reservation).where(
-            Reservation.user_id == user_id, col(Reservation.state).in_((RES_ACTIVE, RES_WAITING))
+    """What this person's open reservations and runs will still cost from `now` on.
+
+    Two queries (their reservations, their runs, each with the rates of what it holds
+    now) and one per GPU model something waits for: it was a query per reservation and
+    per run, and one per waiting one."""
+    rates: dict[str | None, Decimal] = {}
+
+    def rate_of(model: str | None) -> Decimal:
+        if model not in rates:
+            rates[model] = gpu_rate(s, model)
+        return rates[model]
+
+    conn = s.connection()
+    held = col(UsageInterval.ended_at).is_(None)
+    res_cols: tuple[Any, ...] = (
+        Reservation.id,
+        Reservation.state,
+        Reservation.ends_at,
+        Reservation.gpu_model,
+        Reservation.gpu_count,
+        Reservation.duration_s,
+        UsageInterval.usd_per_hour,
+    )
+    reservations: dict[int, tuple[Any, Decimal]] = {}
+    for row in conn.execute(
+        select(*res_cols)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.reservation_id) == col(Reservation.id), held),
+            isouter=True,
         )
-    ).all():
-        if res.id == skip_reservation:
+        .where(
+            Reservation.user_id == user_id,
+            col(Reservation.state).in_((RES_ACTIVE, RES_WAITING)),
+        )
+    ):
+        _, got = reservations.setdefault(row.id, (row, Decimal(0)))
+        if row.usd_per_hour is not None:
+            reservations[row.id] = (row, got + _usd(row.usd_per_hour))
+    total = Decimal(0)
+    for res_id, (res, rate) in reservations.items():
+        if res_id == skip_reservation:
             continue
         if res.state == RES_ACTIVE and res.ends_at is not None:
-            rate = _open_rate(s, reservation_id=res.id)
             total += rate * _hours((res.ends_at - now).total_seconds())
         elif res.state == RES_WAITING:
-            total += reservation_estimate(s, res.gpu_model, res.gpu_count, res.duration_s)
-    for run in s.exec(
-        select(TrainingRun).where(
+            total += rate_of(res.gpu_model) * res.gpu_count * _hours(res.duration_s)
+    run_cols: tuple[Any, ...] = (
+        TrainingRun.id,
+        TrainingRun.state,
+        TrainingRun.gpu_model,
+        TrainingRun.gpu_count,
+        TrainingRun.max_seconds,
+        TrainingRun.started_at,
+        UsageInterval.usd_per_hour,
+    )
+    runs: dict[int, tuple[Any, Decimal]] = {}
+    for row in conn.execute(
+        select(*run_cols)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.run_id) == col(TrainingRun.id), held),
+            isouter=True,
+        )
+        .where(
             TrainingRun.user_id == user_id,
             col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED)),
         )
-    ).all():
-        if run.id == skip_run:
+    ):
+        _, got = runs.setdefault(row.id, (row, Decimal(0)))
+        if row.usd_per_hour is not None:
+            runs[row.id] = (row, got + _usd(row.usd_per_hour))
+    for run_id, (run, rate) in runs.items():
+        if run_id == skip_run:
             continue
         if run.state == RUN_QUEUED:
-            total += run_estimate(s, run.gpu_model, run.gpu_count, run.max_seconds)
+            total += _run_estimate(rate_of(run.gpu_model), run.gpu_count, run.max_seconds)
             continue
-        rate = _open_rate(s, run_id=run.id)
         if run.max_seconds and run.started_at is not None:
             left = (run.started_at + timedelta(seconds=run.max_seconds) - now).total_seconds()
         else:
@@ -166,8 +212,33 @@ def committed_usd(
 
 
 def spent_usd(s: Session, user: User, window: Window, now: datetime) -> Decimal:
+    """What the person spent in the window up to `now`, from their own rollup rows and
+    what they hold now. Kept in the transaction for the same window and instant while no
+    interval closes in it (bot.app.rollups.closed_in): a reserve checks the budget, then
+    its grant checks it again, and the spend cannot have changed in between (what is
+    opened at `now` has cost nothing yet)."""
     assert user.id is not None
-    return window_costs(s, window, now, user.id).users().get(user.key, Decimal(0))
+    key = (user.id, window.start, window.end, now, closed_in(s))
+    spent: dict[Any, Decimal] = _this_transaction(s, _SPENT, dict)
+    if key not in spent:
+        spent[key] = window_costs(s, window, now, user.id).users().get(user.key, Decimal(0))
+    return spent[key]
+
+
+_SPENT = "gpubot.budget_spent"  # Session.info: spend by (user, window, now, closed)
+_LOCKED = "gpubot.budget_locked"  # Session.info: the users whose rows this one holds
+T = TypeVar("T")
+
+
+def _this_transaction(s: Session, key: str, make: Callable[[], T]) -> T:
+    """What the session keeps under `key` for its current transaction only (a session
+    used for several transactions starts each afresh: a lock ends with its transaction)."""
+    now = s.get_transaction()
+    kept = s.info.get(key)
+    if kept is None or kept[0] is not now:
+        kept = s.info[key] = (now, make())
+    value: T = kept[1]
+    return value
 
 
 def budget_status(
@@ -194,16 +265,18 @@ def budget_status(
 
 
 def lock_user(s: Session, user: User) -> None:
-    """Holds the person's row until the transaction ends, and re-reads their limit.
+    """Holds the person's row until the transaction ends, and re-reads their limit, in
+    one statement (once per transaction: a grant checks again after the reserve did).
 
     On SQLite the write transaction (`BEGIN IMMEDIATE`, db.session) is the lock already.
     """
-    bind = s.get_bind()
-    if bind.dialect.name == "postgresql":
-        # NO KEY UPDATE: serializes budget checks without blocking inserts that merely
-        # point at the user (a reservation, a usage interval, a GPU sample).
-        s.exec(select(User.id).where(User.id == user.id).with_for_update(key_share=True)).one()
-    s.refresh(user)
+    locked: set[int | None] = _this_transaction(s, _LOCKED, set)
+    if user.id in locked:
+        return
+    # NO KEY UPDATE on PostgreSQL: serializes budget checks without blocking inserts that
+    # merely point at the user (a reservation, a usage interval, a GPU sample).
+    s.refresh(user, with_for_update={"key_share": True})
+    locked.add(user.id)
 
 
 def _resets(window: Window, tz: str) -> str:
