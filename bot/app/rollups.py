@@ -33,7 +33,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, NamedTuple, Protocol
 
-from sqlalchemy import and_, bindparam, case, delete, func, union_all
+from sqlalchemy import and_, bindparam, case, delete, func, literal, union_all
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -930,27 +930,25 @@ def rolled_run_costs(
     s: Session, window: Window, *, top: int, runs: Collection[int] = ()
 ) -> list[tuple[int, str, int]]:
     """(run, owner's key, micro-dollars) of the window's whole UTC hours from the runs'
-    own rows: the `top` dearest (by cost, then run id), and the runs named in `runs` (the
-    caller's raw parts) whatever their place. Two small statements; the team's rows do
-    not say which run held what."""
+    own rows: the runs named in `runs` (the caller's raw parts) whatever their place, and
+    the `top` dearest of the others (by cost, then run id). One statement, the week's run
+    rows grouped in the database; the team's rows do not say which run held what."""
     hours = whole_hours(window)
     if hours is None:
         return []
-    columns: tuple[Any, ...] = (RunRollup.run_id, User.key, func.sum(RunRollup.micro_usd))
+    named = sorted(set(runs))
+    cost = func.sum(RunRollup.micro_usd)
+    first = col(RunRollup.run_id).in_(named) if named else literal(False)
+    columns: tuple[Any, ...] = (RunRollup.run_id, User.key, cost)
     q: Any = (
         select(*columns)
         .join(User, col(User.id) == col(RunRollup.user_id))
         .where(col(RunRollup.hour) >= hours.start, col(RunRollup.hour) < hours.end)
         .group_by(col(RunRollup.run_id), User.key)
+        .order_by(case((first, 0), else_=1), cost.desc(), col(RunRollup.run_id))
+        .limit(len(named) + top)
     )
-    dearest = q.order_by(func.sum(RunRollup.micro_usd).desc(), col(RunRollup.run_id)).limit(top)
-    conn = s.connection()
-    got = {run: (run, key, int(m)) for run, key, m in conn.execute(dearest)}
-    named = sorted(set(runs) - set(got))
-    if named:
-        for run, key, m in conn.execute(q.where(col(RunRollup.run_id).in_(named))):
-            got[run] = (run, key, int(m))
-    return list(got.values())
+    return [(run, key, int(m)) for run, key, m in s.connection().execute(q)]
 
 
 # --- fair share ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, insert, or_, text, update
+from sqlalchemy import delete, func, insert, or_, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -163,28 +163,31 @@ def history_of_kept(
 ) -> tuple[RunHistory, dict[str, int], datetime | None]:
     """The estimator over the kept times of the runs that finished in the 30 days before
     `now`, in the order they finished (as it learns them); each user's id by key; and
-    when the first of those runs leaves the 30 days (None: none counts)."""
-    columns: tuple[Any, ...] = (
-        User.key,
-        RunTime.user_id,
-        RunTime.gpus,
-        RunTime.ran_s,
-        RunTime.finished_at,
+    when the first of those runs leaves the 30 days (None: none counts). Plain numbers
+    are read for each run, no time stamps (turning 34,000 of them into datetimes was half
+    of the time), and each user's key once."""
+    since = now - WINDOW
+    conn = s.connection()
+    columns: tuple[Any, ...] = (RunTime.user_id, RunTime.gpus, RunTime.ran_s)
+    rows = conn.execute(
+        select(*columns)
+        .where(col(RunTime.finished_at) > since)
+        .order_by(col(RunTime.finished_at), col(RunTime.run_id))
+    ).all()
+    oldest = conn.execute(
+        select(func.min(RunTime.finished_at)).where(col(RunTime.finished_at) > since)
+    ).scalar_one()
+    keys: dict[int, str] = dict(
+        conn.execute(
+            select(User.id, User.key).where(col(User.id).in_({user for user, _, _ in rows}))
+        ).all()
     )
-    rows = (
-        s.connection()
-        .execute(
-            select(*columns)
-            .join(User, col(User.id) == col(RunTime.user_id))
-            .where(col(RunTime.finished_at) > now - WINDOW)
-            .order_by(col(RunTime.finished_at), col(RunTime.run_id))
-        )
-        .all()
+    history = RunHistory.of((keys[user], gpus, ran) for user, gpus, ran in rows)
+    return (
+        history,
+        {key: user for user, key in keys.items()},
+        (None if oldest is None else oldest + WINDOW),
     )
-    ids = {key: user_id for key, user_id, _, _, _ in rows}
-    oldest = min((finished for *_, finished in rows), default=None)
-    history = RunHistory.of((key, gpus, ran) for key, _, gpus, ran, _ in rows)
-    return history, ids, None if oldest is None else oldest + WINDOW
 
 
 @dataclass(frozen=True)
