@@ -129,10 +129,7 @@ def committed_usd(
 
     Two queries (the open reservations, the open runs, each with the rates of what it
     holds now) and one per GPU model something waits for: it was a query per reservation
-    and per run, and one per waiting one. Everybody's open ones are read and the person's
-    kept here: the open ones are few, and SQLite, which keeps no statistics, read every
-    run the person ever had through the user's index when asked for theirs (20 ms of a
-    reserve with a year of runs)."""
+    and per run, and one per waiting one (`_open_with_rates`)."""
     rates: dict[str | None, Decimal] = {}
 
     def rate_of(model: str | None) -> Decimal:
@@ -140,8 +137,6 @@ def committed_usd(
             rates[model] = gpu_rate(s, model)
         return rates[model]
 
-    conn = s.connection()
-    held = col(UsageInterval.ended_at).is_(None)
     res_cols: tuple[Any, ...] = (
         Reservation.id,
         Reservation.user_id,
@@ -150,23 +145,14 @@ def committed_usd(
         Reservation.gpu_model,
         Reservation.gpu_count,
         Reservation.duration_s,
-        UsageInterval.usd_per_hour,
     )
-    reservations: dict[int, tuple[Any, Decimal]] = {}
-    for row in conn.execute(
-        select(*res_cols)
-        .join(
-            UsageInterval,
-            and_(col(UsageInterval.reservation_id) == col(Reservation.id), held),
-            isouter=True,
-        )
-        .where(col(Reservation.state).in_((RES_ACTIVE, RES_WAITING)))
-    ):
-        if row.user_id != user_id:
-            continue
-        _, got = reservations.setdefault(row.id, (row, Decimal(0)))
-        if row.usd_per_hour is not None:
-            reservations[row.id] = (row, got + _usd(row.usd_per_hour))
+    reservations = _open_with_rates(
+        s,
+        res_cols,
+        col(UsageInterval.reservation_id) == col(Reservation.id),
+        col(Reservation.state).in_((RES_ACTIVE, RES_WAITING)),
+        user_id,
+    )
     total = Decimal(0)
     for res_id, (res, rate) in reservations.items():
         if res_id == skip_reservation:
@@ -183,23 +169,14 @@ def committed_usd(
         TrainingRun.gpu_count,
         TrainingRun.max_seconds,
         TrainingRun.started_at,
-        UsageInterval.usd_per_hour,
     )
-    runs: dict[int, tuple[Any, Decimal]] = {}
-    for row in conn.execute(
-        select(*run_cols)
-        .join(
-            UsageInterval,
-            and_(col(UsageInterval.run_id) == col(TrainingRun.id), held),
-            isouter=True,
-        )
-        .where(col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED)))
-    ):
-        if row.user_id != user_id:
-            continue
-        _, got = runs.setdefault(row.id, (row, Decimal(0)))
-        if row.usd_per_hour is not None:
-            runs[row.id] = (row, got + _usd(row.usd_per_hour))
+    runs = _open_with_rates(
+        s,
+        run_cols,
+        col(UsageInterval.run_id) == col(TrainingRun.id),
+        col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED)),
+        user_id,
+    )
     for run_id, (run, rate) in runs.items():
         if run_id == skip_run:
             continue
@@ -212,6 +189,27 @@ def committed_usd(
             left = RUN_WITHOUT_MAX.total_seconds()
         total += rate * _hours(left)
     return total
+
+
+def _open_with_rates(
+    s: Session, columns: tuple[Any, ...], holds: Any, is_open: Any, user_id: int
+) -> dict[int, tuple[Any, Decimal]]:
+    """The person's open reservations or runs (`columns`, the id and the owner first), each
+    with the summed rate of the GPUs it holds now (its open intervals, joined by `holds`).
+    Everybody's open ones are read and the person's kept: the open ones are few, and
+    SQLite, which keeps no statistics, read every run the person ever had through the
+    user's index when asked for theirs (20 ms of a reserve with a year of runs)."""
+    out: dict[int, tuple[Any, Decimal]] = {}
+    held = and_(holds, col(UsageInterval.ended_at).is_(None))
+    everything: tuple[Any, ...] = (*columns, UsageInterval.usd_per_hour)
+    stmt: Any = select(*everything).join(UsageInterval, held, isouter=True).where(is_open)
+    for row in s.connection().execute(stmt):
+        if row.user_id != user_id:
+            continue
+        _, rate = out.setdefault(row.id, (row, Decimal(0)))
+        if row.usd_per_hour is not None:
+            out[row.id] = (row, rate + _usd(row.usd_per_hour))
+    return out
 
 
 def spent_usd(s: Session, user: User, window: Window, now: datetime) -> Decimal:

@@ -8,14 +8,12 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, select
 
@@ -47,7 +45,7 @@ from db.models import (
 from db.session import lock_pool, transaction
 from provisioning.catalog import Catalog
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import HOUR, actor, host, make_service
+from tests.core.helpers import HOUR, actor, host, make_service, statements
 
 
 def _history(svc: GpuService, clock: VirtualClock) -> None:
@@ -97,20 +95,6 @@ def test_fair_share_counters_equal_the_decayed_intervals(engine: Engine) -> None
 
 # Tables that grow with history or traffic: every query on them must use an index.
 _WATCHED = ("usageinterval", "usagerollup", "hostperiod", "notification", "gpusample")
-
-
-@contextmanager
-def _statements(engine: Engine) -> Iterator[list[tuple[str, Any]]]:
-    seen: list[tuple[str, Any]] = []
-
-    def note(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
-        seen.append((statement, params))
-
-    event.listen(engine, "before_cursor_execute", note)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", note)
 
 
 def _full_scans(
@@ -174,18 +158,24 @@ def test_every_window_and_queue_query_uses_an_index(engine: Engine, tmp_path: Pa
         lambda: svc.runs.queue(actor(svc, "alice"), Queue()) if svc.runs else None,
     ]
     svc.runs.submit(actor(svc, "carol"), Run(command=("true",), model="A100", gpus=4))
+    assert _indexed(engine, asks, _WATCHED) > 10
+
+
+def _indexed(engine: Engine, asks: list[Callable[[], object]], watched: tuple[str, ...]) -> int:
+    """Runs each ask; every SELECT it issues on a watched table must read it through an
+    index. Returns how many were checked."""
     checked = 0
     for ask in asks:
-        with _statements(engine) as seen:
+        with statements(engine) as seen:
             ask()
         for statement, params in seen:
             if not statement.lstrip().upper().startswith("SELECT"):
                 continue
-            if not any(re.search(rf"\b{t}\b", statement) for t in _WATCHED):
+            if not any(re.search(rf"\b{t}\b", statement) for t in watched):
                 continue
             checked += 1
-            assert _full_scans(engine, statement, params) == [], statement
-    assert checked > 10
+            assert _full_scans(engine, statement, params, watched) == [], statement
+    return checked
 
 
 def _plan(engine: Engine, statement: str, params: Any) -> list[str]:
@@ -217,7 +207,7 @@ def test_an_idle_hosts_last_use_is_read_from_the_host_ended_index(
     # Something to decide (a queued run that cannot start here), so dispatch reads the
     # fleet, both hosts idle.
     runs.submit(bob, Run(command=("true",), model="A100", gpus=1))
-    with _statements(engine) as seen:
+    with statements(engine) as seen:
         runs.dispatch()
     asked = [
         (statement, params)
@@ -234,7 +224,7 @@ def test_an_idle_hosts_last_use_is_read_from_the_host_ended_index(
 
 
 def _count(engine: Engine, ask: Callable[[], object]) -> int:
-    with _statements(engine) as seen:
+    with statements(engine) as seen:
         ask()
     return len(seen)
 
@@ -396,16 +386,4 @@ def test_every_query_of_runs_uses_an_index(engine: Engine, tmp_path: Path) -> No
         lambda: keep_estimates(engine, clock.now()),
         lambda: tick_job(svc, None),
     ]
-    watched = (*_WATCHED, "runrollup", "runtime", "trainingrun")
-    checked = 0
-    for ask in asks:
-        with _statements(engine) as seen:
-            ask()
-        for statement, params in seen:
-            if not statement.lstrip().upper().startswith("SELECT"):
-                continue
-            if not any(re.search(rf"\b{t}\b", statement) for t in watched):
-                continue
-            checked += 1
-            assert _full_scans(engine, statement, params, watched) == [], statement
-    assert checked > 5
+    assert _indexed(engine, asks, (*_WATCHED, "runrollup", "runtime", "trainingrun")) > 5

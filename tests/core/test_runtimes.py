@@ -10,16 +10,16 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.rollups import backfill_rollups
 from bot.app.runtimes import estimates, note_run_ended, rebuild_run_times
+from bot.domain.clock import VirtualClock
 from bot.domain.scheduling import RunHistory
 from db.models import RunTime, TrainingRun, User
 from db.session import transaction
-from tests.core.helpers import actor, host, make_service
+from tests.core.helpers import actor, host, make_service, statements
 
 USERS = ("alice", "bob", "carol", "dave")
 SIZES = (1, 2, 8)
@@ -100,26 +100,17 @@ def assert_same(engine: Engine, now: datetime) -> None:
             ), (user, gpus, ago)
 
 
-def statements(engine: Engine, ask: Any) -> list[str]:
-    seen: list[str] = []
-
-    def note(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        seen.append(statement)
-
-    event.listen(engine, "before_cursor_execute", note)
-    try:
-        ask()
-    finally:
-        event.remove(engine, "before_cursor_execute", note)
-    return seen
-
-
-def test_the_kept_estimates_are_the_ones_the_runs_give(engine: Engine) -> None:
+def _team(engine: Engine) -> tuple[VirtualClock, dict[str, int]]:
+    """A host, the four people, and their user ids by key."""
     svc, clock = make_service(engine, [host("a", "A100", 8)])
     for u in USERS:
         actor(svc, u)
     with Session(engine) as s:
-        ids = {u.key: u.id for u in s.exec(select(User)).all() if u.id is not None}
+        return clock, {u.key: u.id for u in s.exec(select(User)).all() if u.id is not None}
+
+
+def test_the_kept_estimates_are_the_ones_the_runs_give(engine: Engine) -> None:
+    clock, ids = _team(engine)
     rng = random.Random(30)
     t0 = clock.now()
     end_runs(engine, ids, 400, t0 - timedelta(days=40), rng)
@@ -127,9 +118,9 @@ def test_the_kept_estimates_are_the_ones_the_runs_give(engine: Engine) -> None:
     assert_same(engine, now)  # made and kept
     # Asked again: the kept rows of the keys asked about, one statement, nothing made.
     keys = {("alice", 1), ("bob", 8)}
-    with transaction(engine, write=False) as s:
-        seen = statements(engine, lambda: estimates(engine, s, now, keys))
-    asked = [q for q in seen if q != "BEGIN"]
+    with transaction(engine, write=False) as s, statements(engine) as seen:
+        estimates(engine, s, now, keys)
+    asked = [q for q, _ in seen if q != "BEGIN"]
     assert len(asked) == 1 and "runestimate" in asked[0] and "trainingrun" not in asked[0]
     # Time passes: runs leave the 30 days (each day some do), and others end.
     for days in (1, 3, 9):
@@ -146,11 +137,7 @@ def test_the_kept_estimates_are_the_ones_the_runs_give(engine: Engine) -> None:
 def test_a_run_that_ends_makes_the_kept_estimates_stale_at_once(engine: Engine) -> None:
     """One run of carol's ends after the predictions were kept: the next read sees it
     (its end counted in the bookkeeping, in the transaction that ended it)."""
-    svc, clock = make_service(engine, [host("a", "A100", 8)])
-    for u in USERS:
-        actor(svc, u)
-    with Session(engine) as s:
-        ids = {u.key: u.id for u in s.exec(select(User)).all() if u.id is not None}
+    clock, ids = _team(engine)
     now = clock.now()
     end_runs(engine, ids, 60, now - timedelta(days=39), random.Random(1))
     assert_same(engine, now)
@@ -172,11 +159,7 @@ def test_a_run_that_ends_makes_the_kept_estimates_stale_at_once(engine: Engine) 
 
 
 def test_the_kept_run_times_are_what_a_rebuild_from_the_runs_makes(engine: Engine) -> None:
-    svc, clock = make_service(engine, [host("a", "A100", 8)])
-    for u in USERS:
-        actor(svc, u)
-    with Session(engine) as s:
-        ids = {u.key: u.id for u in s.exec(select(User)).all() if u.id is not None}
+    clock, ids = _team(engine)
     end_runs(engine, ids, 120, clock.now() - timedelta(days=50), random.Random(7))
 
     def kept() -> list[tuple[int, int, int, datetime, float]]:
