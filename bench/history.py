@@ -1,13 +1,19 @@
 """`make bench` part: the tick, costs, the digest and the views as history grows.
 
 A synthetic history (50 people on H hosts of 8 GPUs, N closed usage intervals spread
-over the 90 days before "now", each GPU's intervals back to back with gaps) is bulk
-inserted, streamed, with its rollups and fair-share counters (`bot.app.rollups`'s rebuild,
-the same arithmetic the bot uses when intervals close), then the real use cases run
-through the service with a virtual clock: an idle worker tick, `/gpu cost team month`,
-the weekly digest's numbers (chart aside), `/gpu status`, `/gpu queue`, App Home, and a
-reserve + release. Each is the median of REPEATS calls; peak memory is tracemalloc's
-peak over one call of each, after the build. Each cell also has `yardstick_ms`, a fixed
+over the 90 days before "now"; each host's GPUs split into lanes whose work runs back to
+back with gaps: reservations, and training runs of the lane's size, a run per ten
+intervals or so, with their metrics, as a team with sweeps has them) is bulk inserted,
+streamed, with its rollups, fair-share counters and run times (`bot.app.rollups`'s
+rebuild, the same arithmetic the bot uses when intervals close and runs end). The present
+is the same at every size: 36 runs going on whole hosts, one person holding a GPU. Then the
+real use cases run through the service with a virtual clock: an idle worker tick, `/gpu
+cost team month`, the weekly digest's numbers (chart aside), `/gpu status`, `/gpu queue`,
+App Home, a reserve + release, the same by a person with a monthly budget, and (no goal)
+the run-time estimates made again, what the tick after a run ended adds. Each is the
+median of REPEATS calls, with its statement count and its median CPU time in this thread
+(`cpu_ms`: on SQLite all of a call's work); peak memory is tracemalloc's peak over one call
+of each, after the build. Each cell also has `yardstick_ms`, a fixed
 piece of Python timed beside every call (and on PostgreSQL `db_yardstick_ms`, the same
 kind of work inside the server, whose backend runs on the other core), and the headline
 says how much slower each ran in each cell than in its fastest: a shared machine's speed
@@ -16,8 +22,8 @@ yardsticks.
 
 Sizes: 1k, 10k, 100k intervals at 100 hosts (and 1 and 10 hosts at 1k for the views),
 on SQLite and on PostgreSQL when it is reachable. 1M intervals only with
-GPUBOT_BENCH_HISTORY_1M=1 (its build: 35-50 s of CPU; 45-90 s of wall clock on a
-shared 2-core machine, as busy as that is);
+GPUBOT_BENCH_HISTORY_1M=1 (its build: 45-100 s of wall clock per database on a shared
+2-core machine, as busy as that is);
 GPUBOT_BENCH_HISTORY_SIZES=1000,100000 measures only those sizes.
 """
 
@@ -642,9 +648,13 @@ def _median_ms(
     yard: list[float],
     db_yard: list[float],
     server_work: Callable[[], object] | None,
+    cpu: list[float] | None = None,
 ) -> float:
     """The median of REPEATS calls of `fn`. Before each, the yardsticks are timed: this
-    process's into `yard`, the server's (`server_work`, when given) into `db_yard`."""
+    process's into `yard`, the server's (`server_work`, when given) into `db_yard`. Each
+    call's CPU time in this thread goes into `cpu`: on SQLite all of a call's work, and
+    what a machine whose other processes keep its cores busy cannot stretch (the wall
+    clock waits for a core; a yardstick of a millisecond often gets one at once)."""
     fn()  # warm
     times = []
     for _ in range(REPEATS):
@@ -656,8 +666,12 @@ def _median_ms(
             server_work()
             t0, t1 = t1, time.perf_counter()
             db_yard.append((t1 - t0) * 1000)
+        c0 = time.thread_time()
         fn()
-        times.append((time.perf_counter() - t1) * 1000)
+        c1, t2 = time.thread_time(), time.perf_counter()
+        times.append((t2 - t1) * 1000)
+        if cpu is not None:
+            cpu.append((c1 - c0) * 1000)
     return round(statistics.median(times), 2)
 
 
@@ -705,11 +719,13 @@ def _measure(svc: GpuService, only: tuple[str, ...] | None = None) -> dict[str, 
             with svc.engine.connect() as conn:
                 return conn.execute(_DB_YARDSTICK).scalar_one()
 
+    cpu: dict[str, list[float]] = {k: [] for k in ops}
     out: dict[str, object] = {
-        k: _median_ms(fn, yard, db_yard, server_work)
+        k: _median_ms(fn, yard, db_yard, server_work, cpu[k])
         for k, fn in ops.items()
         if only is None or k in only
     }
+    out["cpu_ms"] = {k: round(statistics.median(v), 2) for k, v in cpu.items() if v}
     out["yardstick_ms"] = round(statistics.median(yard), 3)
     if db_yard:
         out["db_yardstick_ms"] = round(statistics.median(db_yard), 3)
