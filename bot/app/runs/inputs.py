@@ -268,14 +268,18 @@ def scheduler_inputs(
                 else _ts_or(last_use.get(host_id), created).timestamp(),
             )
         )
-    return queue, fleet, names, fair_usage(ctx, s, now)
+    held = [(h.user_key, h.started_at) for h in holds]
+    return queue, fleet, names, fair_usage(ctx, s, now, held)
 
 
-def fair_usage(ctx: RunContext, s: Session, now: datetime) -> dict[str, float]:
+def fair_usage(
+    ctx: RunContext, s: Session, now: datetime, held: list[tuple[str, datetime]] | None = None
+) -> dict[str, float]:
     """Each user's GPU-seconds, decayed with the scheduler's half-life (Slurm's fair
-    share): the counters kept as intervals close (bot.app.rollups), plus what is held now.
-    Only a half-life other than the counters' reads the intervals themselves."""
-    kept = fair_share_usage(s, now, ctx.config.half_life_s)
+    share): the counters kept as intervals close (bot.app.rollups), plus what is held now
+    (`held`, when read already). Only a half-life other than the counters' reads the
+    intervals themselves."""
+    kept = fair_share_usage(s, now, ctx.config.half_life_s, held)
     if kept is not None:
         return kept
     horizon = now - timedelta(seconds=ctx.config.half_life_s * 8)
