@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import and_, case
+from sqlalchemy import and_, case, cast, literal, null, union_all
 from sqlmodel import Session, col, func, select
 
 from bot.app.access import audit
@@ -50,6 +50,7 @@ from db.models import (
     User,
 )
 from db.session import retrying, transaction
+from db.types import UTCDateTime
 from provisioning.costs import gpu_share
 
 if TYPE_CHECKING:
@@ -127,9 +128,9 @@ def committed_usd(
 ) -> Decimal:
     """What this person's open reservations and runs will still cost from `now` on.
 
-    Two queries (the open reservations, the open runs, each with the rates of what it
-    holds now) and one per GPU model something waits for: it was a query per reservation
-    and per run, and one per waiting one (`_open_with_rates`)."""
+    One query for both, each with the rates of what it holds now (`_open_holdings`), and
+    one per GPU model something waits for: it was a query per reservation and per run,
+    and one per waiting one."""
     rates: dict[str | None, Decimal] = {}
 
     def rate_of(model: str | None) -> Decimal:
@@ -137,78 +138,86 @@ def committed_usd(
             rates[model] = gpu_rate(s, model)
         return rates[model]
 
-    res_cols: tuple[Any, ...] = (
-        Reservation.id,
-        Reservation.user_id,
-        Reservation.state,
-        Reservation.ends_at,
-        Reservation.gpu_model,
-        Reservation.gpu_count,
-        Reservation.duration_s,
-    )
-    reservations = _open_with_rates(
-        s,
-        res_cols,
-        col(UsageInterval.reservation_id) == col(Reservation.id),
-        col(Reservation.state).in_((RES_ACTIVE, RES_WAITING)),
-        user_id,
-    )
     total = Decimal(0)
-    for res_id, (res, rate) in reservations.items():
-        if res_id == skip_reservation:
+    for (kind, ref), (row, rate) in _open_holdings(s, user_id).items():
+        if kind == "res":
+            if ref == skip_reservation:
+                continue
+            if row.state == RES_ACTIVE and row.ends_at is not None:
+                total += rate * _hours((row.ends_at - now).total_seconds())
+            elif row.state == RES_WAITING:
+                total += rate_of(row.gpu_model) * row.gpu_count * _hours(row.seconds)
             continue
-        if res.state == RES_ACTIVE and res.ends_at is not None:
-            total += rate * _hours((res.ends_at - now).total_seconds())
-        elif res.state == RES_WAITING:
-            total += rate_of(res.gpu_model) * res.gpu_count * _hours(res.duration_s)
-    run_cols: tuple[Any, ...] = (
-        TrainingRun.id,
-        TrainingRun.user_id,
-        TrainingRun.state,
-        TrainingRun.gpu_model,
-        TrainingRun.gpu_count,
-        TrainingRun.max_seconds,
-        TrainingRun.started_at,
-    )
-    runs = _open_with_rates(
-        s,
-        run_cols,
-        col(UsageInterval.run_id) == col(TrainingRun.id),
-        col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED)),
-        user_id,
-    )
-    for run_id, (run, rate) in runs.items():
-        if run_id == skip_run:
+        if ref == skip_run:
             continue
-        if run.state == RUN_QUEUED:
-            total += _run_estimate(rate_of(run.gpu_model), run.gpu_count, run.max_seconds)
+        if row.state == RUN_QUEUED:
+            total += _run_estimate(rate_of(row.gpu_model), row.gpu_count, row.seconds)
             continue
-        if run.max_seconds and run.started_at is not None:
-            left = (run.started_at + timedelta(seconds=run.max_seconds) - now).total_seconds()
+        if row.seconds and row.started_at is not None:
+            left = (row.started_at + timedelta(seconds=row.seconds) - now).total_seconds()
         else:
             left = RUN_WITHOUT_MAX.total_seconds()
         total += rate * _hours(left)
     return total
 
 
-def _open_with_rates(
-    s: Session, columns: tuple[Any, ...], holds: Any, is_open: Any, user_id: int
-) -> dict[int, tuple[Any, Decimal]]:
-    """The person's open reservations or runs (`columns`, the id and the owner first), each
-    with the summed rate of the GPUs it holds now (its open intervals, joined by `holds`).
-    Everybody's open ones are read and the person's kept: the open ones are few, and
-    SQLite, which keeps no statistics, read every run the person ever had through the
-    user's index when asked for theirs (20 ms of a reserve with a year of runs)."""
-    out: dict[int, tuple[Any, Decimal]] = {}
-    held = and_(holds, col(UsageInterval.ended_at).is_(None))
-    everything: tuple[Any, ...] = (*columns, UsageInterval.usd_per_hour)
-    stmt: Any = select(*everything).join(UsageInterval, held, isouter=True).where(is_open)
+def _open_holdings(s: Session, user_id: int) -> dict[tuple[str, int], tuple[Any, Decimal]]:
+    """The person's open reservations ("res", id) and runs ("run", id), each with the
+    summed rate of the GPUs it holds now (its open intervals), in one statement: a row
+    of (kind, id, owner, state, ends_at, started_at, model, count, seconds: a reservation's
+    length or a run's --max) per interval held, or one with no rate. Everybody's open ones
+    are read and the person's kept: the open ones are few, and SQLite, which keeps no
+    statistics, read every run the person ever had through the user's index when asked
+    for theirs (20 ms of a reserve with a year of runs)."""
+    held = col(UsageInterval.ended_at).is_(None)
+    res_cols: tuple[Any, ...] = (
+        literal("res").label("kind"),
+        col(Reservation.id).label("ref"),
+        col(Reservation.user_id).label("user_id"),
+        col(Reservation.state).label("state"),
+        col(Reservation.ends_at).label("ends_at"),
+        cast(null(), UTCDateTime).label("started_at"),
+        col(Reservation.gpu_model).label("gpu_model"),
+        col(Reservation.gpu_count).label("gpu_count"),
+        col(Reservation.duration_s).label("seconds"),
+        col(UsageInterval.usd_per_hour).label("usd_per_hour"),
+    )
+    run_cols: tuple[Any, ...] = (
+        literal("run"),
+        TrainingRun.id,
+        TrainingRun.user_id,
+        TrainingRun.state,
+        cast(null(), UTCDateTime),
+        TrainingRun.started_at,
+        TrainingRun.gpu_model,
+        TrainingRun.gpu_count,
+        TrainingRun.max_seconds,
+        UsageInterval.usd_per_hour,
+    )
+    stmt = union_all(
+        select(*res_cols)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.reservation_id) == col(Reservation.id), held),
+            isouter=True,
+        )
+        .where(col(Reservation.state).in_((RES_ACTIVE, RES_WAITING))),
+        select(*run_cols)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.run_id) == col(TrainingRun.id), held),
+            isouter=True,
+        )
+        .where(col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED))),
+    )
+    out: dict[tuple[str, int], tuple[Any, Decimal]] = {}
     for row in s.connection().execute(stmt):
         if row.user_id != user_id:
             continue
-        _, rate = out.setdefault(row.id, (row, Decimal(0)))
+        key = (row.kind, row.ref)
+        _, rate = out.setdefault(key, (row, Decimal(0)))
         if row.usd_per_hour is not None:
-            out[row.id] = (row, rate + _usd(row.usd_per_hour))
+            out[key] = (row, rate + _usd(row.usd_per_hour))
     return out
 
 
