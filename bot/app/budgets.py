@@ -19,13 +19,14 @@ locks the one user row and nothing after it, so no cycle can form.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import and_, case, cast, literal, null, union_all
+from sqlalchemy import and_, bindparam, case, cast, literal, null, union_all
 from sqlmodel import Session, col, func, select
 
 from bot.app.access import audit
@@ -89,20 +90,26 @@ def _hours(seconds: float) -> Decimal:
 def gpu_rate(s: Session, model: str | None) -> Decimal:
     """The per-GPU price a request for `model` may be charged: the dearest share among
     the hosts that carry it (a waiting request does not know yet where it will land, so
-    it is counted at the most it could cost). One grouped query: it read every host as
-    an object, and asked each one in turn whether it had the model."""
-    carries = func.sum(case((col(Gpu.model) == model, 1), else_=0))
-    columns: tuple[Any, ...] = (Host.id, Host.hourly_usd, func.count(col(Gpu.id)), carries)
+    it is counted at the most it could cost). One grouped query, built once: it read every
+    host as an object, and asked each one in turn whether it had the model."""
     best = Decimal(0)
-    for _, hourly, n, has in s.connection().execute(
+    for hourly, n, has in s.connection().execute(_rates_stmt(), {"b_model": model}):
+        if (model is None or has) and n:
+            best = max(best, gpu_share(_usd(hourly), int(n)))
+    return best
+
+
+@functools.cache
+def _rates_stmt() -> Any:
+    """Each host's price, present GPUs, and how many of them are the model `b_model`."""
+    carries = func.sum(case((col(Gpu.model) == bindparam("b_model"), 1), else_=0))
+    columns: tuple[Any, ...] = (Host.hourly_usd, func.count(col(Gpu.id)), carries)
+    return (
         select(*columns)
         .join(Gpu, col(Gpu.host_id) == col(Host.id))
         .where(Host.state != "terminated", col(Gpu.present).is_(True))
         .group_by(col(Host.id), col(Host.hourly_usd))
-    ):
-        if (model is None or has) and n:
-            best = max(best, gpu_share(_usd(hourly), int(n)))
-    return best
+    )
 
 
 def reservation_estimate(s: Session, model: str | None, count: int, duration_s: int) -> Decimal:
@@ -163,17 +170,30 @@ def committed_usd(
 
 def _open_holdings(s: Session, user_id: int) -> dict[tuple[str, int], tuple[Any, Decimal]]:
     """The person's open reservations ("res", id) and runs ("run", id), each with the
-    summed rate of the GPUs it holds now (its open intervals), in one statement: a row
-    of (kind, id, owner, state, ends_at, started_at, model, count, seconds: a reservation's
-    length or a run's --max) per interval held, or one with no rate. Everybody's open ones
-    are read and the person's kept: the open ones are few, and SQLite, which keeps no
-    statistics, read every run the person ever had through the user's index when asked
-    for theirs (20 ms of a reserve with a year of runs)."""
+    summed rate of the GPUs it holds now (its open intervals), in one statement built once
+    (`_holdings_stmt`): a row of (kind, id, state, ends_at, started_at, model, count,
+    seconds: a reservation's length or a run's --max) per interval held, or one with no
+    rate."""
+    out: dict[tuple[str, int], tuple[Any, Decimal]] = {}
+    for row in s.connection().execute(_holdings_stmt(), {"b_user": user_id}):
+        key = (row.kind, row.ref)
+        _, rate = out.setdefault(key, (row, Decimal(0)))
+        if row.usd_per_hour is not None:
+            out[key] = (row, rate + _usd(row.usd_per_hour))
+    return out
+
+
+@functools.cache
+def _holdings_stmt() -> Any:
+    """The open reservations and runs of one person (bound as `b_user`) with their rates.
+    The person is matched as `user_id + 0`, which no index answers, so that the open
+    states' index does: SQLite, which keeps no statistics, otherwise read every run the
+    person ever had through the user's index (20 ms of a reserve with a year of runs)."""
     held = col(UsageInterval.ended_at).is_(None)
+    user: Any = bindparam("b_user")
     res_cols: tuple[Any, ...] = (
         literal("res").label("kind"),
         col(Reservation.id).label("ref"),
-        col(Reservation.user_id).label("user_id"),
         col(Reservation.state).label("state"),
         col(Reservation.ends_at).label("ends_at"),
         cast(null(), UTCDateTime).label("started_at"),
@@ -185,7 +205,6 @@ def _open_holdings(s: Session, user_id: int) -> dict[tuple[str, int], tuple[Any,
     run_cols: tuple[Any, ...] = (
         literal("run"),
         TrainingRun.id,
-        TrainingRun.user_id,
         TrainingRun.state,
         cast(null(), UTCDateTime),
         TrainingRun.started_at,
@@ -194,31 +213,31 @@ def _open_holdings(s: Session, user_id: int) -> dict[tuple[str, int], tuple[Any,
         TrainingRun.max_seconds,
         UsageInterval.usd_per_hour,
     )
-    stmt = union_all(
+    reservations = (
         select(*res_cols)
         .join(
             UsageInterval,
             and_(col(UsageInterval.reservation_id) == col(Reservation.id), held),
             isouter=True,
         )
-        .where(col(Reservation.state).in_((RES_ACTIVE, RES_WAITING))),
+        .where(
+            col(Reservation.state).in_((RES_ACTIVE, RES_WAITING)),
+            col(Reservation.user_id) + 0 == user,
+        )
+    )
+    runs = (
         select(*run_cols)
         .join(
             UsageInterval,
             and_(col(UsageInterval.run_id) == col(TrainingRun.id), held),
             isouter=True,
         )
-        .where(col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED))),
+        .where(
+            col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED)),
+            col(TrainingRun.user_id) + 0 == user,
+        )
     )
-    out: dict[tuple[str, int], tuple[Any, Decimal]] = {}
-    for row in s.connection().execute(stmt):
-        if row.user_id != user_id:
-            continue
-        key = (row.kind, row.ref)
-        _, rate = out.setdefault(key, (row, Decimal(0)))
-        if row.usd_per_hour is not None:
-            out[key] = (row, rate + _usd(row.usd_per_hour))
-    return out
+    return union_all(reservations, runs)
 
 
 def spent_usd(s: Session, user: User, window: Window, now: datetime) -> Decimal:

@@ -829,8 +829,9 @@ def whole_hours(window: Window) -> Window | None:
     return Window(start, end) if end > start else None
 
 
-def _rolled(table: type[UsageRollup] | type[UsageRollupDay], w: Window, user_id: int | None) -> Any:
-    """One span's rows summed per user, market and instance type."""
+def _rolled(table: type[UsageRollup] | type[UsageRollupDay], i: int, by_user: bool) -> Any:
+    """The i-th span's rows (`b_start{i}` to `b_end{i}`) summed per user, market and
+    instance type; one person's (`b_user`) when `by_user`."""
     at = col(UsageRollupDay.day) if table is UsageRollupDay else col(UsageRollup.hour)
     t: Any = table
     columns: tuple[Any, ...] = (
@@ -844,12 +845,44 @@ def _rolled(table: type[UsageRollup] | type[UsageRollupDay], w: Window, user_id:
     q: Any = (
         select(*columns)
         .join(User, col(User.id) == t.user_id)
-        .where(at >= w.start, at < w.end)
+        .where(
+            at >= bindparam(f"b_start{i}", type_=UTCDateTime),
+            at < bindparam(f"b_end{i}", type_=UTCDateTime),
+        )
         .group_by(User.key, t.market, t.instance_type)
     )
-    if user_id is not None:
-        q = q.where(t.user_id == user_id)
-    return q
+    return q.where(t.user_id == bindparam("b_user")) if by_user else q
+
+
+# The statements of a window, built once per shape (bound parameters): a budget check, App
+# Home and every cost view read one, and building them was a good part of their CPU.
+
+
+@functools.cache
+def _rolled_stmt(days: int, hours: int, by_user: bool) -> Any:
+    """The whole days' and the other whole hours' rows of a window, in one statement."""
+    parts = [_rolled(UsageRollupDay, i, by_user) for i in range(days)]
+    parts += [_rolled(UsageRollup, days + i, by_user) for i in range(hours)]
+    return parts[0] if len(parts) == 1 else union_all(*parts)
+
+
+@functools.cache
+def _raw_stmt(edge: bool, by_user: bool) -> Any:
+    """Intervals read raw (`_RAW_COLUMNS`): the open ones that started before `b_end`, or
+    (`edge`) the closed ones that overlap [`b_start`, `b_end`)."""
+    where: list[Any] = [col(UsageInterval.started_at) < bindparam("b_end", type_=UTCDateTime)]
+    if edge:
+        where.append(col(UsageInterval.ended_at) > bindparam("b_start", type_=UTCDateTime))
+    else:
+        where.append(col(UsageInterval.ended_at).is_(None))
+    if by_user:
+        where.append(col(UsageInterval.user_id) == bindparam("b_user"))
+    return (
+        select(*_RAW_COLUMNS)
+        .join(User, col(User.id) == col(UsageInterval.user_id))
+        .join(Host, col(Host.id) == col(UsageInterval.host_id))
+        .where(*where)
+    )
 
 
 # An interval read raw, as plain columns (a window reads every open one: building them as
@@ -870,39 +903,27 @@ _RAW_COLUMNS: tuple[Any, ...] = (
 
 def window_usage(s: Session, window: Window, user_id: int | None = None) -> WindowUsage:
     days, hours, edges = _spans(window)
-    spans = [_rolled(UsageRollupDay, w, user_id) for w in days]
-    spans += [_rolled(UsageRollup, w, user_id) for w in hours]
+    by_user = user_id is not None
+    conn = s.connection()
     rolled: list[RolledRow] = []
-    if spans:  # the whole days and the other whole hours in one statement
-        stmt: Any = spans[0] if len(spans) == 1 else union_all(*spans)
+    if days or hours:  # the whole days and the other whole hours in one statement
+        params: dict[str, Any] = {"b_user": user_id} if by_user else {}
+        for i, w in enumerate(days + hours):
+            params[f"b_start{i}"], params[f"b_end{i}"] = w.start, w.end
         rolled = [
             RolledRow(key, market, itype or None, int(m), int(us), int(c))
-            for key, market, itype, m, us, c in s.connection().execute(stmt)
-        ]
-    raw: list[RawUsage] = []
-    open_q: Any = (
-        select(*_RAW_COLUMNS)
-        .join(User, col(User.id) == col(UsageInterval.user_id))
-        .join(Host, col(Host.id) == col(UsageInterval.host_id))
-        .where(col(UsageInterval.ended_at).is_(None), col(UsageInterval.started_at) < window.end)
-    )
-    if user_id is not None:
-        open_q = open_q.where(UsageInterval.user_id == user_id)
-    for iv in s.connection().execute(open_q):
-        raw.append(_raw(iv, iv.started_at, None))
-    for edge in edges:
-        q2: Any = (
-            select(*_RAW_COLUMNS)
-            .join(User, col(User.id) == col(UsageInterval.user_id))
-            .join(Host, col(Host.id) == col(UsageInterval.host_id))
-            .where(
-                col(UsageInterval.ended_at) > edge.start,
-                col(UsageInterval.started_at) < edge.end,
+            for key, market, itype, m, us, c in conn.execute(
+                _rolled_stmt(len(days), len(hours), by_user), params
             )
-        )
-        if user_id is not None:
-            q2 = q2.where(UsageInterval.user_id == user_id)
-        for iv in s.connection().execute(q2):
+        ]
+    who: dict[str, Any] = {"b_user": user_id} if by_user else {}
+    raw = [
+        _raw(iv, iv.started_at, None)
+        for iv in conn.execute(_raw_stmt(False, by_user), {"b_end": window.end, **who})
+    ]
+    for edge in edges:
+        params = {"b_start": edge.start, "b_end": edge.end, **who}
+        for iv in conn.execute(_raw_stmt(True, by_user), params):
             raw.append(_raw(iv, max(iv.started_at, edge.start), min(iv.ended_at, edge.end)))
     raw.sort(key=lambda r: (r.usage.start, r.usage.gpu_id))
     return WindowUsage(tuple(rolled), tuple(raw))
