@@ -245,7 +245,7 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
                 if len(chunk) >= _CHUNK:
                     insert(s, table, _INTERVAL_COLUMNS, chunk)
                     chunk = []
-                if len(run_rows) >= _CHUNK // 4:
+                if len(run_rows) >= _RUN_CHUNK:
                     insert(s, runs_table, _RUN_COLUMNS, list(run_rows))
                     insert(s, times_table, _TIME_COLUMNS, list(time_rows))
                     run_rows.clear()
@@ -495,6 +495,9 @@ _SETTLED = (
 
 
 _CHUNK = 20_000
+# Runs carry their metrics (a kilobyte of JSON each): fewer of them at a time, so that the
+# chunks waiting for the loader do not hold megabytes.
+_RUN_CHUNK = 1_000
 _Made = tuple[datetime, datetime, int, int, int, int | None]  # start, end, GPU, host, user, run
 _INTERVAL_COLUMNS = (
     "gpu_id",

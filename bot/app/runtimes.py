@@ -168,25 +168,21 @@ def history_of_kept(
     of the time), and each user's key once."""
     since = now - WINDOW
     conn = s.connection()
+    keys: dict[int, str] = dict(conn.execute(select(User.id, User.key)).all())
     columns: tuple[Any, ...] = (RunTime.user_id, RunTime.gpus, RunTime.ran_s)
     rows = conn.execute(
         select(*columns)
         .where(col(RunTime.finished_at) > since)
         .order_by(col(RunTime.finished_at), col(RunTime.run_id))
-    ).all()
+    )
+    history = RunHistory.of((keys[user], gpus, ran) for user, gpus, ran in rows)
     oldest = conn.execute(
         select(func.min(RunTime.finished_at)).where(col(RunTime.finished_at) > since)
     ).scalar_one()
-    keys: dict[int, str] = dict(
-        conn.execute(
-            select(User.id, User.key).where(col(User.id).in_({user for user, _, _ in rows}))
-        ).all()
-    )
-    history = RunHistory.of((keys[user], gpus, ran) for user, gpus, ran in rows)
     return (
         history,
         {key: user for user, key in keys.items()},
-        (None if oldest is None else oldest + WINDOW),
+        None if oldest is None else oldest + WINDOW,
     )
 
 
