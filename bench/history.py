@@ -487,6 +487,7 @@ _SETTLED = (
     "usagerollup",
     "usagerollupday",
     "runrollup",
+    "runrollupday",
     "hostperiod",
     "fairshareusage",
     "trainingrun",
@@ -534,7 +535,15 @@ _RUN_COLUMNS = (
     "sweep",
 )
 # The tables the build fills: their secondary indexes are made after the load.
-_LOADED = ("usageinterval", "usagerollup", "usagerollupday", "runrollup", "trainingrun", "runtime")
+_LOADED = (
+    "usageinterval",
+    "usagerollup",
+    "usagerollupday",
+    "runrollup",
+    "runrollupday",
+    "trainingrun",
+    "runtime",
+)
 _TIME_COLUMNS = ("run_id", "user_id", "gpus", "finished_at", "ran_s")
 
 

@@ -258,21 +258,17 @@ def window_costs(
     return WindowCosts(window, now, window_usage(s, window, user_id))
 
 
-def dearest_runs(s: Session, costs: WindowCosts, n: int) -> list[tuple[int, str, Decimal]]:
-    """The `n` runs that cost most in the window (run id, owner's key, cost), dearest
-    first, then by id: the runs' own rollups for the window's whole hours (read in the
-    database, not as the team's rows) plus the raw part (open intervals, edges off the
-    hour). A run with no raw part that is not among the n + (runs with one) dearest
-    rolled-up runs cannot be among the n dearest in all."""
+def dearest_runs(s: Session, costs: WindowCosts, n: int) -> list[tuple[int, Decimal]]:
+    """The `n` runs that cost most in the window (run id, cost), dearest first, then by
+    id: the runs' own rollups for the window's whole hours (summed in the database, not
+    from the team's rows) plus the raw part (open intervals, edges off the hour). A run
+    with no raw part that is not among the n + (runs with one) dearest rolled-up runs
+    cannot be among the n dearest in all."""
     runs = [u for u in costs.raw_usages if u.kind == "run"]
-    raw = {run_id: usd for (_, run_id), usd in cost_by_ref(runs, costs.window, costs.now).items()}
-    owner = {u.ref_id: u.user for u in runs}
-    total = dict(raw)
-    for run_id, key, micro in rolled_run_costs(s, costs.window, top=n + len(raw), runs=raw):
+    total = {run_id: usd for (_, run_id), usd in cost_by_ref(runs, costs.window, costs.now).items()}
+    for run_id, micro in rolled_run_costs(s, costs.window, top=n + len(total), runs=set(total)):
         total[run_id] = total.get(run_id, Decimal(0)) + Decimal(micro).scaleb(-6)
-        owner[run_id] = key
-    top = sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
-    return [(run_id, owner[run_id], usd) for run_id, usd in top]
+    return sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
 def spot_savings(

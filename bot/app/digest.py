@@ -234,16 +234,24 @@ def _samples(
 
 def _top_runs(s: Session, spend: WindowCosts, users: dict[str, User]) -> tuple[TopRun, ...]:
     top = dearest_runs(s, spend, TOP_RUNS)
-    ids = [run_id for run_id, _, _ in top]
-    columns: tuple[Any, ...] = (TrainingRun.id, TrainingRun.recipe, TrainingRun.command)
+    columns: tuple[Any, ...] = (
+        TrainingRun.id,
+        TrainingRun.user_id,
+        TrainingRun.recipe,
+        TrainingRun.command,
+    )
     known = {
-        run_id: (recipe and f"recipe {recipe}") or views.command_phrase(command)
-        for run_id, recipe, command in s.exec(select(*columns).where(col(TrainingRun.id).in_(ids)))
+        run_id: (user_id, (recipe and f"recipe {recipe}") or views.command_phrase(command))
+        for run_id, user_id, recipe, command in s.exec(
+            select(*columns).where(col(TrainingRun.id).in_([run_id for run_id, _ in top]))
+        )
     }
+    by_id = {u.id: u for u in users.values()}
     out = []
-    for run_id, key, usd in top:
-        name = users[key].display_name if key in users else key
-        what = known.get(run_id, "?")
+    for run_id, usd in top:
+        user_id, what = known.get(run_id, (None, "?"))
+        owner = by_id.get(user_id)
+        name = owner.display_name if owner is not None else "?"
         out.append(TopRun(run_id=run_id, user=name, what=_clip(what, 40), usd=usd))
     return tuple(out)
 

@@ -38,7 +38,7 @@ def _to(engine: Engine, revision: str) -> None:
 def test_0010_regroups_the_kept_rollups_per_person_and_per_run(engine: Engine) -> None:
     """A database of 0009 keeps its rollups keyed per host and run: after the upgrade the
     same sums are per person, market and instance type (hours and days), and per run
-    (hours), to the micro-dollar, with nothing rebuilt."""
+    (hours and days), to the micro-dollar, with nothing rebuilt."""
     _to(engine, "0009")
     h1, h2 = datetime(2026, 3, 2, 10), datetime(2026, 3, 2, 11)
     day = datetime(2026, 3, 2)
@@ -122,9 +122,13 @@ def test_0010_regroups_the_kept_rollups_per_person_and_per_run(engine: Engine) -
         (_utc(day), 2, "owned", ""): Sums(0, 50, 0),
     }
     assert rolled.runs == {
-        (_utc(h1), 7, 1): Sums(500, 50),
-        (_utc(h2), 7, 1): Sums(5, 1),
-        (_utc(h1), 8, 2): Sums(7_000_000_000, 120),
+        (_utc(h1), 7): Sums(500, 50),
+        (_utc(h2), 7): Sums(5, 1),
+        (_utc(h1), 8): Sums(7_000_000_000, 120),
+    }
+    assert rolled.run_days == {
+        (_utc(day), 7): Sums(505, 51),
+        (_utc(day), 8): Sums(7_000_000_000, 120),
     }
 
 

@@ -1,5 +1,5 @@
-"""rollups per person (the runs' own in runrollup); finished runs' times and the run-time
-estimates kept as runs end
+"""rollups per person (the runs' own in runrollup and runrollupday); finished runs' times
+and the run-time estimates kept as runs end
 
 Revision ID: 0010
 Revises: 0009
@@ -8,14 +8,14 @@ Create Date: 2026-12-05
 A team month read the daily rollups keyed per run as well as per person: 20,659 of 22,559
 rows of a month were per run with a run-heavy history. The hourly and daily rows are now
 per person, market and instance type (the hour rows name the host's instance type, as the
-day rows did, instead of the host), and a run's pieces are kept in `runrollup` per hour and
-run. The kept rows are regrouped here in SQL (sums of integers: exact), so no rebuild is
-needed. The worker's tick read every run of the last 30 days with its metrics to predict
-run times: `runtime` keeps a finished run's time and `runestimate` the predictions. The
-times of runs that ended before this upgrade are made once at the bot's start-up
-(bot.app.runtimes.backfill_run_times; db never imports bot, so the upgrade cannot), and
-`gpubot db rebuild-rollups` makes them again at any time. The queue reads its running runs'
-latest GPU samples through a new (run, time) index.
+day rows did, instead of the host), and a run's pieces are kept per run, per hour in
+`runrollup` and per day in `runrollupday`. The kept rows are regrouped here in SQL (sums
+of integers: exact), so no rebuild is needed. The worker's tick read every run of the last
+30 days with its metrics to predict run times: `runtime` keeps a finished run's time and
+`runestimate` the predictions. The times of runs that ended before this upgrade are made
+once at the bot's start-up (bot.app.runtimes.backfill_run_times; db never imports bot, so
+the upgrade cannot), and `gpubot db rebuild-rollups` makes them again at any time. The
+queue reads its running runs' latest GPU samples through a new (run, time) index.
 """
 
 from collections.abc import Sequence
@@ -69,25 +69,30 @@ def upgrade() -> None:
     )
     op.execute(
         "CREATE TEMPORARY TABLE rollup_runs_0010 AS"
-        f" SELECT hour, run_id, user_id, {_SUMS}"
-        " FROM usagerollup WHERE run_id <> 0 GROUP BY hour, run_id, user_id"
+        f" SELECT hour, run_id, {_SUMS} FROM usagerollup WHERE run_id <> 0 GROUP BY hour, run_id"
+    )
+    op.execute(
+        "CREATE TEMPORARY TABLE rollup_run_days_0010 AS"
+        f" SELECT day, run_id, {_SUMS} FROM usagerollupday WHERE run_id <> 0 GROUP BY day, run_id"
     )
     op.drop_table("usagerollup")
     op.drop_table("usagerollupday")
     _per_person("usagerollup", "hour", "uq_usagerollup_key")
     _per_person("usagerollupday", "day", "uq_usagerollupday_key")
-    op.create_table(
-        "runrollup",
-        sa.Column("id", sa.Integer(), nullable=False),
-        sa.Column("hour", db.types.UTCDateTime(), nullable=False),
-        sa.Column("run_id", sa.Integer(), nullable=False),
-        sa.Column("user_id", sa.Integer(), nullable=False),
-        sa.Column("micro_usd", sa.BigInteger(), nullable=False),
-        sa.Column("held_us", sa.BigInteger(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["trainingrun.id"]),
-        sa.ForeignKeyConstraint(["user_id"], ["user.id"]),
-        sa.PrimaryKeyConstraint("id"),
-        sa.UniqueConstraint("hour", "run_id", name="uq_runrollup_key"),
+    for name, at in (("runrollup", "hour"), ("runrollupday", "day")):
+        op.create_table(
+            name,
+            sa.Column("id", sa.Integer(), nullable=False),
+            sa.Column(at, db.types.UTCDateTime(), nullable=False),
+            sa.Column("run_id", sa.Integer(), nullable=False),
+            sa.Column("micro_usd", sa.BigInteger(), nullable=False),
+            sa.Column("held_us", sa.BigInteger(), nullable=False),
+            sa.ForeignKeyConstraint(["run_id"], ["trainingrun.id"]),
+            sa.PrimaryKeyConstraint("id"),
+            sa.UniqueConstraint(at, "run_id", name=f"uq_{name}_key"),
+        )
+    op.create_index(
+        "ix_runrollupday_cost", "runrollupday", ["day", "run_id", "micro_usd"], unique=False
     )
     sums = "micro_usd, held_us, covered_micro"
     for table, at, aside in (
@@ -96,9 +101,18 @@ def upgrade() -> None:
     ):
         columns = f"{at}, user_id, market, instance_type, {sums}"
         op.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {aside}")
-    columns = "hour, run_id, user_id, micro_usd, held_us"
-    op.execute(f"INSERT INTO runrollup ({columns}) SELECT {columns} FROM rollup_runs_0010")
-    for aside in ("rollup_hours_0010", "rollup_days_0010", "rollup_runs_0010"):
+    for table, at, aside in (
+        ("runrollup", "hour", "rollup_runs_0010"),
+        ("runrollupday", "day", "rollup_run_days_0010"),
+    ):
+        columns = f"{at}, run_id, micro_usd, held_us"
+        op.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {aside}")
+    for aside in (
+        "rollup_hours_0010",
+        "rollup_days_0010",
+        "rollup_runs_0010",
+        "rollup_run_days_0010",
+    ):
         op.execute(f"DROP TABLE {aside}")
     op.create_table(
         "runtime",
@@ -134,6 +148,8 @@ def downgrade() -> None:
     op.drop_index("ix_gpusample_run_at", table_name="gpusample")
     op.drop_index(op.f("ix_runtime_finished_at"), table_name="runtime")
     op.drop_table("runtime")
+    op.drop_index("ix_runrollupday_cost", table_name="runrollupday")
+    op.drop_table("runrollupday")
     op.drop_table("runrollup")
     op.drop_table("usagerollupday")
     op.drop_table("usagerollup")
