@@ -29,6 +29,7 @@ GPUBOT_BENCH_HISTORY_SIZES=1000,100000 measures only those sizes.
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import itertools
 import json
@@ -495,7 +496,7 @@ _SETTLED = (
 )
 
 
-_CHUNK = 20_000
+_CHUNK = 10_000
 # Runs carry their metrics (a kilobyte of JSON each): fewer of them at a time, so that the
 # chunks waiting for the loader do not hold megabytes.
 _RUN_CHUNK = 1_000
@@ -586,7 +587,7 @@ class _Loader:
 
     def __init__(self) -> None:
         self._todo: queue.Queue[tuple[Session, Any, Sequence[str], Sequence[Any]] | None] = (
-            queue.Queue(maxsize=4)
+            queue.Queue(maxsize=2)
         )
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="bench-loader", daemon=True)
@@ -758,6 +759,15 @@ def _measure(svc: GpuService, only: tuple[str, ...] | None = None) -> dict[str, 
     return out
 
 
+def _give_back_memory() -> None:
+    """Hands the heap the build freed back to the system (glibc's malloc_trim): a build's
+    buffers (SQLite's sorts for the indexes made after the load, the loader's chunks) stay
+    in the process's heap otherwise, and each cell's would count in the next one's peak
+    RSS, which then grew with the number of cells measured, not with what a cell needs."""
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _shape(engine: Engine) -> dict[str, int]:
     """What the history holds: intervals, runs finished in the 30 days the run-time
     estimates read, and runs holding GPUs now."""
@@ -845,6 +855,7 @@ def run() -> dict[str, object]:
                     # back, slowed PostgreSQL's commits (fsync) in the cells after it, by
                     # half, with the yardstick (CPU only) unmoved.
                     os.sync()
+                    _give_back_memory()
                     if hosts == 100:
                         by_size[name] = {
                             "hosts": 100,

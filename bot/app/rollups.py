@@ -308,6 +308,12 @@ _DAY_KEY = ("day", "user_id", "market", "instance_type")
 _RUN_KEY = ("hour", "run_id")
 _RUN_DAY_KEY = ("day", "run_id")
 Rollup = UsageRollup | UsageRollupDay | RunRollup | RunRollupDay
+_KEYS: dict[type[Rollup], tuple[str, ...]] = {
+    UsageRollup: _HOUR_KEY,
+    UsageRollupDay: _DAY_KEY,
+    RunRollup: _RUN_KEY,
+    RunRollupDay: _RUN_DAY_KEY,
+}
 
 
 _SUMMED = ("micro_usd", "held_us", "covered_micro")
@@ -696,55 +702,54 @@ def write_rollups(
     insert: Inserter = insert_rows,
 ) -> int:
     """Inserts the rows of pieces given an hour at a time, in hour order (as
-    `HourlyRollups` hands them out), into empty tables: the hourly and run rows in
-    batches as each hour is complete, then the day rows and the counters, each batch
-    through `insert`. Returns how many hourly rows. The rebuild's and the bench's."""
+    `HourlyRollups` hands them out), into empty tables, a UTC day at a time as each is
+    complete (memory stays a day's rows, not a year's runs), in batches through `insert`;
+    then the counters. Returns how many hourly rows. The rebuild's and the bench's."""
     itype = instance_types(s)
-    days: dict[DayKey, Sums] = {}
-    run_days: dict[RunDayKey, Sums] = {}
+    batches: dict[type[Rollup], list[tuple[Any, ...]]] = {
+        UsageRollup: [],
+        UsageRollupDay: [],
+        RunRollup: [],
+        RunRollupDay: [],
+    }
     written = 0
-    hours: list[tuple[Any, ...]] = []
-    runs: list[tuple[Any, ...]] = []
-    hour: Rolled | None = None
-    at: datetime | None = None
+    day: Rolled | None = None
+    today: datetime | None = None
 
-    def done(rolled: Rolled) -> None:
-        nonlocal written, hours, runs
-        hours.extend((*k, *_values(v)) for k, v in rolled.hours.items())
-        runs.extend((*k, v.micro_usd, v.held_us) for k, v in rolled.runs.items())
-        for day, v in rolled.days.items():
-            _add(days, day, v)
-        for run_day, v in rolled.run_days.items():
-            _add_run(run_days, run_day, v)
-        written += len(rolled.hours)
+    def send(table: type[Rollup], force: bool = False) -> None:
         # A batch is handed over whole (`insert` may write it on another thread, as the
         # history bench's does): the next rows go into a new list.
-        if len(hours) >= _BATCH:
-            _insert_rows(s, UsageRollup, _HOUR_KEY, hours, insert)
-            hours = []
-        if len(runs) >= _BATCH:
-            _insert_rows(s, RunRollup, _RUN_KEY, runs, insert, _RUN_SUMMED)
-            runs = []
+        rows = batches[table]
+        if rows and (force or len(rows) >= _BATCH):
+            person = table in (UsageRollup, UsageRollupDay)
+            _insert_rows(s, table, _KEYS[table], rows, insert, _SUMMED if person else _RUN_SUMMED)
+            batches[table] = []
+
+    def done(rolled: Rolled) -> None:
+        nonlocal written
+        written += len(rolled.hours)
+        for table, rows in (
+            (UsageRollup, rolled.hours),
+            (UsageRollupDay, rolled.days),
+            (RunRollup, rolled.runs),
+            (RunRollupDay, rolled.run_days),
+        ):
+            if table in (UsageRollup, UsageRollupDay):
+                batches[table].extend((*k, *_values(v)) for k, v in rows.items())
+            else:
+                batches[table].extend((*k, v.micro_usd, v.held_us) for k, v in rows.items())
+            send(table)
 
     for key, v in pieces:
-        if hour is None or key[0] != at:
-            if hour is not None:
-                done(hour)
-            hour, at = Rolled(), key[0]
-        hour.add(itype, ((key, v),))
-    if hour is not None:
-        done(hour)
-    _insert_rows(s, UsageRollup, _HOUR_KEY, hours, insert)
-    _insert_rows(s, RunRollup, _RUN_KEY, runs, insert, _RUN_SUMMED)
-    _insert_rows(s, UsageRollupDay, _DAY_KEY, [(*k, *_values(v)) for k, v in days.items()], insert)
-    _insert_rows(
-        s,
-        RunRollupDay,
-        _RUN_DAY_KEY,
-        [(*k, v.micro_usd, v.held_us) for k, v in run_days.items()],
-        insert,
-        _RUN_SUMMED,
-    )
+        if day is None or floor_day(key[0]) != today:
+            if day is not None:
+                done(day)
+            day, today = Rolled(), floor_day(key[0])
+        day.add(itype, ((key, v),))
+    if day is not None:
+        done(day)
+    for table in batches:
+        send(table, force=True)
     if fair:
         insert(
             s,
