@@ -369,14 +369,28 @@ def grant_refusal(
 ) -> str | None:
     """At grant time: why granting `res` at this rate (all its GPUs together) would go
     over its holder's budget, or None when it fits. The waiting estimate of `res` is
-    replaced by its real cost."""
-    user = s.get(User, res.user_id)
+    replaced by its real cost.
+
+    A request checked when it was made, in this transaction (`checked_request`), fits:
+    nothing closed since (so the same spend), it was counted at the dearest price its
+    GPUs have anywhere (at least this rate), and what else its holder has committed can
+    only have gone down (a waiting one granted is counted at its own price, at most the
+    dearest; one cancelled not at all). The check is not run twice for one reserve."""
+    add = usd_per_hour * _hours(res.duration_s)
+    checked = _checked(s).get(id(res))
+    if checked is not None and checked[:3] == (res, now, closed_in(s)) and add <= checked[3]:
+        return None
+    user = s.get(User, res.user_id)  # loaded already: no query
     assert user is not None
+    if user.budget_usd is None:
+        return None
+    if res.id is None:
+        s.flush()  # the check names it and leaves it out of what is committed
     try:
         check_budget(
             s,
             user,
-            usd_per_hour * _hours(res.duration_s),
+            add,
             now,
             settings,
             what=f"Granting reservation #{res.id}",
@@ -385,6 +399,23 @@ def grant_refusal(
     except UserError as exc:
         return exc.reason
     return None
+
+
+def checked_request(s: Session, res: Reservation, estimate: Decimal, now: datetime) -> None:
+    """Notes that the request `res` was checked against its holder's budget at `now`,
+    counted at `estimate` (`reservation_estimate`), before it was added: its grant in this
+    transaction need not check again (`grant_refusal`)."""
+    _checked(s)[id(res)] = (res, now, closed_in(s), estimate)
+
+
+_CHECKED = "gpubot.budget_checked"  # Session.info: requests checked when made
+
+
+def _checked(s: Session) -> dict[int, tuple[Reservation, datetime, int, Decimal]]:
+    made: dict[int, tuple[Reservation, datetime, int, Decimal]] = _this_transaction(
+        s, _CHECKED, dict
+    )
+    return made
 
 
 def run_refusal(
