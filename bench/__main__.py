@@ -24,6 +24,8 @@ BENCHES: list[str] = [
     "history",
     "host_bootstrap",
     "multinode",
+    "run_end",
+    "slurm",
 ]
 
 

@@ -8,7 +8,9 @@ for five seeds (`TEAM_SEEDS`, `LARGE_SEEDS`, `SHORT_SEEDS`); its figures are rep
 per seed and as the mean, and its goals are judged on the mean. Beside each, the
 packing bound (`bot.sim.bound`): the efficiency on offer to a schedule that makes no
 job wait, with instances only in their real sizes, so a goal above it is one that only
-waiting can meet. And beside each efficiency, the same measured only from the first
+waiting can meet. The efficiency goal is a share of it (`BOUND_SHARE`; for a synthetic
+load, the mean efficiency over the mean bound), printed as fair/bound beside fair's
+queue over fifo's. And beside each efficiency, the same measured only from the first
 submission to the last (`arrival_window_efficiency`): a finite trace ends with days of
 its longest jobs running alone, a drain a team that keeps submitting never has; the
 goals are judged on the whole-trace figure. Three worlds (the simulator's contract, README): ``honest`` — no
@@ -37,13 +39,12 @@ import time
 from pathlib import Path
 
 from bot.sim.bound import arrival_window_efficiency, packing_bound, paid_gpu_time
+from bot.sim.output import write_instances, write_schedule
 from bot.sim.simulate import (
     TraceJob,
     load_trace,
     parse_trace,
     run_simulation,
-    write_instances,
-    write_schedule,
 )
 from bot.sim.tracegen import LARGE_JOBS, SHORT_JOBS, TeamShape, small_team_trace
 from provisioning.catalog import Catalog
@@ -61,17 +62,18 @@ SYNTH_SEED = 20240601
 TEAM_SEEDS = (17, 1, 2, 7, 8)
 LARGE_SEEDS = (101, 3, 4, 9, 10)
 SHORT_SEEDS = (202, 5, 6, 11, 12)
-# Each synthetic load: (its shape, its seeds, its quota in GPUs, its efficiency goal). The
-# small team (issue 17's goal) at two 8-GPU instances; the held-out ones, never tuned on
-# (bot.sim.tracegen names their shapes and sources): a large-job cluster and a short-job
-# one, with the goal of the trace each resembles (dev's for the large jobs, the small
-# team's for the short).
-SYNTHETIC: dict[str, tuple[TeamShape, tuple[int, ...], int, float]] = {
-    "team_16": (TeamShape(), TEAM_SEEDS, 16, 0.75),
-    "large_64": (LARGE_JOBS, LARGE_SEEDS, 64, 0.85),
-    "short_16": (SHORT_JOBS, SHORT_SEEDS, 16, 0.75),
+# Each synthetic load: (its shape, its seeds, its quota in GPUs). The small team at two
+# 8-GPU instances; the held-out ones, never tuned on (bot.sim.tracegen names their shapes
+# and sources): a large-job cluster and a short-job one.
+SYNTHETIC: dict[str, tuple[TeamShape, tuple[int, ...], int]] = {
+    "team_16": (TeamShape(), TEAM_SEEDS, 16),
+    "large_64": (LARGE_JOBS, LARGE_SEEDS, 64),
+    "short_16": (SHORT_JOBS, SHORT_SEEDS, 16),
 }
-DEV_GOAL = 0.85
+# The efficiency goal (issue 31), the same on every trace: fair within 5% of that trace's
+# packing bound. An absolute figure asked some traces for what only making people wait
+# could reach (the team's 0.75 against a bound of 0.661) and others for little.
+BOUND_SHARE = 0.95
 # The figures averaged over seeds (the rest are per seed only).
 MEAN_KEYS = (
     "cost_efficiency",
@@ -189,17 +191,25 @@ def _num(x: object) -> float:
     return float(x) if isinstance(x, int | float) else float("nan")
 
 
-def _goals(t: Table, eff: float) -> dict[str, bool]:
-    """The issue's goals on one table (a trace's figures, or a synthetic load's means)."""
+def _goals(t: Table, bound: float) -> dict[str, bool]:
+    """The issue's goals on one table (a trace's figures, or a synthetic load's means),
+    `bound` its packing bound (for a load, the mean of its seeds' bounds)."""
     fair, fifo = t["honest"]["fair"], t["honest"]["fifo"]
     fair0, fifo0 = t["honest_none"]["fair"], t["honest_none"]["fifo"]
     return {
-        f"fair_efficiency_ge_{eff}": _num(fair["checker_cost_efficiency"]) >= eff,
+        f"fair_ge_{BOUND_SHARE}_of_packing_bound": _num(fair["checker_cost_efficiency"])
+        >= BOUND_SHARE * bound,
         "fair_queue_le_third_of_fifo": _num(fair["avg_queue_s"]) <= _num(fifo["avg_queue_s"]) / 3,
         "none_checkpointable_no_worse_than_fifo": _num(fair0["cost_efficiency"])
         >= _num(fifo0["cost_efficiency"])
         and _num(fair0["avg_queue_s"]) <= _num(fifo0["avg_queue_s"]),
     }
+
+
+def _over(t: Table, bound: float) -> float:
+    """Fair's checked efficiency in the honest world as a share of the packing bound."""
+    eff = _num(t["honest"]["fair"]["checker_cost_efficiency"])
+    return round(eff / bound, 4) if bound > 0 else float("nan")
 
 
 def run() -> dict[str, object]:
@@ -217,9 +227,13 @@ def run() -> dict[str, object]:
         dev: Table = {name: _judged(trace, dev_jobs, MAX_GPUS, w, d) for name, w in WORLDS.items()}
         feasible &= all(bool(f["checker_ok"]) for w in dev.values() for f in w.values())
         bound = packing_bound(dev_jobs, catalog, MAX_GPUS)
-        out["dev_256"] = {**dev, "packing_bound": bound.figures()}
-        goals["dev_256"] = _goals(dev, DEV_GOAL)
-        for key, (shape, seeds, gpus, eff) in SYNTHETIC.items():
+        out["dev_256"] = {
+            **dev,
+            "packing_bound": bound.figures(),
+            "fair_over_bound": _over(dev, bound.efficiency_bound),
+        }
+        goals["dev_256"] = _goals(dev, bound.efficiency_bound)
+        for key, (shape, seeds, gpus) in SYNTHETIC.items():
             per_seed: dict[str, object] = {}
             tables: list[Table] = []
             bounds: list[float] = []
@@ -237,16 +251,20 @@ def run() -> dict[str, object]:
                 per_seed[str(seed)] = {
                     "jobs": len(jobs),
                     "packing_bound": b.figures(),
-                    "goals": _goals(table, eff),
+                    "fair_over_bound": _over(table, b.efficiency_bound),
+                    "goals": _goals(table, b.efficiency_bound),
                     **table,
                 }
             mean = _mean(tables)
+            mean_bound = sum(bounds) / len(bounds)
             out[key] = {
                 "seeds": list(seeds),
                 "max_gpus": gpus,
                 "mean": {
                     **mean,
-                    "packing_bound": round(sum(bounds) / len(bounds), 6),
+                    "packing_bound": round(mean_bound, 6),
+                    # the goal's figure: the mean efficiency over the mean bound
+                    "fair_over_bound": _over(mean, mean_bound),
                     # how long the no-wait schedule of the bound would exceed the quota:
                     # the quota makes jobs wait then, so the bound does not bind there
                     "no_wait_over_quota_h": round(sum(over_h) / len(over_h), 2),
@@ -255,7 +273,7 @@ def run() -> dict[str, object]:
             }
             goals[key] = {
                 "judged_on": f"mean over seeds {', '.join(map(str, seeds))}",
-                **_goals(mean, eff),
+                **_goals(mean, mean_bound),
             }
 
     base = dev_jobs
@@ -301,9 +319,17 @@ def headline(figures: dict[str, object]) -> list[str]:
         g = goals if isinstance(goals, dict) else {}
         return " ".join(f"{k}={'yes' if v else 'NO'}" for k, v in g.items() if k != "judged_on")
 
+    def share(t: dict[str, object]) -> str:
+        # the goal's figure: fair's efficiency over the packing bound, and fair's queue
+        # over fifo's (goals: >= BOUND_SHARE and <= 1/3)
+        fair, fifo = t["honest"]["fair"], t["honest"]["fifo"]  # type: ignore[index]
+        q = _num(fair["avg_queue_s"]) / _num(fifo["avg_queue_s"])
+        return f"fair/bound {_num(t.get('fair_over_bound')):.3f}  queue/fifo's {q:.2f}"
+
     lines = [
         "honest world (--estimates none --checkpointable 0.5 --checkpoint-every 1800): "
-        "efficiency/queue [efficiency from first to last submission]"
+        "efficiency/queue [efficiency from first to last submission]; goals: fair/bound "
+        f">= {BOUND_SHARE}, queue/fifo's <= 0.33"
     ]
     all_goals = figures.get("goals", {})
     assert isinstance(all_goals, dict)
@@ -311,7 +337,7 @@ def headline(figures: dict[str, object]) -> list[str]:
     if isinstance(dev, dict):
         pb = dev["packing_bound"]
         lines.append(
-            f"  dev_256: fair {cell(dev, 'fair')}  fifo {cell(dev, 'fifo')}  "
+            f"  dev_256: {share(dev)}  fair {cell(dev, 'fair')}  fifo {cell(dev, 'fifo')}  "
             f"packing bound {_num(pb['efficiency_bound']):.3f} "
             f"(no-wait over quota {_num(pb['over_quota_s']) / 3600:.0f} h; exact-world "
             f"fair {_num(dev['exact']['fair']['checker_cost_efficiency']):.3f})  "
@@ -323,7 +349,7 @@ def headline(figures: dict[str, object]) -> list[str]:
             continue
         mean = t["mean"]
         lines.append(
-            f"  {key} mean of {len(t['seeds'])} seeds: fair {cell(mean, 'fair')}  "
+            f"  {key} mean of {len(t['seeds'])} seeds: {share(mean)}  fair {cell(mean, 'fair')}  "
             f"fifo {cell(mean, 'fifo')}  packing bound {_num(mean['packing_bound']):.3f} "
             f"(no-wait over quota {_num(mean['no_wait_over_quota_h']):.0f} h; exact-world "
             f"fair {_num(mean['exact']['fair']['checker_cost_efficiency']):.3f})  "
@@ -338,7 +364,8 @@ def headline(figures: dict[str, object]) -> list[str]:
         )
         for seed, s in t["per_seed"].items():
             lines.append(
-                f"    seed {seed:>4}: fair {cell(s, 'fair')}  fifo {cell(s, 'fifo')}  "
+                f"    seed {seed:>4}: {share(s)}  fair {cell(s, 'fair')}  "
+                f"fifo {cell(s, 'fifo')}  "
                 f"packing bound {_num(s['packing_bound']['efficiency_bound']):.3f}"
             )
     big = figures.get("synthetic_100k")

@@ -52,6 +52,11 @@ HOST_PENDING = "pending"
 HOST_STOPPED = "stopped"
 HOST_TERMINATED = "terminated"
 HOST_UNREACHABLE = "unreachable"
+# A cluster's node: its scheduler grants its GPUs, not gpubot's grant pass (Host.market).
+MARKET_CLUSTER = "cluster"
+# A host the team declared that has not answered its first check yet (bot.app.hostcheck):
+# nothing is granted or placed on it until it has.
+HOST_CHECKING = "checking"
 
 
 def _ts(nullable: bool = False) -> Any:
@@ -80,9 +85,12 @@ class Host(SQLModel, table=True):
     # The cloud's id for it (EC2 instance id); None for machines we do not rent.
     instance_id: str | None = Field(default=None, unique=True, max_length=64)
     instance_type: str | None = Field(default=None, max_length=64)
-    # "ondemand", "spot", or "owned" (on-prem and this machine: no hourly bill).
+    # "ondemand", "spot", or "owned" (on-prem and this machine: no hourly bill), or
+    # "cluster": a cluster's node, whose GPUs its own scheduler grants (a reservation is a
+    # holding job there, a run a batch job): no hourly bill, each use priced at the
+    # team's rate for its model.
     market: str = Field(default="owned", max_length=16)
-    # ready, pending, stopped, terminated, unreachable.
+    # ready, pending, checking, stopped, terminated, unreachable.
     state: str = Field(default=HOST_READY, max_length=16)
     # Where SSH reaches it (host name or address) and as whom; empty for the local host.
     address: str = Field(default="", max_length=255)
@@ -120,6 +128,9 @@ class Gpu(SQLModel, table=True):
     memory_gb: float = 0.0
     # False once the host no longer reports it; kept for history.
     present: bool = True
+    # Held outside gpubot (a cluster job of someone else's): who, in the cluster's words
+    # ("bob, Slurm job 123"); None when free or held through gpubot.
+    held_by: str | None = Field(default=None, max_length=128)
 
 
 class Reservation(SQLModel, table=True):
@@ -145,6 +156,9 @@ class Reservation(SQLModel, table=True):
     # Idempotency key of the request that created it (a retried Slack delivery
     # carries the same key and must not create a second reservation).
     request_key: str | None = Field(default=None, unique=True, max_length=128)
+    # Where a cluster holds it: its holding job (id, state, Slurm's reason and expected
+    # start, node); empty where gpubot grants it itself.
+    external: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
 
 
 class TrainingRun(SQLModel, table=True):

@@ -41,7 +41,8 @@ from typing import Any
 
 from provisioning import shell
 from provisioning.base import ProvisioningError
-from provisioning.ssh import RunResult, SshRunner, SshTarget, local_tree
+from provisioning.manifest import local_tree
+from provisioning.ssh import RunResult, SshRunner, SshTarget
 
 # Bump when a host bootstrapped by an older bot lacks something the bot now relies on
 # (another package in the venv, a new directory); every host then redoes the steps.

@@ -32,24 +32,29 @@ import signal
 import subprocess
 import tarfile
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
 from provisioning import shell
+from provisioning.manifest import (
+    local_tree,
+    parse_remote_manifest,
+    plan_upload,
+    remote_manifest_command_line,
+)
 from provisioning.ssh import (
+    GONE_POLL_S,
     RunResult,
     SshError,
     SshTarget,
     UploadReport,
     alive_command_line,
+    check_pid,
     detached_command_line,
     kill_group_command_line,
-    local_tree,
     parse_pid,
-    parse_remote_manifest,
-    plan_upload,
-    remote_manifest_command_line,
     run_command_line,
     tail_command_line,
 )
@@ -364,8 +369,36 @@ class LocalRunner:
     def is_alive(self, target: SshTarget, pid: int) -> bool:
         return self._exec(alive_command_line(pid), None).ok
 
+    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
+        """Reads the process's state in /proc (what alive_command_line reads, without a
+        shell per look): /proc/PID/stat is the kernel's, whoever the process runs as, so
+        no file a run controls is opened with the bot's rights."""
+        pid = check_pid(pid)
+        deadline = time.monotonic() + timeout
+        while True:
+            state = _proc_state(pid)
+            if state is None and not os.path.isdir("/proc/self"):
+                if not self.is_alive(target, pid):  # no /proc here: ask a shell
+                    return True
+            elif state is None or state in "ZX":
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(GONE_POLL_S)
+
     def close(self, target: SshTarget | None = None) -> None:
         """Nothing is cached locally."""
+
+
+def _proc_state(pid: int) -> str | None:
+    """The one-letter state of /proc/PID/stat (R, S, Z, …); None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    rest = raw.rpartition(")")[2].split()
+    return rest[0] if rest else None
 
 
 def _write_line(remote_path: str, mode: int) -> str:

@@ -19,7 +19,7 @@ Rules every operation keeps, because the worker polls many hosts from one proces
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import ipaddress
 import logging
 import os
@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -39,6 +38,13 @@ from invoke.exceptions import CommandTimedOut, ThreadException
 
 from provisioning import shell
 from provisioning.base import Instance, ProvisioningError
+from provisioning.manifest import UploadReport as UploadReport
+from provisioning.manifest import (
+    local_tree,
+    parse_remote_manifest,
+    plan_upload,
+    remote_manifest_command_line,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,12 @@ class SshError(ProvisioningError):
 
 class SshNotAllowed(SshError):
     """The target is outside what this process may dial (see GPUBOT_SSH_LOOPBACK_ONLY)."""
+
+
+class SshUnreachable(SshError):
+    """The host did not take the connection (refused, silent, key or login refused) or the
+    link died under an operation: the host is not answering, as opposed to a command that
+    ran there and failed or took too long. Callers back off dialling it (bot.app.remote)."""
 
 
 @dataclass(frozen=True)
@@ -91,16 +103,6 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
-
-
-@dataclass(frozen=True)
-class UploadReport:
-    # Relative (posix) paths whose content was transferred.
-    uploaded: tuple[str, ...] = ()
-    # Relative paths already on the host with the same sha256 and mode.
-    skipped: tuple[str, ...] = ()
-    # Same content, but the executable bit differed: only the mode was changed.
-    chmodded: tuple[str, ...] = ()
 
 
 class Resolver(Protocol):
@@ -248,6 +250,12 @@ class SshRunner(Protocol):
 
     def is_alive(self, target: SshTarget, pid: int) -> bool: ...
 
+    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
+        """Blocks until the process has ended (True) or `timeout` seconds passed with it
+        still running (False). Other operations on the host go on meanwhile: a run's end
+        is learnt within a fraction of a second, not at the next poll."""
+        ...
+
     def close(self, target: SshTarget | None = None) -> None:
         """Drop cached connections (one target's, or all)."""
         ...
@@ -324,7 +332,7 @@ def detached_command_line(
 
 def alive_command_line(pid: int) -> str:
     """Exit 0 when pid runs; a zombie counts as dead (an orphan may wait for its reaper)."""
-    pid = _check_pid(pid)
+    pid = check_pid(pid)
     return (
         f"if [ -d /proc/self ]; then "
         f"s=$(sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -c1); "
@@ -333,8 +341,23 @@ def alive_command_line(pid: int) -> str:
     )
 
 
+# How often a process's end is looked for while waiting for it (wait_gone).
+GONE_POLL_S = 0.2
+
+
+def wait_gone_command_line(pid: int, timeout: float) -> str:
+    """Exit 0 once pid has ended (a zombie counts as ended, as in alive_command_line), 1
+    when it still runs after `timeout` seconds. A loop on the host rather than one check
+    per round trip: the wait costs one channel, not a command every fraction of a second."""
+    rounds = max(1, int(timeout / GONE_POLL_S))
+    return (
+        f"i=0; while [ $i -lt {rounds} ]; do {{ {alive_command_line(pid)}; }} || exit 0; "
+        f"sleep {GONE_POLL_S} 2>/dev/null || sleep 1; i=$((i+1)); done; exit 1"
+    )
+
+
 def kill_group_command_line(pgid: int, signal: str) -> str:
-    pgid = _check_pid(pgid)
+    pgid = check_pid(pgid)
     name = signal.upper().removeprefix("SIG")
     if name not in SIGNALS:
         raise ValueError(f"not a signal kill_group sends: {signal!r}")
@@ -362,7 +385,7 @@ def tail_command_line(path: str, lines: int) -> str:
     return f"if [ -e {quoted} ]; then tail -n {int(lines)} -- {quoted}; fi"
 
 
-def _check_pid(pid: int) -> int:
+def check_pid(pid: int) -> int:
     # 0, 1 and negative numbers mean "my group", "every process" or init to kill(1).
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
         raise ValueError(f"not a process id this layer may touch: {pid!r}")
@@ -375,155 +398,6 @@ def parse_pid(result: RunResult, label: str) -> int:
         return int(lines[-1].strip())
     detail = result.stderr.strip()[-300:] or f"exit code {result.exit_code}"
     raise SshError(f"could not start a process on {label}: {detail}")
-
-
-# --- manifests for incremental upload --------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FileState:
-    sha256: str
-    executable: bool
-
-
-def _excluded(rel: str, exclude: Sequence[str]) -> bool:
-    parts = rel.split("/")
-    return any(fnmatch(rel, pat) or any(fnmatch(p, pat) for p in parts) for pat in exclude)
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    rel: str
-    path: Path
-    mode: int
-    sha256: str
-
-    @property
-    def executable(self) -> bool:
-        return bool(self.mode & stat.S_IXUSR)
-
-
-class SymlinkRefused(ProvisioningError):
-    """A tree to upload holds a symbolic link; the message names it."""
-
-
-def local_tree(local_dir: str | os.PathLike[str], exclude: Sequence[str]) -> list[LocalFile]:
-    """Every regular file under local_dir, sorted by path.
-
-    A symbolic link anywhere in the tree (to a file or a directory, pointing inside the
-    tree or out of it) is refused with its path named, never followed: following one
-    would send whatever it points at (a link to /etc/shadow would upload the file), and
-    sending it as a link would point at the host's files instead. Excluded paths are
-    not looked at, so an excluded `.venv` link is fine. Other special files (sockets,
-    fifos) are skipped."""
-    root = Path(local_dir)
-    if not root.is_dir():
-        raise ProvisioningError(f"{root} is not a directory")
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        base = Path(dirpath)
-        dirnames.sort()
-        for name in dirnames:  # os.walk lists a link to a directory here, and skips it
-            rel = (base / name).relative_to(root).as_posix()
-            if (base / name).is_symlink() and not _excluded(rel, exclude):
-                raise SymlinkRefused(f"{base / name} is a symbolic link; links are not uploaded")
-        for name in sorted(filenames):
-            path = base / name
-            rel = path.relative_to(root).as_posix()
-            if _excluded(rel, exclude):
-                continue
-            st = path.lstat()
-            if stat.S_ISLNK(st.st_mode):
-                raise SymlinkRefused(f"{path} is a symbolic link; links are not uploaded")
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            files.append(LocalFile(rel, path, stat.S_IMODE(st.st_mode), sha256_file(path)))
-    return files
-
-
-_EXEC_MARK = "\n::gpubot-exec::\n"
-
-
-def remote_manifest_command_line(remote_dir: str) -> str:
-    """One round trip: every file's sha256, then the executable ones (NUL-separated)."""
-    return (
-        f"{mkdir_command_line([remote_dir])} && {shell.cd(remote_dir)} && "
-        "{ find . -type f -exec sha256sum -- {} + 2>/dev/null; "
-        f"printf '{_EXEC_MARK.encode('unicode_escape').decode()}'; "
-        "find . -type f -perm -u=x -print0 2>/dev/null; true; }"
-    )
-
-
-def _unescape_sha256sum(name: str) -> str:
-    out = []
-    chars = iter(name)
-    for ch in chars:
-        if ch == "\\":
-            nxt = next(chars, "")
-            out.append({"n": "\n", "r": "\r", "\\": "\\"}.get(nxt, nxt))
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-def parse_remote_manifest(output: str) -> dict[str, FileState]:
-    hashes_part, _, exec_part = output.partition(_EXEC_MARK)
-    executable = {name.removeprefix("./") for name in exec_part.split("\0") if name.strip("\n")}
-    states: dict[str, FileState] = {}
-    for line in hashes_part.splitlines():
-        escaped = line.startswith("\\")
-        if escaped:
-            line = line[1:]
-        digest, sep, name = line.partition("  ")
-        if not sep or len(digest) != 64:
-            continue
-        if escaped:
-            name = _unescape_sha256sum(name)
-        rel = name.removeprefix("./")
-        states[rel] = FileState(digest, rel in executable)
-    return states
-
-
-@dataclass
-class UploadPlan:
-    send: list[LocalFile] = field(default_factory=list)
-    chmod: list[LocalFile] = field(default_factory=list)
-    skip: list[LocalFile] = field(default_factory=list)
-
-    def report(self) -> UploadReport:
-        return UploadReport(
-            uploaded=tuple(f.rel for f in self.send),
-            skipped=tuple(f.rel for f in self.skip),
-            chmodded=tuple(f.rel for f in self.chmod),
-        )
-
-    def directories(self, remote_dir: str) -> list[str]:
-        dirs = {posixpath.dirname(posixpath.join(remote_dir, f.rel)) for f in self.send}
-        return sorted(d for d in dirs if d)
-
-
-def plan_upload(local: list[LocalFile], remote: Mapping[str, FileState]) -> UploadPlan:
-    plan = UploadPlan()
-    for f in local:
-        there = remote.get(f.rel)
-        if there is None or there.sha256 != f.sha256:
-            plan.send.append(f)
-        elif there.executable != f.executable:
-            plan.chmod.append(f)
-        else:
-            plan.skip.append(f)
-    return plan
-
-
-# --- the fabric client ---------------------------------------------------------------
 
 
 def loopback_only() -> bool:
@@ -635,13 +509,13 @@ class SshClient:
         try:
             conn.open()
         except paramiko.BadHostKeyException as exc:
-            raise SshError(
+            raise SshUnreachable(
                 f"{target.label} presented a different host key than expected; not connecting"
             ) from exc
         except paramiko.AuthenticationException as exc:
-            raise SshError(f"{target.label} did not accept the SSH key") from exc
+            raise SshUnreachable(f"{target.label} did not accept the SSH key") from exc
         except TimeoutError as exc:
-            raise SshError(
+            raise SshUnreachable(
                 f"cannot reach {target.label}: no answer within {self.connect_timeout:g}s"
             ) from exc
         except paramiko.ssh_exception.NoValidConnectionsError as exc:
@@ -651,9 +525,13 @@ class SshClient:
                 else (getattr(err, "strerror", None) or str(err)).lower()
                 for err in exc.errors.values()
             }
-            raise SshError(f"cannot reach {target.label}: {', '.join(sorted(reasons))}") from exc
+            raise SshUnreachable(
+                f"cannot reach {target.label}: {', '.join(sorted(reasons))}"
+            ) from exc
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise SshError(f"cannot reach {target.label}: {exc or type(exc).__name__}") from exc
+            raise SshUnreachable(
+                f"cannot reach {target.label}: {exc or type(exc).__name__}"
+            ) from exc
         transport = conn.client.get_transport()
         if transport is not None and self.keepalive_s:
             transport.set_keepalive(self.keepalive_s)
@@ -710,7 +588,7 @@ class SshClient:
                     ) from exc
                 except TimeoutError as exc:
                     self._quiet_close(conn)
-                    raise SshError(f"{what} on {target.label} stalled; gave up") from exc
+                    raise SshUnreachable(f"{what} on {target.label} stalled; gave up") from exc
                 except _LINK_ERRORS as exc:
                     died = not conn.is_connected
                     if not died and isinstance(exc, OSError):
@@ -722,7 +600,7 @@ class SshClient:
                         log.info("ssh: link to %s dropped; redialing once", target.label)
                         continue
                     if died:
-                        raise SshError(
+                        raise SshUnreachable(
                             f"lost the connection to {target.label} during {what}"
                         ) from exc
                     raise SshError(
@@ -865,8 +743,18 @@ class SshClient:
         self._call(target, "writing a file", op, retry=True)
 
     def _mkdir_parent(self, target: SshTarget, remote_path: str) -> None:
+        """The file's directory, made when it is missing. Looked at over SFTP first: a
+        command costs a session on the host (a shell; hundreds of milliseconds on a
+        loaded one), a stat a round trip, and the directory is almost always there."""
         parent = posixpath.dirname(remote_path)
-        if parent:
+
+        def is_dir(conn: Connection) -> bool:
+            try:
+                return stat.S_ISDIR(self._sftp(conn, None).stat(parent).st_mode or 0)
+            except FileNotFoundError:
+                return False
+
+        if parent and not self._call(target, "a stat", is_dir, retry=True):
             made = self._exec(
                 target, mkdir_command_line([parent]), None, "creating a directory", True
             )
@@ -908,7 +796,61 @@ class SshClient:
         return self._exec(target, line, None, "a kill", retry=True).ok
 
     def is_alive(self, target: SshTarget, pid: int) -> bool:
+        """The process's state read from /proc over SFTP, as alive_command_line reads it:
+        a read is a round trip where a command is a session and a shell on the host. A
+        host without /proc gets the command."""
+        pid = check_pid(pid)
+
+        def op(conn: Connection) -> bool | None:
+            sftp = self._sftp(conn, None)
+            try:
+                with sftp.open(f"/proc/{pid}/stat", "rb") as fh:
+                    raw: bytes = fh.read(4096)
+            except FileNotFoundError:
+                try:
+                    sftp.stat("/proc/self/stat")
+                except FileNotFoundError:
+                    return None  # no /proc here
+                return False
+            fields = raw.decode("ascii", "replace").rpartition(")")[2].split()
+            return bool(fields) and fields[0] not in ("Z", "X")
+
+        found = self._call(target, "a process check", op, retry=True)
+        if found is not None:
+            return found
         return self._exec(target, alive_command_line(pid), None, "a process check", True).ok
+
+    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
+        """The wait runs on a channel of its own, opened on the host's cached connection
+        under its lock and then waited on outside it, so uploads, polls and other waits
+        on the same host go on meanwhile (paramiko multiplexes channels on one link)."""
+        line = wait_gone_command_line(pid, timeout)
+        slot = self._slot(target)
+        with slot.lock:
+            conn = self._connect(slot, target)
+            transport = conn.client.get_transport()
+            if transport is None or not transport.is_active():
+                self._quiet_close(conn)
+                raise SshUnreachable(f"lost the connection to {target.label}")
+            try:
+                channel = transport.open_session(timeout=self.connect_timeout)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                # sshd's MaxSessions per connection, or a link that just died.
+                raise SshError(f"cannot open a channel on {target.label}: {exc}") from exc
+        try:
+            channel.exec_command(line)
+            deadline = time.monotonic() + timeout + self.command_timeout
+            while not channel.status_event.wait(0.5):
+                if not transport.is_active() or channel.closed:
+                    raise SshUnreachable(f"lost the connection to {target.label} during a wait")
+                if time.monotonic() > deadline:
+                    raise SshError(f"a wait on {target.label} did not end within {timeout:g}s")
+            return bool(channel.recv_exit_status() == 0)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise SshUnreachable(f"lost the connection to {target.label} during a wait") from exc
+        finally:
+            with contextlib.suppress(Exception):
+                channel.close()
 
 
 def _part_name(remote_path: str) -> str:

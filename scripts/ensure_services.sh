@@ -21,3 +21,4 @@ fi
 bash "$(dirname "$0")/sshd_hosts.sh"
 bash "$(dirname "$0")/run_account.sh"
 bash "$(dirname "$0")/ssh_accounts.sh"
+bash "$(dirname "$0")/slurm_cluster.sh"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_check.sh: the GPU-only checks of the training runner, in one go (< 5 minutes).
+# gpu_check.sh: the GPU-only checks of the training runner, in one go (< 8 minutes).
 #
 # Run from anywhere on a machine with an NVIDIA GPU, a CUDA build of torch and this repo:
 #     bash scripts/gpu_check.sh
@@ -9,9 +9,15 @@
 #   3. a small transformer language model: fp32 vs bf16 autocast vs fp16 + GradScaler,
 #      tokens/s and peak memory for each (synthetic tokens; the speed is what is measured)
 #   4. a real `training.telemetry` snapshot, if training/telemetry.py exists
+#   5. the runner's own cost: `training.loop.train` against a plain loop and the plain loop
+#      with `loss.item()` every step (digits, bf16, batch 512, 3,000 steps, each whole call
+#      timed, median of 5 alternating rounds; `python -m bench.runner_overhead gpu`), plus
+#      each one's aten ops and host reads per step. Fails when the runner / plain ratio is
+#      above 1.05; the ratio is also `runner_to_plain` at the top of the JSON.
 # Figures go to one JSON: $OUT/gpu-check.json when $OUT is a directory, $OUT itself when it
 # names a file, else ./gpu-check.json. Nothing is installed: a missing torch is reported.
-# GPU_CHECK_ALLOW_CPU=1 runs stage 3 on the CPU, tiny, to check the script without a GPU.
+# GPU_CHECK_ALLOW_CPU=1 runs stages 3 and 5 on the CPU, tiny, to check the script without
+# a GPU.
 set -u
 
 cd "$(dirname "$0")/.." || exit 2
@@ -177,6 +183,15 @@ else
     echo skipped >"$WORK/telemetry.rc"
 fi
 
+# 5. the runner's own cost against a plain loop ------------------------------------------
+if [ "$TORCH_OK" = 1 ]; then
+    ALLOW_CPU=()
+    [ "${GPU_CHECK_ALLOW_CPU:-}" = 1 ] && ALLOW_CPU=(--allow-cpu)
+    stage runner 420 "$PY" -m bench.runner_overhead gpu "$WORK/runner.json" "${ALLOW_CPU[@]}"
+else
+    echo 127 >"$WORK/runner.rc"
+fi
+
 # assemble ------------------------------------------------------------------------------
 ELAPSED=$(( $(date +%s) - START ))
 PY_JSON="$PY"
@@ -190,7 +205,7 @@ def read(name, ext):
     except OSError:
         return None
 out = {"wall_s": elapsed, "stages": {}}
-for name in ("env", "tests", "lm", "telemetry"):
+for name in ("env", "tests", "lm", "telemetry", "runner"):
     rc = (read(name, "rc") or "missing").strip()
     log = read(name, "log") or ""
     stage = {"rc": int(rc) if rc.lstrip("-").isdigit() else rc, "ok": rc == "0"}
@@ -213,6 +228,9 @@ for name in ("env", "tests", "lm", "telemetry"):
     if not stage["ok"]:
         stage["log_tail"] = log.splitlines()[-25:]
     out["stages"][name] = stage
+runner = out["stages"]["runner"].get("figures", {})
+out["runner_to_plain"] = runner.get("ratio_runner_to_plain")
+out["runner_to_plain_goal"] = runner.get("goal_ratio")
 out["ok"] = all(s["ok"] or s["rc"] == "skipped" for s in out["stages"].values())
 os.makedirs(os.path.dirname(os.path.abspath(result)), exist_ok=True)
 with open(result, "w") as fh:

@@ -21,6 +21,7 @@ from tests.isolated_hosts import (  # noqa: F401  (hosts not this machine)
     isolated_lab,
     stranger_lab,
 )
+from tests.slurm_cluster import slurm_cluster, slurm_machine  # noqa: F401  (one per machine)
 
 
 def _cuda_available() -> bool:
@@ -63,6 +64,10 @@ XDIST_GROUPS: dict[str, frozenset[str]] = {
     # and run ids start at 1 in every test's database, so two such tests at once (two
     # databases) would join each other's run.
     "rendezvous": frozenset({"loopback_rendezvous"}),
+    # The machine's one Slurm cluster (tests/slurm_cluster.py): each test leases it whole
+    # (its 4 GPUs, its controller), so its tests run in turn in one worker rather than
+    # one worker waiting for the other's lease.
+    "slurm": frozenset({"slurm_cluster"}),
 }
 # `bench` asks for the run account only in its "local-as" case (request.getfixturevalue).
 _PARAM_GROUPS = {("bench", "local-as"): "run-account"}

@@ -1,6 +1,6 @@
-"""What tests of a whole runtime read back and wait on: a run's row, a person's DMs in
-the order they were written, and a guarded poll-and-dispatch loop. One copy, where four
-test modules each had their own."""
+"""What tests of a whole runtime read back and wait on: its hosts checked, a run's row, a
+person's DMs in the order they were written, and a guarded poll-and-dispatch loop. One
+copy, where four test modules each had their own."""
 
 from __future__ import annotations
 
@@ -9,9 +9,21 @@ from collections.abc import Callable
 
 from sqlmodel import Session, col, select
 
+from bot.app.hostcheck import checker_for
 from bot.app.runs import RunService
 from bot.faces.runtime import Runtime
 from db.models import Notification, TrainingRun
+
+
+def checked(rt: Runtime) -> Runtime:
+    """The runtime after its declared hosts' first checks have run and finished, as the
+    worker's first host-check pass does at start: a static host is granted on and placed
+    on only once a check has reached it (bot.app.hostcheck)."""
+    checker = checker_for(rt.service)
+    if checker is not None:
+        checker.tick()
+        checker.wait(timeout=300)
+    return rt
 
 
 def run_row(rt: Runtime, rid: int) -> TrainingRun:

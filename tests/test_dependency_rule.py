@@ -311,8 +311,10 @@ LAYERS: dict[str, set[str]] = {
     "domain": {"domain"},
     "app": {"domain", "app"},
     "adapters": {"domain", "app", "adapters"},
+    # The providers (bot.providers): each wires provisioning's hands into the app's ports.
+    "providers": {"domain", "app", "adapters", "providers"},
     "sim": {"domain", "sim"},
-    "faces": {"domain", "app", "adapters", "sim", "faces"},
+    "faces": {"domain", "app", "adapters", "providers", "sim", "faces"},
 }
 # What the pure bottom layer may not touch: the database, the network, the clouds, the
 # scheduler library. Of `provisioning` it reads only the shipped catalog and cost facts.
@@ -405,3 +407,77 @@ def test_the_layer_check_catches_a_breach(
     root = _tree(tmp_path, {**base, **files})
     found = layer_breaches(root)
     assert len(found) == 1 and breach in found[0], found
+
+
+# --- no provider switch outside the providers --------------------------------------------
+
+# Where code may ask which provider it is: the providers themselves and the composition
+# root that makes them (bot/faces/runtime.py). Everywhere else a difference between
+# places is a port the provider supplies (an executor, a supply, a display).
+PROVIDER_NAMES = {"local", "ssh", "aws", "slurm"}
+PROVIDER_CLASSES = {
+    "LocalCompute",
+    "StaticHostsCompute",
+    "Ec2Compute",
+    "SlurmCompute",
+    "LocalProvider",
+    "SshProvider",
+    "AwsProvider",
+    "SlurmProvider",
+}
+MAY_SWITCH = ("bot/providers/", "bot/faces/runtime.py")
+
+
+def _names_a_provider(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant) and node.value in PROVIDER_NAMES:
+        return True
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_names_a_provider(e) for e in node.elts)
+    return False
+
+
+def provider_switches(root: Path) -> list[str]:
+    """`path:line` for every comparison with a provider's name and every isinstance
+    with a provider's class in `bot`, outside the providers and the composition root."""
+    out = []
+    for path in sorted((root / "bot").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(MAY_SWITCH):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            if isinstance(node, ast.Compare) and any(
+                _names_a_provider(n) for n in (node.left, *node.comparators)
+            ):
+                out.append(f"{rel}:{node.lineno} compares with a provider's name")
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") == "isinstance"
+                and len(node.args) == 2
+                and any(
+                    getattr(n, "id", getattr(n, "attr", "")) in PROVIDER_CLASSES
+                    for n in ast.walk(node.args[1])
+                )
+            ):
+                out.append(f"{rel}:{node.lineno} tests a provider's class")
+    return out
+
+
+def test_no_code_outside_the_providers_asks_which_provider_it_is() -> None:
+    assert provider_switches(ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("line", "found"),
+    [
+        ('if host.provider == "aws":\n    pass\n', "compares with a provider's name"),
+        ('ok = provider not in ("local", "ssh")\n', "compares with a provider's name"),
+        ("ok = isinstance(c, Ec2Compute)\n", "tests a provider's class"),
+    ],
+)
+def test_the_provider_check_catches_a_switch(tmp_path: Path, line: str, found: str) -> None:
+    (tmp_path / "bot" / "app").mkdir(parents=True)
+    (tmp_path / "bot" / "app" / "x.py").write_text(line)
+    (tmp_path / "bot" / "providers").mkdir(parents=True)
+    (tmp_path / "bot" / "providers" / "x.py").write_text(line)  # allowed there
+    [breach] = provider_switches(tmp_path)
+    assert breach.startswith("bot/app/x.py:") and found in breach

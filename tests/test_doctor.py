@@ -13,21 +13,21 @@ import typer
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
+from bot import providers
 from bot.app.config import ConfigError, Settings, load_settings
 from bot.faces.doctor import (
     Check,
     Note,
-    check_aws_section,
     check_database,
-    check_gpus,
     check_slack,
-    check_ssh,
     doctor,
-    ec2_settings_from_env,
     render,
     run_checks,
-    ssh_targets_from_env,
 )
+from bot.providers.aws import AwsProvider, ec2_settings_from_env
+from bot.providers.base import Probes
+from bot.providers.local import check_gpus, run_account_interpreter
+from bot.providers.ssh import check_ssh, ssh_targets_from_env
 from db.migrate import head_revision, upgrade
 from db.session import make_engine
 from provisioning.ssh import SshTarget
@@ -207,9 +207,15 @@ def test_a_database_password_is_never_printed() -> None:
 # --- AWS -------------------------------------------------------------------------------
 
 
+def check_aws_section(settings: Settings, env: dict[str, str]) -> list[Check]:
+    """The doctor's lines of every provider, for these settings and environment."""
+    return providers.checks(settings, env, Probes(nvml=lambda: "{}"))
+
+
 def test_aws_not_used_with_the_local_provider() -> None:
     checks = check_aws_section(Settings(provider="local"), {"AWS_ACCESS_KEY_ID": "AKIA..."})
-    assert checks == [Check("AWS", True, "not used (GPUBOT_PROVIDER=local)")]
+    assert _one(checks, "AWS") == Check("AWS", True, "not used (GPUBOT_PROVIDER=local)")
+    assert not any("EC2" in c.name for c in checks)
 
 
 def test_ec2_settings_from_env_maps_every_variable() -> None:
@@ -241,7 +247,9 @@ def test_the_metadata_url_defaults_to_ec2s_and_can_be_pointed_elsewhere() -> Non
 
 
 def test_aws_without_subnets_names_the_variable() -> None:
-    checks = check_aws_section(Settings(provider="aws"), {"GPUBOT_AWS_REGION": "us-east-1"})
+    checks = AwsProvider.checks(
+        Settings(provider="aws"), {"GPUBOT_AWS_REGION": "us-east-1"}, Probes()
+    )
     assert len(checks) == 1 and not checks[0].ok
     assert "GPUBOT_AWS_SUBNETS" in checks[0].detail
 
@@ -318,7 +326,7 @@ def test_ssh_with_a_key_file_that_is_missing(tmp_path: Path) -> None:
 
 
 def test_ssh_provider_without_hosts_fails() -> None:
-    (check,) = check_ssh([], provider="ssh")
+    (check,) = check_ssh([], required=True)
     assert not check.ok and "GPUBOT_SSH_HOSTS" in check.fix
 
 
@@ -459,4 +467,31 @@ def test_a_bad_setting_is_a_config_failure_line(cli: tuple[typer.Typer, Path]) -
     app, _home = cli
     result = CliRunner().invoke(app, [], env={"GPUBOT_PROVIDER": "azure"})
     assert result.exit_code == 1
-    assert result.output.startswith("✗ Config: provider (from GPUBOT_PROVIDER) must be one of")
+    assert result.output.startswith(
+        "✗ Config: GPUBOT_PROVIDER=azure: azure is not one of local, ssh, aws"
+    )
+
+
+def test_the_run_environment_note_names_the_directories_to_open(tmp_path: Path) -> None:
+    """What keeps the run account from the bot's virtualenv is named, with the exact fix."""
+    from bot.app.runaccount import closed_dirs
+
+    private = tmp_path / "private"
+    venv = private / "checkout" / ".venv"
+    venv.mkdir(parents=True)
+    private.chmod(0o700)
+    assert private in closed_dirs(venv)
+    assert venv not in closed_dirs(venv) and (private / "checkout") not in closed_dirs(venv)
+    private.chmod(0o755)
+    assert private not in closed_dirs(venv)
+
+
+def test_doctor_says_what_the_run_account_will_run_with(run_account: str) -> None:
+
+    said = run_account_interpreter(run_account)
+    if said is None:
+        return  # it can use the bot's own interpreter here: nothing to say
+    assert isinstance(said, Note) and said.ok
+    assert "cannot use the bot's interpreter" in said.detail
+    assert "installs an environment of its own" in said.detail
+    assert said.fix is not None and "chmod o+x" in said.fix

@@ -302,7 +302,8 @@ def test_simulated_schedules_are_feasible(
     rows: list[tuple[float, float, int, int]], policy: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """End to end through the simulator, judged by the independent checker."""
-    from bot.sim.simulate import TraceJob, run_simulation, write_instances, write_schedule
+    from bot.sim.output import write_instances, write_schedule
+    from bot.sim.simulate import TraceJob, run_simulation
     from tests.sim_checker import check
 
     d = tmp_path_factory.mktemp("sim")
@@ -385,6 +386,32 @@ def test_multi_host_run_spans_instances_of_one_type() -> None:
     assert len(launches) == 2
     place = next(a for a in acts if isinstance(a, Place))
     assert place.gpus_per_instance == 8 and len(place.instance_ids) == 2
+
+
+def _bought(model: str, sizes: list[int]) -> list[str]:
+    """The instance types decide launches for runs of these sizes, nothing warm."""
+    queue = [QueuedRun(f"r{k}", "u", g, model, NOW, 3600.0) for k, g in enumerate(sizes)]
+    acts = decide(queue, [], NOW, catalog=CAT, config=cfg())
+    return sorted(a.instance_type for a in acts if isinstance(a, Launch))
+
+
+def test_the_size_bought_is_the_one_the_queue_fills() -> None:
+    """Where the catalog has a model in several sizes, the waiting GPUs are served at the
+    least cost per GPU: a lone 1-GPU A10G run gets the 1-GPU g5.xlarge ($1.01/h), not the
+    4-GPU g5.12xlarge ($5.67/h), whose GPUs are also dearer one by one; four such runs get
+    four of the small ones ($4.02/h); runs of 2 or 4 GPUs get the 4-GPU size, the only one
+    that holds them. V100 GPUs cost the same in either size: three 1-GPU runs do not buy
+    a 4-GPU p3.8xlarge with a GPU left empty, four fill one."""
+    assert _bought("A10G", [1]) == ["g5.xlarge"]
+    assert _bought("A10G", [1, 1, 1, 1]) == ["g5.xlarge"] * 4
+    assert _bought("A10G", [2]) == ["g5.12xlarge"]
+    assert _bought("A10G", [4]) == ["g5.12xlarge"]
+    assert _bought("V100", [1]) == ["p3.2xlarge"]
+    assert _bought("V100", [1, 1, 1]) == ["p3.2xlarge"] * 3
+    assert _bought("V100", [1, 1, 1, 1]) == ["p3.8xlarge"]
+    assert _bought("V100", [1, 3]) == ["p3.8xlarge"]
+    # one size only: what it always bought
+    assert _bought("A100", [1, 1, 1]) == ["p4d.24xlarge"]
 
 
 def test_idle_instance_is_stopped_then_terminated() -> None:

@@ -16,17 +16,14 @@ from typer.testing import CliRunner
 
 from bot.domain.scheduling import IDLE_STOP_S, Place
 from bot.faces.simulate_cli import simulate
+from bot.sim.output import INSTANCES_HEADER, SCHEDULE_HEADER, write_instances, write_schedule
 from bot.sim.simulate import (
     FIGURE_KEYS,
-    INSTANCES_HEADER,
-    SCHEDULE_HEADER,
     SimInputError,
     SimResult,
     TraceJob,
     parse_trace,
     run_simulation,
-    write_instances,
-    write_schedule,
 )
 from bot.sim.tracegen import TeamShape, small_team_trace
 from provisioning.catalog import Catalog

@@ -1,11 +1,18 @@
 """The training loop of a built-in recipe: precision, batch plan, checkpoints, status, stops.
 
-Everything the runner adds to a plain ``for batch: loss.backward(); opt.step()`` loop is
-kept off the per-step path or made O(1) there: the status file is written on a timer,
-mixed-precision trouble is counted device-side (`AmpMonitor`), and stop requests
-(SIGTERM, the time limit, the checkpoint timer) are plain flag checks, all-reduced once
-per step only when there are several ranks. `make bench` holds this to a few percent of
-a hand-written loop.
+On a GPU a small model's step is a few milliseconds of kernel launches, so whatever the
+runner adds to a plain ``for batch: loss.backward(); opt.step()`` loop adds to the step
+directly, and anything that brings a value to the host (``.item()``, ``.tolist()``, a
+plain ``.to(device)`` of host data) makes the host wait for the GPU to drain. So the
+step path has no host sync and launches no kernel of the runner's own: each step's loss
+is only held (`AmpMonitor`) and read back in one transfer at each status write (every
+``status_every_s``) or every 512 steps; the status file is written by a thread of its
+own (`StatusWriter`); the data order is made hundreds of steps at a time and copied
+without blocking; stop requests (SIGTERM, the time limit, the checkpoint timer) are plain
+flag checks, which several ranks agree on by an all-reduce about every 0.1 s rather than
+every step. `make bench` (``runner_overhead``) counts a step's ops and host reads
+against a hand-written loop's and times both on CPU; ``scripts/gpu_check.sh`` times
+both on a GPU.
 
 Data order is a pure function of (seed, epoch), so a resumed run replays the exact batch
 sequence from the checkpointed step: interrupted and uninterrupted runs end with the same
@@ -24,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -41,6 +48,7 @@ from training.exitcodes import (
 )
 from training.precision import (
     AmpMonitor,
+    AmpReport,
     Precision,
     PrecisionChoice,
     autocast,
@@ -48,7 +56,14 @@ from training.precision import (
     make_grad_scaler,
 )
 from training.recipes import Recipe, TensorData, accuracy, get_recipe
-from training.status import RunStatus, StatusFile, Summary, add_history, add_warning
+from training.status import (
+    RunStatus,
+    StatusFile,
+    StatusWriter,
+    Summary,
+    add_history,
+    add_warning,
+)
 
 
 @dataclass
@@ -128,27 +143,58 @@ def _log(cfg: TrainConfig, info: ddp.DistInfo, message: str) -> None:
         print(f"[gpubot] {message}", flush=True)
 
 
-def _epoch_order(
+ORDER_STEPS: Final = 256
+"""Steps of data order made at once (whole epochs, at least this many steps)."""
+FLAGS_EVERY_S: Final = 0.1
+"""How often (about) the ranks of a distributed run agree on stopping and checkpointing."""
+FLAGS_MAX_STEPS: Final = 64
+
+
+def _step_order(
     seed: int,
-    epoch: int,
+    step: int,
     n: int,
     info: ddp.DistInfo,
     plan: BatchPlan,
-    steps: int,
+    steps_per_epoch: int,
+    epochs: int,
     device: torch.device,
-) -> list[list[torch.Tensor]]:
-    """This rank's sample indices for `epoch`: per step, per micro-batch, one index tensor.
+) -> tuple[list[torch.Tensor], int, int]:
+    """This rank's sample indices from the epoch that holds `step` on, one index tensor
+    per micro-batch, and the steps they cover: ``(order, first step, end step)``.
 
-    Rank r takes every world_size-th index of one shared permutation, as
-    DistributedSampler does; the tail that does not fill a whole step is dropped. Split
-    into views once per epoch, so a step only looks up a list (tensor indexing costs
-    microseconds a step, which shows in `make bench` on small models).
+    Each epoch's order is a pure function of (seed, epoch): rank r takes every
+    world_size-th index of one shared permutation, as DistributedSampler does; the tail
+    that does not fill a whole step is dropped. Whole epochs worth `ORDER_STEPS` steps
+    are made at once and split into views by one op, so a step only looks up a list (an
+    epoch of the digits recipe at batch 512 is 2 steps). On CUDA they travel from pinned
+    memory without blocking: a plain ``.to(device)`` would wait for the GPU to finish
+    everything queued, a sync in the middle of the step path.
     """
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(n, generator=generator)[info.rank :: info.world_size]
-    per_step = plan.micro_batch * plan.accum_steps
-    order = order[: steps * per_step].view(steps, plan.accum_steps, plan.micro_batch)
-    return [list(step.unbind(0)) for step in order.to(device).unbind(0)]
+    first = step // steps_per_epoch
+    count = min(max(1, -(-ORDER_STEPS // steps_per_epoch)), epochs - first)
+    per_epoch = steps_per_epoch * plan.micro_batch * plan.accum_steps
+    order = torch.cat(
+        [
+            torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))[
+                info.rank :: info.world_size
+            ][:per_epoch]
+            for e in range(first, first + count)
+        ]
+    )
+    if device.type == "cuda":
+        order = order.pin_memory().to(device, non_blocking=True)
+    else:
+        order = order.to(device)
+    micro_batches = list(order.view(-1, plan.micro_batch).unbind(0))
+    return micro_batches, first * steps_per_epoch, (first + count) * steps_per_epoch
+
+
+def _flag_interval(seconds_per_step: float) -> int:
+    """Steps until the ranks next agree on their flags: about `FLAGS_EVERY_S` of training.
+
+    Every rank computes it from the same all-reduced figure, so they agree on it too."""
+    return max(1, min(FLAGS_MAX_STEPS, int(FLAGS_EVERY_S / max(seconds_per_step, 1e-9))))
 
 
 def _choose_batch(
@@ -222,11 +268,17 @@ def train(cfg: TrainConfig) -> TrainResult:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ddp.init_process_group(info, device)
-    status = StatusFile(cfg.status_file) if cfg.status_file is not None and info.is_main else None
+    status_file = (
+        StatusFile(cfg.status_file) if cfg.status_file is not None and info.is_main else None
+    )
+    status = StatusWriter(status_file) if status_file is not None else None
     stop = StopRequest()
     try:
         with _stop_on_signals(stop):
-            return _train(cfg, info, device, status, stop)
+            result = _train(cfg, info, device, status, stop)
+        if status is not None:
+            status.close()  # the last state is on disk when train returns
+        return result
     except Exception as error:
         oom = is_oom(error)
         message = (
@@ -235,13 +287,18 @@ def train(cfg: TrainConfig) -> TrainResult:
             else f"{type(error).__name__}: {error}"
         )
         code = EXIT_OOM if oom else EXIT_FAILED
-        if status is not None:
-            status.update(state="failed", error=message, exit_code=code)
+        if status is not None and status_file is not None:
+            with contextlib.suppress(Exception):  # what was queued lands first
+                status.close()
+            status_file.update(state="failed", error=message, exit_code=code)
         _log(cfg, info, f"failed: {message}")
         if not oom:
             raise
         return TrainResult(code, "failed", 0, 0, error=message)
     finally:
+        if status is not None:
+            with contextlib.suppress(Exception):
+                status.close()
         ddp.destroy_process_group()
 
 
@@ -249,7 +306,7 @@ def _train(
     cfg: TrainConfig,
     info: ddp.DistInfo,
     device: torch.device,
-    status: StatusFile | None,
+    status: StatusWriter | None,
     stop: StopRequest,
 ) -> TrainResult:
     wall_start = time.time()
@@ -359,12 +416,16 @@ def _train(
             )
         )
 
-    monitor = AmpMonitor(scaler, device)
+    # Rank 0 alone watches the losses: it is the one that writes the status.
+    monitor = AmpMonitor(scaler) if info.is_main else None
     x_all, y_all = data.train_x, data.train_y
     accum = plan.accum_steps
     inv_accum = 1.0 / accum
     loss_fn = recipe.loss
-    flags = torch.zeros(4, device=device if info.distributed and device.type == "cuda" else "cpu")
+    scaling = scaler.is_enabled()
+    amp = autocast(precision, device)  # one context object, entered every step
+    distributed = info.distributed
+    flag_device = device if device.type == "cuda" else torch.device("cpu")
 
     now = time.monotonic()
     next_status = now + cfg.status_every_s
@@ -376,81 +437,67 @@ def _train(
     checkpoint_path: str | None = None
     checkpoint_step: int | None = None
     stop_state: str | None = None
-    order: list[list[torch.Tensor]] = []
-    order_epoch = -1
+    order: list[torch.Tensor] = []
+    order_start = order_end = step
     diverged = False
-    pending_warnings: list[str] = []
-    pending_nonfinite = 0
-    pending_points: list[tuple[int, float | None]] = []
+    next_flags, flags_at = step + 1, (now, step)
 
     model.train()
     while step < total_steps:
-        epoch, position = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:
-            order = _epoch_order(cfg.seed, epoch, n_train, info, plan, steps_per_epoch, device)
-            order_epoch = epoch
-        step_idx = order[position]
+        if step >= order_end:
+            order, order_start, order_end = _step_order(
+                cfg.seed, step, n_train, info, plan, steps_per_epoch, epochs, device
+            )
+        at = (step - order_start) * accum
         if accum == 1:
-            idx = step_idx[0]
-            with autocast(precision, device):
+            idx = order[at]
+            with amp:
                 loss = loss_fn(train_model(x_all[idx]), y_all[idx])
-            torch.autograd.backward(scaler.scale(loss))
+            torch.autograd.backward(scaler.scale(loss) if scaling else loss)
             step_loss = loss
         else:
             step_loss = torch.zeros((), device=device)
             for micro in range(accum):
-                idx = step_idx[micro]
-                sync = micro == accum - 1 or not info.distributed
+                idx = order[at + micro]
+                sync = micro == accum - 1 or not distributed
                 no_sync = contextlib.nullcontext() if sync else train_model.no_sync()  # type: ignore[operator]
                 with no_sync:
-                    with autocast(precision, device):
+                    with amp:
                         loss = loss_fn(train_model(x_all[idx]), y_all[idx]) * inv_accum
-                    torch.autograd.backward(scaler.scale(loss))
+                    torch.autograd.backward(scaler.scale(loss) if scaling else loss)
                 step_loss = step_loss + loss.detach()
-        scale_before = monitor.before_update()
-        scaler.step(optimizer)
-        scaler.update()
+        if scaling:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        monitor.after_step(step_loss, scale_before)
         step += 1
         window_steps += 1
-
         now = time.monotonic()
-        epoch_end = step % steps_per_epoch == 0
-        write_due = now >= next_status or step == total_steps
-        if info.is_main and (epoch_end or write_due):
-            amp = monitor.collect()
-            if amp.mean_loss is not None:
-                last_loss = amp.mean_loss
-            diverged = amp.mean_loss is None and (
-                not scaler.is_enabled() or (amp.loss_scale or 0.0) < AmpMonitor.min_scale
-            )
-            if not write_due:
-                pending_nonfinite += amp.nonfinite_losses
-                if amp.mean_loss is not None:  # each epoch is a point of the curve
-                    pending_points.append((step, amp.mean_loss))
-            if amp.warnings:
-                pending_warnings.extend(amp.warnings)
-                _log(cfg, info, "warning: " + "; ".join(amp.warnings))
-            if write_due:
+
+        if monitor is not None:
+            monitor.after_step(step_loss)
+            if step % steps_per_epoch == 0:
+                monitor.end_segment(step)  # each epoch is a point of the curve
+            if now >= next_status or step == total_steps:
+                amp_report = monitor.collect(step)  # the one host-device sync in a window
+                diverged = amp_report.diverged
+                for _, mean in amp_report.points:
+                    if mean is not None:
+                        last_loss = mean
+                if amp_report.warnings:
+                    _log(cfg, info, "warning: " + "; ".join(amp_report.warnings))
                 rate = window_steps / max(now - window_start, 1e-9)
                 eta = (total_steps - step) / rate if rate > 0 else None
                 if status is not None:
-                    new_warnings, pending_warnings = pending_warnings, []
-                    bad, pending_nonfinite = pending_nonfinite + amp.nonfinite_losses, 0
-                    points, pending_points = [*pending_points, (step, amp.mean_loss)], []
 
-                    def apply(
-                        s: RunStatus,
-                        new_warnings: list[str] = new_warnings,
-                        bad: int = bad,
-                        points: list[tuple[int, float | None]] = points,
-                    ) -> None:
-                        for w in new_warnings:
+                    def apply(s: RunStatus, report: AmpReport = amp_report) -> None:
+                        for w in report.warnings:
                             add_warning(s, w)
-                        s.nonfinite_losses += bad
-                        for at, loss in points:
-                            add_history(s, at, loss)
+                        s.nonfinite_losses += report.nonfinite_losses
+                        for at_step, mean_loss in report.points:
+                            add_history(s, at_step, mean_loss)
 
                     status.update(
                         apply,
@@ -474,14 +521,26 @@ def _train(
                 window_start, window_steps = now, 0
                 next_status = now + cfg.status_every_s
 
-        if info.distributed:
-            flags[0] = float(stop.signum is not None)
-            flags[1] = float(now >= deadline)
-            flags[2] = float(now >= next_checkpoint)
-            flags[3] = float(diverged)
-            want_stop, out_of_time, checkpoint_due, diverged = (
-                v > 0 for v in ddp.any_rank(flags).tolist()
+        if distributed:
+            # The ranks agree on stopping every few steps, not every step: agreeing is a
+            # collective whose result the host must read, a sync with the device.
+            if step < next_flags and step < total_steps:
+                continue
+            seconds_per_step = (now - flags_at[0]) / max(1, step - flags_at[1])
+            flags = torch.tensor(
+                [
+                    stop.signum is not None,
+                    now >= deadline,
+                    now >= next_checkpoint,
+                    diverged,
+                    seconds_per_step,
+                ],
+                dtype=torch.float64,
+                device=flag_device,
             )
+            agreed = ddp.any_rank(flags).tolist()
+            want_stop, out_of_time, checkpoint_due, diverged = (v > 0 for v in agreed[:4])
+            next_flags, flags_at = step + _flag_interval(agreed[4]), (now, step)
         else:
             want_stop = stop.signum is not None
             out_of_time = now >= deadline

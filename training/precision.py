@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 import torch
@@ -134,19 +134,49 @@ class AmpReport:
     """What `AmpMonitor.collect` found since the last call."""
 
     mean_loss: float | None
+    """Mean of the finite losses of the window; None when there was none."""
     nonfinite_losses: int
     skipped_steps: int
     longest_skip_streak: int
     loss_scale: float | None
     warnings: list[str]
+    points: list[tuple[int, float | None]] = field(default_factory=list)
+    """(step, mean finite loss) at the end of each segment (`AmpMonitor.end_segment`, and
+    the window's own end), oldest first: the curve's points."""
+    diverged: bool = False
+    """A segment had no finite loss at all and nothing can recover it: no GradScaler, or
+    its scale had collapsed below `AmpMonitor.min_scale` by the segment's end."""
+
+
+@dataclass
+class _Tally:
+    """Running sums over some steps (a segment, or the window)."""
+
+    finite_sum: float = 0.0
+    finite: int = 0
+    nonfinite: int = 0
+
+    def add(self, other: _Tally) -> None:
+        self.finite_sum += other.finite_sum
+        self.finite += other.finite
+        self.nonfinite += other.nonfinite
+
+    @property
+    def mean(self) -> float | None:
+        return self.finite_sum / self.finite if self.finite else None
 
 
 class AmpMonitor:
-    """Counts the signs of a run going wrong without a host sync per step.
+    """Counts the signs of a run going wrong with no host sync and no arithmetic per step.
 
-    Per step it only does device-side tensor arithmetic; `collect`, called at each status
-    write, reads everything back at once. A GradScaler step is known to be skipped when
-    the scale went down at ``update`` (that is what ``update`` does on inf/NaN grads).
+    On a GPU a small model's step is a few milliseconds of kernel launches; every extra
+    kernel adds to it, and a per-step ``.item()`` (a host-device sync) costs several
+    percent. So `after_step` only keeps the step's loss tensor (detached: a view, no
+    kernel) and, with a live GradScaler, a copy of its scale after ``update`` (one tiny
+    kernel; the scaler updates its scale in place). They come to the host stacked, in
+    one transfer, when `capacity` steps are held and at `collect` (each status write),
+    and are judged there. A GradScaler step was skipped when its scale went down at
+    ``update``: that is what ``update`` does on inf/NaN gradients, and only then.
     """
 
     skip_streak_warn: Final = 5
@@ -154,70 +184,104 @@ class AmpMonitor:
     min_scale: Final = 1.0
     """Below this the scaler is fighting overflow in the forward pass itself."""
 
-    def __init__(self, scaler: torch.amp.GradScaler | None, device: torch.device) -> None:
+    def __init__(self, scaler: torch.amp.GradScaler | None, capacity: int = 512) -> None:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.device = device
-        self._host = device.type == "cpu"
-        self._reset()
+        self.capacity = capacity
+        self._losses: list[torch.Tensor] = []
+        self._scales: list[torch.Tensor] = []
+        # The scale before the first step (no sync: an unused scaler holds it as a float).
+        self._scale = self.scaler.get_scale() if self.scaler is not None else None
+        self._streak = 0
         self.total_skipped = 0
+        self._new_window()
 
-    def _reset(self) -> None:
-        self._loss_sum_host = 0.0
-        self._nonfinite_host = 0
-        self._count = 0
-        zero = torch.zeros((), device=self.device)
-        self._loss_sum = zero.clone()
-        self._nonfinite = zero.clone()
-        self._skipped = zero.clone()
-        self._streak = zero.clone()
-        self._max_streak = zero.clone()
+    def _new_window(self) -> None:
+        self._marks: list[tuple[int, int]] = []  # (steps recorded by then, step number)
+        self._seen = 0  # steps of this window drained so far
+        self._next_mark = 0  # the first mark not closed yet
+        self._closed_at = 0  # steps of this window in closed segments
+        self._segment = _Tally()
+        self._window = _Tally()
+        self._points: list[tuple[int, float | None]] = []
+        self._skipped = 0
+        self._max_streak = 0  # the streak itself carries over into the next window
+        self._diverged = False
 
-    def before_update(self) -> torch.Tensor | float | None:
-        """The scale before ``scaler.update()``; pass it to `after_step`."""
-        if self.scaler is None:
-            return None
-        if self._host:
-            return self.scaler.get_scale()
-        scale = self.scaler._scale
-        return scale.clone() if scale is not None else None
+    def after_step(self, loss: torch.Tensor) -> None:
+        """Record one optimizer step's loss, after ``scaler.update()``."""
+        self._losses.append(loss.detach())
+        if self.scaler is not None:  # updated in place: this step's value needs a copy
+            self._scales.append(self.scaler._scale.clone())  # type: ignore[union-attr]
+        if len(self._losses) == self.capacity:
+            self._drain()
 
-    def after_step(
-        self, loss: torch.Tensor, scale_before: torch.Tensor | float | None = None
-    ) -> None:
-        self._count += 1
-        if self._host:
-            value = loss.detach().item()
-            if math.isfinite(value):
-                self._loss_sum_host += value
+    def end_segment(self, step: int) -> None:
+        """The steps recorded so far end a point of the curve (an epoch) at `step`.
+
+        Host bookkeeping only: the segment is closed when its steps are drained."""
+        recorded = self._seen + len(self._losses)
+        pending = len(self._marks) > self._next_mark
+        if recorded <= (self._marks[-1][0] if pending else self._closed_at):
+            return  # no step since the last end
+        if self._losses:
+            self._marks.append((recorded, step))
+        else:  # all on the host already
+            self._close(step)
+
+    def _drain(self) -> None:
+        """Bring what is held to the host (one sync) and judge it, step by step."""
+        if not self._losses:
+            return
+        n = len(self._losses)
+        held = torch.stack(self._losses).float()
+        if self._scales:
+            held = torch.cat([held, torch.stack(self._scales)])
+        self._losses, self._scales = [], []
+        values: list[float] = held.tolist()  # the one host-device sync
+        losses, scales = values[:n], values[n:] if self.scaler is not None else None
+        marks, m = self._marks, self._next_mark
+        segment = self._segment
+        for k, loss in enumerate(losses):
+            if math.isfinite(loss):
+                segment.finite_sum += loss
+                segment.finite += 1
             else:
-                self._nonfinite_host += 1
-        else:
-            detached = loss.detach().float()
-            finite = torch.isfinite(detached)
-            self._loss_sum += torch.where(finite, detached, 0.0)
-            self._nonfinite += (~finite).float()
-        if self.scaler is not None and scale_before is not None:
-            scale_after = self.scaler._scale
-            assert scale_after is not None
-            skipped = (scale_after < scale_before).float()
-            self._skipped += skipped
-            self._streak = (self._streak + 1.0) * skipped
-            self._max_streak = torch.maximum(self._max_streak, self._streak)
+                segment.nonfinite += 1
+            if scales is not None:
+                scale = scales[k]
+                if self._scale is not None and scale < self._scale:
+                    self._skipped += 1
+                    self._streak += 1
+                    self._max_streak = max(self._max_streak, self._streak)
+                else:
+                    self._streak = 0
+                self._scale = scale
+            self._seen += 1
+            if m < len(marks) and marks[m][0] == self._seen:
+                self._close(marks[m][1])
+                segment = self._segment
+                m += 1
+        self._next_mark = m
 
-    def collect(self) -> AmpReport:
-        count = self._count
-        if self._host:
-            nonfinite = self._nonfinite_host
-            loss_sum = self._loss_sum_host
-        else:
-            nonfinite = int(self._nonfinite.item())
-            loss_sum = float(self._loss_sum.item())
-        skipped = int(self._skipped.item())
-        streak = int(self._max_streak.item())
-        scale = float(self.scaler.get_scale()) if self.scaler is not None else None
-        finite_count = count - nonfinite
-        mean = loss_sum / finite_count if finite_count > 0 else None
-        warnings = []
+    def _close(self, step: int) -> None:
+        segment, self._segment = self._segment, _Tally()
+        self._closed_at = self._seen
+        self._window.add(segment)
+        self._points.append((step, segment.mean))
+        if segment.finite == 0 and segment.nonfinite > 0:
+            scale = self._scale
+            if scale is None or scale < self.min_scale:
+                self._diverged = True
+
+    def collect(self, step: int) -> AmpReport:
+        """Everything since the last call, judged; the window ends at `step`."""
+        self.end_segment(step)
+        self._drain()
+        window = self._window
+        count = window.finite + window.nonfinite
+        nonfinite, streak, skipped = window.nonfinite, self._max_streak, self._skipped
+        scale = self._scale
+        warnings: list[str] = []
         if nonfinite:
             warnings.append(f"{nonfinite} of the last {count} losses were NaN or inf")
         if streak >= self.skip_streak_warn:
@@ -231,7 +295,15 @@ class AmpMonitor:
                 "consider bf16 or fp32"
             )
         self.total_skipped += skipped
-        streak_carry = self._streak.clone()
-        self._reset()
-        self._streak = streak_carry
-        return AmpReport(mean, nonfinite, skipped, streak, scale, warnings)
+        report = AmpReport(
+            window.mean,
+            nonfinite,
+            skipped,
+            streak,
+            scale,
+            warnings,
+            points=self._points,
+            diverged=self._diverged,
+        )
+        self._new_window()
+        return report

@@ -31,6 +31,7 @@ import fcntl
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -309,6 +310,95 @@ class StatusFile:
         with _locked(self.path):
             status.heartbeat_at = time.time()
             write_status(self.path, status)
+
+
+_Queued = tuple[Callable[[RunStatus], None] | None, dict[str, Any]]
+
+
+class StatusWriter:
+    """A `StatusFile` whose updates are written by a thread of its own, in order.
+
+    A write is a locked read-modify-write with two fsyncs: a few milliseconds on a local
+    disk, far more on a network mount, and a training loop that waits for it leaves its
+    GPU idle meanwhile. `update` only queues. Updates queued while a write is under way
+    go out together in the next one (each applied in turn), so a slow disk means fewer,
+    larger writes, never a growing queue. A write's error is raised by the next
+    `update`, `flush` or `close`; `flush` returns once everything queued is on disk.
+    """
+
+    def __init__(self, status: StatusFile) -> None:
+        self.status = status
+        self._queue: list[_Queued] = []
+        self._cond = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gpubot-status", daemon=True)
+        self._thread.start()
+
+    def reset(self, status: RunStatus) -> None:
+        """Start a fresh document, after whatever is queued."""
+        self.flush()
+        self.status.reset(status)
+
+    def update(self, change: Callable[[RunStatus], None] | None = None, **fields: Any) -> None:
+        unknown = set(fields) - _FIELDS
+        if unknown:  # loudly, in the caller's thread, as `StatusFile.update` does
+            raise TypeError(f"unknown status fields: {sorted(unknown)}")
+        with self._cond:
+            self._raise()
+            if self._closed:
+                raise RuntimeError("status writer is closed")
+            self._queue.append((change, fields))
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+            self._raise()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._cond:
+            self._raise()
+
+    def _raise(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+                self._busy = True
+
+            def apply(status: RunStatus, batch: list[_Queued] = batch) -> None:
+                for change, fields in batch:
+                    for name, value in fields.items():
+                        setattr(status, name, value)
+                    if change is not None:
+                        change(status)
+
+            error: BaseException | None = None
+            try:
+                self.status.update(apply)
+            except BaseException as exc:  # handed to the caller's thread
+                error = exc
+            with self._cond:
+                self._busy = False
+                if error is not None:
+                    self._error = error
+                self._cond.notify_all()
 
 
 HISTORY_POINTS: Final = 256

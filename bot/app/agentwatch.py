@@ -27,6 +27,7 @@ import logging
 import os
 import posixpath
 import shutil
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path, PurePosixPath
@@ -54,13 +55,8 @@ from db.models import (
     TrainingRun,
 )
 from db.session import locked, transaction
-from provisioning.ssh import (
-    SshError,
-    SshRunner,
-    SshTarget,
-    parse_remote_manifest,
-    remote_manifest_command_line,
-)
+from provisioning.manifest import parse_remote_manifest, remote_manifest_command_line
+from provisioning.ssh import SshError, SshRunner, SshTarget
 from training.status import RunStatus, parse_status
 
 if TYPE_CHECKING:
@@ -117,9 +113,10 @@ class WatchReport:
 # --- the pass over the hosts ------------------------------------------------------------
 
 
-def watch_hosts(runs: WatchedRuns) -> WatchReport:
-    """Renew every remote host's lease and act on its agent's report; never raises SSH
-    errors (each is logged and counted), so a dead host cannot stop the poll."""
+def watch_hosts(runs: WatchedRuns, providers: Collection[str]) -> WatchReport:
+    """Renew the lease of every host of these providers (those whose hosts run the agent)
+    and act on its agent's report; never raises SSH errors (each is logged and counted),
+    so a dead host cannot stop the poll."""
     report = WatchReport()
     now = runs.core.clock.now()
     with transaction(runs.engine, write=False) as s:
@@ -141,7 +138,9 @@ def watch_hosts(runs: WatchedRuns) -> WatchReport:
         hosts = [
             (host_id, name)
             for host_id, name, state in s.exec(
-                select(*columns).where(Host.provider != "local").order_by(col(Host.id))
+                select(*columns)
+                .where(col(Host.provider).in_(list(providers)))
+                .order_by(col(Host.id))
             )
             if state == HOST_READY or host_id in holding or name in nodes_on
         ]
@@ -257,7 +256,13 @@ def _requeue_lost(
     if placement.get("status"):
         raw = runner.read_file(target, str(placement["status"]))
         status = parse_status(raw.decode("utf-8", "replace")) if raw else None
-    return requeue_resumable(runs, run_id, placement, runner, target, status, REBOOT_REASON, key)
+
+    def copy(local: Path) -> int:
+        if not placement.get("checkpoints"):
+            return 0
+        return download_checkpoints(runner, target, str(placement["checkpoints"]), local)
+
+    return requeue_resumable(runs, run_id, placement, copy, status, REBOOT_REASON, key)
 
 
 # --- requeue with the checkpoint ----------------------------------------------------------
@@ -283,13 +288,13 @@ def requeue_resumable(
     runs: WatchedRuns,
     run_id: int,
     placement: dict[str, Any],
-    runner: SshRunner,
-    target: SshTarget,
+    copy: Callable[[Path], int],
     status: RunStatus | None,
     reason: str | None = None,
     lost_key: str | None = None,
 ) -> bool:
-    """Copies the run's checkpoint off its host, then puts the run back in line with a
+    """Copies the run's checkpoint off its host (`copy` into a local directory, returning
+    how many files: the executor's), then puts the run back in line with a
     ``resume_from`` and DMs the owner. False only when it stopped for a resume too often:
     then the caller finishes it as usual."""
     previous = dict(placement.get("resume_from") or {})
@@ -304,11 +309,10 @@ def requeue_resumable(
     where = str(interrupted.get("host") or host)
     local = checkpoint_home(runs, run_id)
     copied = 0
-    if placement.get("checkpoints"):
-        try:
-            copied = download_checkpoints(runner, target, str(placement["checkpoints"]), local)
-        except (SshError, OSError) as exc:
-            log.warning("could not copy run %s's checkpoint from %s: %s", run_id, host, exc)
+    try:
+        copied = copy(local)
+    except (SshError, OSError) as exc:
+        log.warning("could not copy run %s's checkpoint from %s: %s", run_id, host, exc)
     have = local.is_dir() and any(p.is_file() for p in local.rglob("*"))
     step = status.checkpoint_step if status is not None else None
     if have and step is None and previous.get("dir"):

@@ -33,6 +33,7 @@ from bot.domain.metering import (
 )
 from bot.domain.views import Block, Context, Fields, Header, Table, Text, View
 from db.models import (
+    HOST_CHECKING,
     HOST_PENDING,
     HOST_READY,
     HOST_STOPPED,
@@ -49,9 +50,10 @@ from provisioning.costs import gpu_share
 _CENT = Decimal("0.01")
 
 # An unreachable host is still billed: the cloud does not know we cannot reach it.
-_RUNNING_STATES = (HOST_READY, HOST_PENDING, HOST_UNREACHABLE)
-# Only rented machines have a volume the team pays for while stopped.
-_RENTED_PROVIDERS = ("aws", "sim")
+_RUNNING_STATES = (HOST_READY, HOST_PENDING, HOST_CHECKING, HOST_UNREACHABLE)
+# Only rented machines (bought by the second: on demand or spot) have a volume the team
+# pays for while stopped; owned ones (the team's servers, a cluster) have no bill.
+_RENTED_MARKETS = ("ondemand", "spot")
 
 
 def billed_state(host: Host) -> str | None:
@@ -64,7 +66,7 @@ def billed_state(host: Host) -> str | None:
 
 
 def storage_rate(host: Host, settings: Settings) -> float:
-    if host.provider not in _RENTED_PROVIDERS:
+    if host.market not in _RENTED_MARKETS:
         return 0.0
     return float(
         storage_usd_per_hour(Decimal(str(settings.ebs_gb)), Decimal(str(settings.ebs_usd_gb_month)))

@@ -33,8 +33,6 @@ from bot.domain.errors import UserError
 from bot.domain.scheduling import IDLE_STOP_S
 from provisioning.costs import DEFAULT_COSTS
 
-PROVIDERS = ("local", "ssh", "aws")
-
 
 class ConfigError(UserError):
     """A bad setting: the message names the setting and where it came from."""
@@ -194,10 +192,16 @@ def _flag(raw: object) -> bool:
 
 
 def _provider(raw: object) -> str:
+    """A provider's name: a word (which names exist is bot.providers' to say)."""
     provider = str(raw).strip().lower()
-    if provider not in PROVIDERS:
-        raise _Refusal(f"must be one of {', '.join(PROVIDERS)}, not {raw!r}")
+    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", provider):
+        raise _Refusal(f"must name a provider (local, ssh, aws, slurm), not {raw!r}")
     return provider
+
+
+def _providers(raw: object) -> tuple[str, ...]:
+    """Several providers, owned first: `slurm,aws`."""
+    return tuple(_provider(item) for item in _items(raw))
 
 
 def _local_gpus(raw: object) -> str:
@@ -264,8 +268,11 @@ class Settings(BaseSettings):
     home: Annotated[Path, Env("GPUBOT_HOME"), _rule(_path)] = Path(".gpubot")
     # SQLAlchemy URL; empty means SQLite at <home>/gpubot.db. Secret: it may hold a password.
     database_url: Annotated[SecretStr, Env("DATABASE_URL"), _rule(_secret)] = SecretStr("")
-    # Which compute the bot manages: this machine, static SSH hosts, or EC2.
+    # Where GPUs come from (bot.providers): this machine, static SSH hosts, EC2, a Slurm
+    # cluster. GPUBOT_PROVIDERS names several, owned ones first (`slurm,aws`); it wins
+    # over GPUBOT_PROVIDER when set.
     provider: Annotated[str, Env("GPUBOT_PROVIDER"), _rule(_provider)] = "local"
+    providers: Annotated[tuple[str, ...], Env("GPUBOT_PROVIDERS"), _rule(_providers)] = ()
     # CPU slots the local host offers when it has no NVIDIA GPU.
     local_slots: Annotated[int, Env("GPUBOT_LOCAL_SLOTS"), _whole(0, 64)] = 1
     # "auto": offer this machine's NVIDIA GPUs if it has any; "none": CPU slots only.

@@ -31,6 +31,7 @@ from bot.app.rollups import on_closed
 from bot.app.runtimes import attained_s as attained_s  # re-exported: the runs read it here
 from bot.domain.readmodels import FleetCounts
 from db.models import (
+    HOST_CHECKING,
     HOST_PENDING,
     HOST_READY,
     HOST_TERMINATED,
@@ -81,6 +82,8 @@ class GpuCount:
     model: str
     present: int
     free: int
+    # The host's market: a cluster's node ("cluster") is granted by its own scheduler.
+    market: str = "owned"
 
 
 def gpu_counts(s: Session) -> list[GpuCount]:
@@ -92,8 +95,8 @@ def gpu_counts(s: Session) -> list[GpuCount]:
     many are free where), a row per host and model instead of a row per GPU. It was the
     GPUs of a hundred hosts, read twice, in every reserve."""
     return [
-        GpuCount(host_id, state, model, int(n), int(n) - int(h))
-        for host_id, state, model, n, h in core(s).execute(_gpu_counts_stmt()).all()
+        GpuCount(host_id, state, model, int(n), int(n) - int(h), market)
+        for host_id, state, market, model, n, h in core(s).execute(_gpu_counts_stmt()).all()
     ]
 
 
@@ -104,8 +107,16 @@ def gpu_counts(s: Session) -> list[GpuCount]:
 
 @functools.cache
 def _gpu_counts_stmt() -> Any:
-    held = func.count(col(UsageInterval.id))
-    columns: tuple[Any, ...] = (Gpu.host_id, Host.state, Gpu.model, func.count(), held)
+    # Held: through gpubot (an open interval), or outside it (a cluster job of another's).
+    held = func.count(col(UsageInterval.id)) + func.count(col(Gpu.held_by))
+    columns: tuple[Any, ...] = (
+        Gpu.host_id,
+        Host.state,
+        Host.market,
+        Gpu.model,
+        func.count(),
+        held,
+    )
     return (
         select(*columns)
         .join(Host, col(Host.id) == col(Gpu.host_id))
@@ -115,7 +126,7 @@ def _gpu_counts_stmt() -> Any:
             isouter=True,
         )
         .where(col(Host.state) != HOST_TERMINATED, col(Gpu.present).is_(True))
-        .group_by(col(Gpu.host_id), col(Host.state), col(Gpu.model))
+        .group_by(col(Gpu.host_id), col(Host.state), col(Host.market), col(Gpu.model))
         .order_by(col(Gpu.host_id), func.min(col(Gpu.index)))
     )
 
@@ -125,7 +136,7 @@ def fleet_counts(s: Session) -> FleetCounts:
     (bot.domain.readmodels.FleetCounts): one grouped query, a row per host state, where
     the status reads a row per GPU. Hosts with no present GPU count as hosts too, so
     the outer joins (the GPUs' presence and the open intervals are join conditions)."""
-    held = func.count(col(UsageInterval.id))
+    held = func.count(col(UsageInterval.id)) + func.count(col(Gpu.held_by))
     columns: tuple[Any, ...] = (
         Host.state,
         func.count(func.distinct(col(Host.id))),
@@ -147,7 +158,7 @@ def fleet_counts(s: Session) -> FleetCounts:
     for state, hosts, present, busy in s.connection().execute(stmt).all():
         if state == HOST_READY:
             ready_hosts, ready, free = int(hosts), int(present), int(present) - int(busy)
-        elif state == HOST_PENDING:
+        elif state in (HOST_PENDING, HOST_CHECKING):
             starting += int(present)
         else:
             away += int(present)

@@ -10,7 +10,7 @@ still holds GPUs or runs is refused: its users would lose them without a word.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from sqlmodel import col, select
@@ -38,11 +38,14 @@ def forget_host(
     name: str,
     *,
     key_path: str | None,
+    owned: Collection[str],
     remote_root: str = "~/.gpubot",
     purge: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Removes the agent from host `name` and forgets the host; returns what was done.
+    `owned`: the providers whose hosts are the team's own machines (bot.providers.owners);
+    a host of another (a cloud instance, a cluster's node) is not forgotten this way.
     Raises UserError with the reason when it may not or cannot."""
     with transaction(engine, write=False) as s:
         host = s.exec(select(Host).where(Host.name == name)).first()
@@ -51,7 +54,7 @@ def forget_host(
                 h.name for h in s.exec(select(Host).where(Host.state != HOST_TERMINATED))
             )
             raise UserError(f"There is no host `{name}`; hosts: {known or 'none'}.", USAGE)
-        if host.provider != "ssh":
+        if host.provider not in owned:
             raise UserError(
                 f"`{name}` is a {host.provider} host: only the team's own SSH hosts are "
                 "forgotten this way (the fleet stops and terminates cloud instances).",

@@ -26,8 +26,7 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from db.models import RES_ACTIVE, RUN_ON_HOST, Host, Reservation, TrainingRun
-from provisioning import shell
-from provisioning.ssh import SshError, SshRunner, SshTarget
+from provisioning.ssh import SshRunner, SshTarget
 from training.agent import (
     HEARTBEAT_NAME,
     INTERRUPTION_NAME,
@@ -42,7 +41,6 @@ from training.agent import (
 # Relative paths are the SSH user's home on the host (SFTP and the shell both start there),
 # which is where bootstrap's default root ``~/.gpubot`` puts the agent's state directory.
 DEFAULT_AGENT_DIR = ".gpubot/agent"
-LEASE_TIMEOUT_S = 30.0
 MAX_REPORT_BYTES = 1 << 20
 
 __all__ = [
@@ -114,7 +112,8 @@ def renew_lease(
     *,
     agent_dir: str = DEFAULT_AGENT_DIR,
 ) -> None:
-    """Write the host's lease atomically (a temp file, then ``mv``); raises SshError.
+    """Write the host's lease atomically (write_file writes beside it, then renames);
+    raises SshError.
 
     `now` must be aware. The agent measures the lease's age on its own clock from the
     moment it sees a new ``renewed_at``, so bot/host clock skew does not matter, but the
@@ -124,14 +123,7 @@ def renew_lease(
         raise ValueError("renew_lease needs an aware datetime")
     lease = Lease(renewed_at=now.timestamp(), reservations=holds.reservations, runs=holds.runs)
     final = posixpath.join(agent_dir, LEASE_NAME)
-    temp = posixpath.join(agent_dir, f".{LEASE_NAME}.tmp")
-    runner.write_file(target, temp, lease.to_json().encode() + b"\n")
-    moved = runner.run(target, shell.join(["mv", "-f", "--", temp, final]), LEASE_TIMEOUT_S)
-    if not moved.ok:
-        raise SshError(
-            f"could not renew the lease on {target.label}: "
-            f"{(moved.stderr.strip() or moved.stdout.strip())[-200:] or moved.exit_code}"
-        )
+    runner.write_file(target, final, lease.to_json().encode() + b"\n")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
 from bot.app.billing import note_host_state
@@ -106,9 +107,10 @@ def cpu_only(gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
 
 
 class HostChecker:
-    """Checks every static host on its own thread; one check per host at a time. With
-    `cloud` (a provider's name), also sets up that provider's instances that are not
-    ready yet (pending, or down after a failed setup)."""
+    """Checks every static host on its own thread; one check per host at a time; `owner`:
+    the provider the static hosts are listed under. With `cloud` (a provider's name), also
+    sets up that provider's instances that are not ready yet (pending, or down after a
+    failed setup, or ready but not answering their last dial)."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class HostChecker:
         access: RemoteAccess,
         hosts: tuple[StaticHost, ...],
         *,
+        owner: str = "",
         cloud: str | None = None,
         down_after: int = DOWN_AFTER,
         workers: int = 4,
@@ -123,6 +126,7 @@ class HostChecker:
         self.service = service
         self.access = access
         self.hosts = {h.name: h for h in hosts}
+        self.owner = owner
         self.cloud = cloud
         self.down_after = down_after
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hostcheck")
@@ -146,7 +150,11 @@ class HostChecker:
                     select(Host)
                     .where(
                         Host.provider == self.cloud,
-                        col(Host.state).in_((HOST_PENDING, HOST_UNREACHABLE)),
+                        or_(
+                            col(Host.state).in_((HOST_PENDING, HOST_UNREACHABLE)),
+                            # ready, but its last dial was not answered (bot.app.remote)
+                            and_(col(Host.state) == HOST_READY, col(Host.down_since).is_not(None)),
+                        ),
                     )
                     .order_by(col(Host.id))
                 ):
@@ -272,16 +280,18 @@ class HostChecker:
 
     def _ready(self, result: CheckResult) -> None:
         """A cloud instance set up: ready (granted on and placed from the next tick on),
-        its down marks cleared; the channel hears it when it had been marked down."""
+        its down marks cleared; the channel hears it when it had been marked down. One
+        that was ready and only missed a dial answers again: its marks are cleared."""
         now = self.service.clock.now()
         with transaction(self.service.engine) as s:
             row = s.exec(select(Host).where(Host.name == result.host)).first()
-            if row is None or row.state not in (HOST_PENDING, HOST_UNREACHABLE):
+            if row is None or row.state not in (HOST_PENDING, HOST_UNREACHABLE, HOST_READY):
                 return  # stopped or ended while it was being set up
             was_down = row.state == HOST_UNREACHABLE
+            if row.state != HOST_READY:
+                row.ready_at = now
             row.state = HOST_READY
             row.updated_at = now
-            row.ready_at = now
             row.down_since = None
             row.down_reason = None
             row.check_failures = 0
@@ -300,7 +310,7 @@ class HostChecker:
         target = self.hosts[name].target
         return Instance(
             name=name,
-            provider="ssh",
+            provider=self.owner,
             state=state,
             gpus=gpus,
             market="owned",
@@ -360,7 +370,9 @@ class HostChecker:
             row.down_reason = result.reason[:300]
             row.next_check_at = now + backoff(row.check_failures)
             failures = row.check_failures
-            if row.state != HOST_UNREACHABLE and (at_once or failures >= self.down_after):
+            # A host that never answered is not flapping: down at its first failed check.
+            never = row.ready_at is None
+            if row.state != HOST_UNREACHABLE and (at_once or never or failures >= self.down_after):
                 row.state = HOST_UNREACHABLE
                 row.updated_at = now
                 s.add(row)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from bot.app.config import Settings
     from bot.domain import views
     from bot.domain.clock import Clock
+    from bot.domain.readmodels import HostState
     from db.models import Host, User
     from provisioning.ssh import SshRunner, SshTarget
 
@@ -147,6 +148,97 @@ class FixedPool:
 FIXED_POOL = FixedPool()
 
 
+class Holder(Protocol):
+    """How GPUs are held for a reservation and let go where a cluster's own scheduler
+    grants them (a Slurm holding job). The grant pass grants what gpubot grants itself;
+    a reservation for a cluster's GPUs is handed to its holder, which grants it when the
+    cluster does. Every call is made outside a transaction: a cluster answers slowly,
+    or not at all while its controller is down."""
+
+    def hold(self, reservation_id: int) -> str | None:
+        """A reservation just put in line (committed): handed to the cluster when it has
+        such GPUs, perhaps granted at once; returns what its reply adds (the job, the
+        cluster's reason, its expected start), or None when it is not the cluster's."""
+        ...
+
+    def let_go(self, reservation_ids: Sequence[int]) -> None:
+        """Reservations that just ended (released, expired): their holding jobs end."""
+        ...
+
+    def extend(self, reservation_id: int, total_s: int) -> None:
+        """Its holding job may run `total_s` in all; raises UserError when the cluster
+        refuses (the reservation is then left as it was)."""
+        ...
+
+    def sync(self) -> int:
+        """The tick's look at the cluster: a holding job that runs grants its reservation
+        (with a DM), one that ended ends it, one not yet submitted (the controller was
+        down) is submitted, one whose reservation ended is cancelled. Returns how many
+        reservations changed."""
+        ...
+
+
+class NoHolder:
+    """The Holder of a pool gpubot grants itself: nothing is held elsewhere."""
+
+    def hold(self, reservation_id: int) -> str | None:
+        return None
+
+    def let_go(self, reservation_ids: Sequence[int]) -> None:
+        return None
+
+    def extend(self, reservation_id: int, total_s: int) -> None:
+        return None
+
+    def sync(self) -> int:
+        return 0
+
+
+class HostDisplay(Protocol):
+    """How the providers' hosts read in replies: each provider words its own."""
+
+    def note(self, host: HostState) -> str | None:
+        """A word on a host in /gpu status (a CPU-only server, a Slurm node's state), or None."""
+        ...
+
+    def called(self, host_name: str, provider: str) -> str:
+        """What a sentence calls the host: "this machine" for the local one, else its name."""
+        ...
+
+    def empty_pool(self) -> str:
+        """What /gpu status says when there is no host at all."""
+        ...
+
+    def status_lines(self) -> list[str]:
+        """What /gpu status says of the providers themselves (a cluster controller that
+        does not answer), under its hosts."""
+        ...
+
+    def cost_note(self) -> str | None:
+        """What /gpu cost adds about prices (a cluster's rate not set), or None."""
+        ...
+
+
+class PlainDisplay:
+    """Hosts read as their names, with no notes: a runtime with no provider's words
+    (tests of the use cases alone)."""
+
+    def note(self, host: HostState) -> str | None:
+        return None
+
+    def called(self, host_name: str, provider: str) -> str:
+        return host_name
+
+    def empty_pool(self) -> str:
+        return "No hosts are configured."
+
+    def status_lines(self) -> list[str]:
+        return []
+
+    def cost_note(self) -> str | None:
+        return None
+
+
 class Core(Protocol):
     """The part of `GpuService` that runs, the host watch and budgets use: its engine,
     settings and clock, users, GPU holdings and the outbox; and the fleet the runtime
@@ -166,6 +258,12 @@ class Core(Protocol):
 
     @property
     def supply(self) -> Supply: ...
+
+    @property
+    def display(self) -> HostDisplay: ...
+
+    @property
+    def holder(self) -> Holder: ...
 
     def user_row(
         self, s: Session, key: str, name: str | None = None, *, rename: bool = False
@@ -189,9 +287,11 @@ class Core(Protocol):
         reservation_id: int | None = None,
         run_id: int | None = None,
         gpu_count: int | None = None,
+        usd_per_gpu_hour: float | None = None,
     ) -> None:
         """Starts the clock on these GPUs for a reservation or a run; `gpu_count` is the
-        host's present GPUs when the caller has counted them already."""
+        host's present GPUs when the caller has counted them already; `usd_per_gpu_hour`
+        a price of the use itself (a cluster's rate) instead of a share of the host's."""
         ...
 
     def grant_pass(self, s: Session, now: datetime) -> int:
@@ -208,4 +308,8 @@ class Core(Protocol):
         attachment: tuple[str, bytes] | None = None,
     ) -> None:
         """Queues a DM in the caller's transaction."""
+        ...
+
+    def nudge(self) -> None:
+        """Asks this process's worker for a tick now (GpuService.nudge)."""
         ...

@@ -12,23 +12,35 @@ starts `python -m training.…` there is built with the host's own interpreter. 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlmodel import select
 
 from bot.app.ports import HostAccess, HostSeat, Interpreter
-from db.models import HOST_STOPPED, HOST_TERMINATED, Host
+from bot.domain.clock import Clock, SystemClock
+from db.models import HOST_READY, HOST_STOPPED, HOST_TERMINATED, HOST_UNREACHABLE, Host
 from db.session import transaction
 from provisioning.base import Instance, ProvisioningError
 from provisioning.bootstrap import DEFAULT_METADATA_URL, AgentInstall, bootstrap
-from provisioning.ssh import Resolver, SshError, SshRunner, SshTarget
+from provisioning.ssh import (
+    Resolver,
+    RunResult,
+    SshError,
+    SshRunner,
+    SshTarget,
+    SshUnreachable,
+    UploadReport,
+)
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,114 @@ def home_prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
     return PreparedHost(root=f"{home}/.gpubot", python=sys.executable)
 
 
+def _instance(host: Host) -> Instance:
+    """What the resolver needs of a host row."""
+    return Instance(
+        name=host.name,
+        provider=host.provider,
+        state=host.state,
+        gpus=(),
+        instance_id=host.instance_id,
+        instance_type=host.instance_type,
+        market=host.market,
+        address=host.address,
+        ssh_user=host.ssh_user,
+        ssh_port=host.ssh_port,
+    )
+
+
+# Host states of a host known to answer (unless `down_since` says its last dial failed):
+# ready, or unreachable without a failed dial (draining after a spot notice).
+_ANSWERING = (HOST_READY, HOST_UNREACHABLE)
+
+
+class _Reporting:
+    """A host's runner that reports a dial the host did not answer (SshUnreachable) to
+    `failed` before raising it: every use of a seat (poll, start, upload, telemetry,
+    a run's watcher) then falls under the one backoff of the host checks."""
+
+    def __init__(self, inner: SshRunner, failed: Callable[[SshUnreachable], None]) -> None:
+        self.inner = inner
+        self.failed = failed
+
+    def _call(self, op: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        try:
+            return op(*args, **kwargs)
+        except SshUnreachable as exc:
+            try:
+                self.failed(exc)
+            except Exception:  # reporting must never hide the failure it reports
+                log.exception("could not record that a host did not answer")
+            raise
+
+    def run(
+        self,
+        target: SshTarget,
+        command: str,
+        timeout: float | None = None,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> RunResult:
+        return self._call(self.inner.run, target, command, timeout, cwd=cwd, env=env)
+
+    def upload_dir(
+        self,
+        target: SshTarget,
+        local_dir: str | os.PathLike[str],
+        remote_dir: str,
+        *,
+        exclude: Sequence[str] = (),
+    ) -> UploadReport:
+        return self._call(self.inner.upload_dir, target, local_dir, remote_dir, exclude=exclude)
+
+    def put_file(
+        self,
+        target: SshTarget,
+        local_path: str | os.PathLike[str],
+        remote_path: str,
+        *,
+        mode: int | None = None,
+    ) -> None:
+        self._call(self.inner.put_file, target, local_path, remote_path, mode=mode)
+
+    def write_file(
+        self, target: SshTarget, remote_path: str, data: bytes, *, mode: int = 0o644
+    ) -> None:
+        self._call(self.inner.write_file, target, remote_path, data, mode=mode)
+
+    def read_file(
+        self, target: SshTarget, path: str, *, max_bytes: int | None = None
+    ) -> bytes | None:
+        return self._call(self.inner.read_file, target, path, max_bytes=max_bytes)
+
+    def start_detached(
+        self,
+        target: SshTarget,
+        command: str,
+        log_path: str,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> int:
+        return self._call(self.inner.start_detached, target, command, log_path, cwd=cwd, env=env)
+
+    def tail(self, target: SshTarget, path: str, lines: int = 50) -> str:
+        return self._call(self.inner.tail, target, path, lines)
+
+    def kill_group(self, target: SshTarget, pgid: int, signal: str = "TERM") -> bool:
+        return self._call(self.inner.kill_group, target, pgid, signal)
+
+    def is_alive(self, target: SshTarget, pid: int) -> bool:
+        return self._call(self.inner.is_alive, target, pid)
+
+    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
+        return self._call(self.inner.wait_gone, target, pid, timeout)
+
+    def close(self, target: SshTarget | None = None) -> None:
+        self.inner.close(target)
+
+
 class PrepareInProgress(ProvisioningError):
     """Another thread is bootstrapping this host now; asked not to wait for it."""
 
@@ -111,8 +231,10 @@ class RemoteAccess:
         prepare: Prepare | None = bootstrap_prepare,
         local: HostAccess | None = None,
         wait_for_prepare: bool = True,
+        clock: Clock | None = None,
     ) -> None:
         self.engine = engine
+        self.clock = clock or SystemClock()
         self.runner = runner
         self.resolver = resolver
         self.prepare = prepare or home_prepare
@@ -129,18 +251,7 @@ class RemoteAccess:
             host = s.exec(select(Host).where(Host.name == host_name)).first()
         if host is None or host.state in (HOST_TERMINATED, HOST_STOPPED):
             return None
-        return Instance(
-            name=host.name,
-            provider=host.provider,
-            state=host.state,
-            gpus=(),
-            instance_id=host.instance_id,
-            instance_type=host.instance_type,
-            market=host.market,
-            address=host.address,
-            ssh_user=host.ssh_user,
-            ssh_port=host.ssh_port,
-        )
+        return _instance(host)
 
     def target_for(self, instance: Instance) -> SshTarget:
         return self.resolver.resolve(instance)
@@ -159,13 +270,21 @@ class RemoteAccess:
         return self._prepare(instance.name, target) is not None
 
     def runner_for(self, host_name: str) -> HostSeat | None:
+        """The seat of a host that answered and has not failed a dial since; None
+        otherwise. Only the host checks (bot.app.hostcheck) dial a host that has not
+        answered yet (checking, or a cloud instance being set up) or stopped answering
+        (`down_since`), so a dead host costs a dial per check on the checks' backoff,
+        not one per tick per job. A host draining after a spot notice still answers:
+        its runs are signalled, read and requeued through it."""
         if self.local is not None:
             found = self.local.runner_for(host_name)
             if found is not None:
                 return found
-        inst = self.instance_of(host_name)
-        if inst is None:
+        with transaction(self.engine, write=False) as s:
+            host = s.exec(select(Host).where(Host.name == host_name)).first()
+        if host is None or host.state not in _ANSWERING or host.down_since is not None:
             return None
+        inst = _instance(host)
         try:
             target = self.resolver.resolve(inst)
         except SshError as exc:
@@ -174,7 +293,25 @@ class RemoteAccess:
         prepared = self._prepare(host_name, target)
         if prepared is None:
             return None
-        return HostSeat(self.runner, target, Path(prepared.root) / "runs", prepared.interpreter)
+        runner = _Reporting(self.runner, lambda exc: self.not_answering(host_name, str(exc)))
+        return HostSeat(runner, target, Path(prepared.root) / "runs", prepared.interpreter)
+
+    def not_answering(self, host_name: str, reason: str) -> None:
+        """A dial to a ready host failed: no more dials to it but the checks' until one
+        answers. The next check is due at once (bot.app.hostcheck counts failed checks
+        and marks it down on its usual rule; the first that answers clears this)."""
+        now = self.clock.now()
+        with transaction(self.engine) as s:
+            host = s.exec(select(Host).where(Host.name == host_name)).first()
+            if host is None or host.state != HOST_READY or host.down_since is not None:
+                return
+            host.down_since = now
+            host.down_reason = f"unreachable: {reason}"[:300]
+            host.next_check_at = now
+            s.add(host)
+        log.warning(
+            "%s did not answer (%s); only its checks dial it until one answers", host_name, reason
+        )
 
     def prepared(self, host_name: str) -> PreparedHost | None:
         """The host as this process prepared it, without dialling; None if not yet."""

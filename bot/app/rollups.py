@@ -788,7 +788,7 @@ def backfill_rollups(engine: Engine) -> int | None:
             if s.exec(closed.limit(1)).first() is not None:
                 lock_pool(s)
                 return rebuild_rollups(s)
-        # Upgraded from before the run times were kept (migration 0010): once, from the runs.
+        # Upgraded from before the run times were kept (migration 0011): once, from the runs.
         backfill_run_times(s)
         return None
 

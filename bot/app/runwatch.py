@@ -8,8 +8,8 @@ transaction that stores the run's latest figures. `watch`:
 - asks `bot.domain.health.judge` about the run's curve, warnings and the telemetry samples
   attributed to it (`GpuSample.run_id`), and DMs the owner each new alert once (the
   outbox's dedupe key makes "once" hold across workers and crashes);
-- edits the run's live message (the "started" DM) in place about once a minute through
-  the outbox (`bot.app.outbox.enqueue_edit`), so an edit survives a crash like any message
+- edits the run's live message (the "started" DM) in place through the outbox: with its
+  first figures as soon as the runner has measured some steps, then about once a minute, (`bot.app.outbox.enqueue_edit`), so an edit survives a crash like any message
   and is spaced within Slack's Tier 3 limit for chat.update.
 
 `result_view` builds the final DM (metrics, precision and batch and why, wall time,
@@ -140,21 +140,34 @@ def live_period(live_runs: int) -> timedelta:
     return max(LIVE_PERIOD, timedelta(minutes=max(1, live_runs) / EDITS_PER_MINUTE))
 
 
+def has_figures(status: RunStatus) -> bool:
+    """The runner has measured some steps: a step, and a loss or a speed to show."""
+    return status.step > 0 and (status.loss is not None or status.samples_per_s is not None)
+
+
 def live_edit(
     s: Session, run: TrainingRun, owner: User, status: RunStatus, now: datetime, live_runs: int
 ) -> bool:
-    """Queues an edit of the run's live message when one is due; True when queued."""
+    """Queues an edit of the run's live message when one is due; True when queued. The
+    first figures (step, loss, speed) go out as soon as the runner has measured them;
+    after them, and for a script that never reports any, an edit every `live_period`
+    from the last one (from the start for the first)."""
     live = dict(run.metrics.get("live") or {})
     message = live.get("message")
     if not isinstance(message, int):
         return False
+    first_figures = not live.get("figures") and has_figures(status)
     last = live.get("at")
-    if isinstance(last, str) and now - datetime.fromisoformat(last) < live_period(live_runs):
+    since = datetime.fromisoformat(last) if isinstance(last, str) else run.started_at
+    period = live_period(live_runs)
+    if not first_figures and since is not None and now - since < period:
         return False
     usd, _ = cost_so_far(s, run.id or 0, now)
-    view = live_view(run, progress_line(s, run, status, now, usd))
+    view = live_view(run, progress_line(s, run, status, now, usd), period)
     enqueue_edit(s, message, owner.key, view, now)
     live.update(at=now.isoformat(), edits=int(live.get("edits", 0)) + 1)
+    if has_figures(status):
+        live["figures"] = True
     run.metrics = {**run.metrics, "live": live}
     return True
 
@@ -203,12 +216,18 @@ def progress_line(
     return ", ".join(parts)
 
 
-def live_view(run: TrainingRun, line: str) -> views.View:
+def cadence(period: timedelta) -> str:
+    """How often the live message changes, as it really does (`live_edit`)."""
+    every = "once a minute" if period <= LIVE_PERIOD else f"every {format_duration(period)}"
+    return f"first figures as soon as it has measured some steps, then about {every}"
+
+
+def live_view(run: TrainingRun, line: str, period: timedelta = LIVE_PERIOD) -> views.View:
     assert run.id is not None
     text = f"Run #{run.id} ({what(run)}) is running: {line}."
     blocks: tuple[views.Block, ...] = (
         views.Text(text),
-        views.Context(f"Updated about once a minute. `/gpu logs {run.id}` shows its log."),
+        views.Context(f"Updated with its {cadence(period)}. `/gpu logs {run.id}` shows its log."),
         views.cancel_run_button(run.id),
     )
     return views.View(text=text, blocks=blocks)
@@ -331,7 +350,9 @@ def result_view(
         facts.append(("steps", f"{st.step}" + (f"/{st.total_steps}" if st.total_steps else "")))
     if wall:
         facts.append(("wall time", format_duration(timedelta(seconds=round(wall)))))
-    facts.append(("GPU-hours", f"{gpu_hours:.3f}"))
+    # A run on CPU slots (a host without a GPU) held slots, not GPUs: its hours say so.
+    hours_word = "CPU-slot hours" if run.placement.get("cpu") else "GPU-hours"
+    facts.append((hours_word, f"{gpu_hours:.3f}"))
     facts.append(("cost", cost))
     blocks.append(views.Fields(tuple(facts)))
     if alerts:
@@ -356,7 +377,7 @@ def result_view(
         )
         if png is not None:
             chart = (f"run-{run.id}-curve.png", png)
-    text = head + f" GPU-hours {gpu_hours:.3f}, cost {cost}."
+    text = head + f" {hours_word} {gpu_hours:.3f}, cost {cost}."
     return views.View(text=text, blocks=tuple(blocks)), chart
 
 

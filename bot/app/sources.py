@@ -344,7 +344,7 @@ def prepare_code(
 ) -> Prepared:
     """Puts the run's code in place on the host; raises SourceError with the host's own
     words when it cannot (a missing directory, a clone that failed)."""
-    from provisioning.ssh import local_tree
+    from provisioning.manifest import local_tree
 
     if isinstance(source, PathSource):
         result = runner.run(target, path_check_line(source), timeout=30)

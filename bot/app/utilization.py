@@ -568,11 +568,21 @@ def util_view(
 def _chart(s: Session, host_ids: Sequence[int], now: datetime, title: str, tz: str) -> bytes | None:
     from bot.domain.charts import utilization_chart
 
-    start = now - CHART_WINDOW
-    series = history(s, host_ids, start)
+    series = history(s, host_ids, now - CHART_WINDOW)
     if not any(len(x.times) >= 2 for x in series):
         return None
-    return utilization_chart(series, start=start, end=now, title=title, tz=tz)
+    return utilization_chart(series, start=chart_start(series, now), end=now, title=title, tz=tz)
+
+
+def chart_start(series: Sequence[GpuSeries], now: datetime) -> datetime:
+    """Where the chart's time axis starts: the window's start, or the first sample when the
+    data is shorter than the window (a fresh install, a host added an hour ago), with a
+    twentieth of its span before it, so the lines fill the chart instead of its last pixel."""
+    first = min(t for x in series for t in x.times)
+    start = now - CHART_WINDOW
+    if first <= start:
+        return start
+    return max(start, first - max((now - first) / 20, timedelta(seconds=30)))
 
 
 def _hosts_named(s: Session, name: str | None) -> list[Host]:
@@ -654,7 +664,7 @@ def _why_nothing(service: GpuService, hosts: Sequence[Host], busy: set[str]) -> 
         except ProbeFailed as exc:
             lines.append(f"{h.name}: did not answer ({exc}).")
             continue
-        this = "this machine" if h.name == "local" else h.name
+        this = service.display.called(h.name, h.provider)
         if not snap.gpus:
             # The probe's own words usually start with "no NVIDIA driver"; say it once.
             reason = (snap.error or "").removeprefix(NO_DRIVER).strip(" :()")

@@ -37,6 +37,8 @@ class HostState:
     # Set while bot.app.hostcheck has it marked down: since when, and why in words.
     down_since: datetime | None = None
     down_reason: str | None = None
+    # Its provider's word on it in /gpu status ("CPU only: …"), or None.
+    note: str | None = None
 
     @cached_property
     def free(self) -> int:
@@ -66,6 +68,14 @@ class ReservationInfo:
     gpu_models: tuple[str, ...] = ()
     # Filled when waiting: 1-based place in line.
     position: int | None = None
+    # How to use what it holds, where its provider says (a cluster's holding job: the
+    # `srun --jobid` line); empty: the host's SSH login and CUDA_VISIBLE_DEVICES.
+    how: tuple[str, ...] = ()
+
+
+# Host states whose GPUs are on their way: an instance booting, a declared host that has
+# not answered its first check yet.
+_STARTING = ("pending", "checking")
 
 
 @dataclass(frozen=True)
@@ -88,8 +98,8 @@ class FleetCounts:
             ready_hosts=len(ready),
             ready_gpus=sum(len(h.gpus) for h in ready),
             free_gpus=sum(h.free for h in ready),
-            starting_gpus=sum(len(h.gpus) for h in hosts if h.state == "pending"),
-            away_gpus=sum(len(h.gpus) for h in hosts if h.state not in ("ready", "pending")),
+            starting_gpus=sum(len(h.gpus) for h in hosts if h.state in _STARTING),
+            away_gpus=sum(len(h.gpus) for h in hosts if h.state not in ("ready", *_STARTING)),
         )
 
 
@@ -114,8 +124,10 @@ class StatusSnapshot:
     waiting: tuple[ReservationInfo, ...]
     mine: tuple[ReservationInfo, ...]
     mine_only: bool = False
-    # What an empty pool means on this provider: the cloud launches on demand, so
-    # "no hosts" there is the normal state before the first request, not a set-up fault.
-    provider: str = "local"
+    # What an empty pool means on the configured providers (a cloud launches on demand,
+    # so "no hosts" there is the normal state before the first request, not a fault).
+    empty_pool: str = "No hosts are configured."
+    # What the providers say of themselves (a cluster controller that does not answer).
+    notes: tuple[str, ...] = ()
     # The team's time zone, for every time shown (bot.domain.timefmt).
     tz: str = "UTC"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -133,6 +134,14 @@ class Reply:
     error: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def with_note(self, note: str | None) -> Reply:
+        """The same reply with a sentence of context after its first block (a choice the
+        bot made for the caller, said where they read the result); unchanged for None."""
+        if not note:
+            return self
+        blocks = (*self.view.blocks[:1], Context(note), *self.view.blocks[1:])
+        return replace(self, view=View(text=f"{self.view.text} {note}", blocks=blocks))
+
 
 # --- action ids shared with the Slack face -------------------------------------
 
@@ -240,6 +249,8 @@ def _how_to_use(res: ReservationInfo) -> list[Block]:
     host = res.host
     if host is None:
         return []
+    if res.how:  # its provider's own lines (a cluster's holding job)
+        return [Text("*How to use them*"), Code("\n".join(res.how))]
     devices = ",".join(str(i) for i in res.gpu_indexes)
     is_cpu = all(m == "cpu" for m in res.gpu_models)
     lines = []
@@ -282,7 +293,9 @@ def granted_view(res: ReservationInfo, now: datetime, tz: str, was_waiting: bool
     return View(text=summary, blocks=tuple(blocks))
 
 
-def waiting_view(res: ReservationInfo) -> View:
+def waiting_view(res: ReservationInfo, why: Sequence[str] = ()) -> View:
+    """`why`: what keeps hosts that have such GPUs from granting them (bot.app.service's
+    reservations: a host not answered yet, or down), one sentence each."""
     ahead = (res.position or 1) - 1
     queue = "you are first in line" if ahead == 0 else f"{ahead} ahead of you"
     text = (
@@ -290,7 +303,11 @@ def waiting_view(res: ReservationInfo) -> View:
         f"is waiting ({queue}); I'll DM you when it is granted. "
         f"`/gpu release {res.id}` leaves the line."
     )
-    return View(text=text, blocks=(Text(text),))
+    blocks: tuple[Block, ...] = (Text(text),)
+    if why:
+        blocks += (Context(" ".join(why)),)
+        text += " " + " ".join(why)
+    return View(text=text, blocks=blocks)
 
 
 def already_view(res: ReservationInfo, now: datetime, tz: str) -> View:
@@ -364,15 +381,18 @@ def status_view(snap: StatusSnapshot) -> View:
         blocks.append(Table(("gpu", "model", "held by", "until"), tuple(rows)))
     if not hosts:
         blocks.append(Text(_no_hosts(snap)))
+    blocks += [Context(note) for note in snap.notes]
     if snap.waiting and not snap.mine_only:
         blocks.append(Text("*Waiting*"))
         blocks.append(waiting_table(snap.waiting, now))
         for host in snap.hosts:
-            if host.down_since is not None:
+            trouble = host_trouble(host.state, host.down_since, host.down_reason, now, snap.tz)
+            if trouble is not None and host.state != "ready":
+                again = " again" if host.state == "unreachable" else ""
                 blocks.append(
                     Context(
-                        f"{host.name} is {down_phrase(host.down_since, host.down_reason, now, snap.tz)}; "
-                        "what waits for its GPUs gets them when it answers again."
+                        f"{host.name} is {trouble}; what waits for its GPUs gets them "
+                        f"when it answers{again}."
                     )
                 )
     if snap.mine:
@@ -429,36 +449,58 @@ def yours_lines(mine: tuple[ReservationInfo, ...], now: datetime, tz: str) -> st
 
 def _idle_word(host_state: str) -> str:
     """What an unheld GPU is: free only on a ready host."""
-    return {"ready": "free", "pending": "starting up"}.get(host_state, host_state)
+    return {"ready": "free", "pending": "starting up", "checking": "not answered yet"}.get(
+        host_state, host_state
+    )
+
+
+# What an empty pool that grows on demand (a cloud) says: nothing is wrong.
+GROWS_ON_DEMAND = (
+    "No instances are running: the first `/gpu reserve` or `/gpu run` launches one "
+    "(`/gpu prices` lists what it costs)."
+)
 
 
 def _no_hosts(snap: StatusSnapshot) -> str:
-    if snap.mine_only:
-        return "You hold no GPUs."
-    if snap.provider == "aws":
-        return (
-            "No instances are running: the first `/gpu reserve` or `/gpu run` launches one "
-            "(`/gpu prices` lists what it costs)."
-        )
-    return "No hosts are configured."
+    return "You hold no GPUs." if snap.mine_only else snap.empty_pool
 
 
 def _host_line(host: HostState, now: datetime, tz: str) -> str:
     price = f", ${host.hourly_usd:.2f}/h" if host.hourly_usd else ""
     where = f" ({host.address})" if host.address else ""
     line = f"*{host.name}*{where}: {host.provider}, {host.state}{price}, {host.free}/{len(host.gpus)} free"
-    if host.down_since is not None:
-        line += f", {down_phrase(host.down_since, host.down_reason, now, tz)}"
-    elif host.provider == "ssh" and host.gpus and all(g.model == "cpu" for g in host.gpus):
-        line += ", CPU only: no NVIDIA GPU found, runs use its CPUs"
-    elif host.provider == "ssh" and host.state == "pending" and not host.gpus:
-        line += ", being set up (bootstrap, then its GPUs are read)"
+    trouble = host_trouble(host.state, host.down_since, host.down_reason, now, tz)
+    if trouble is not None:
+        line += f", {trouble}"
+    elif host.note:
+        line += f", {host.note}"
     return line
 
 
 def down_phrase(since: datetime, reason: str | None, now: datetime, tz: str) -> str:
     """How a host marked down reads wherever work waits on it."""
     return f"down since {when(since, now, tz)}: {reason or 'no answer'}"
+
+
+def host_trouble(
+    state: str, down_since: datetime | None, reason: str | None, now: datetime, tz: str
+) -> str | None:
+    """What is wrong with a host, in the words every reply uses (status, the queue, a
+    reservation left waiting), or None when nothing is: down (bot.app.hostcheck marked
+    it), not answered its first check yet, or ready but not answering its last dial (it
+    answered before, so it stays ready until its checks fail: one lost dial is no outage)."""
+    if state == "checking":
+        return (
+            "not answered yet: it is being checked, and nothing is granted on it until it answers"
+        )
+    if down_since is None:
+        return None
+    if state == "ready":
+        return (
+            f"not answering since {when(down_since, now, tz)} ({reason or 'no answer'}); "
+            "being checked"
+        )
+    return down_phrase(down_since, reason, now, tz)
 
 
 def prices_view(catalog: Catalog, model: str | None) -> View:

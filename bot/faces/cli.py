@@ -21,6 +21,7 @@ import typer
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from bot import providers
 from bot.adapters.leader import worker_running
 from bot.adapters.logs import log_format as resolve_log_format
 from bot.adapters.logs import setup_logging
@@ -56,8 +57,12 @@ app.add_typer(hosts_app, name="hosts")
 
 
 def _settings() -> Settings:
+    """The settings, with the providers they name known (bot.providers): a bad setting
+    is one line naming it, before anything starts."""
     try:
-        return load_settings()
+        settings = load_settings()
+        providers.names(settings)
+        return settings
     except ConfigError as exc:
         typer.echo(f"gpubot: {exc.text}", err=True)
         raise typer.Exit(2) from None
@@ -354,6 +359,7 @@ def hosts_forget(
     too, or the next start lists it again.
     """
     from bot.app.hostadmin import forget_host
+    from bot.providers import owners
     from db.migrate import upgrade
     from db.session import make_engine
     from provisioning.ssh import SshClient
@@ -371,6 +377,7 @@ def hosts_forget(
             client,
             name,
             key_path=str(Path(key).expanduser()) if key else None,
+            owned=owners(settings),
             purge=purge,
         )
     except UserError as exc:

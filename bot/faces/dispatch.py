@@ -157,15 +157,19 @@ def _logs(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
 
 def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
     assert isinstance(cmd, Cost)
+    # What the providers add about prices (a cluster whose rate is not set).
+    note = service.display.cost_note()
     if cmd.scope == "team":
         bill = service.team_bill(cmd.period, _catalog())
-        return views.Reply(team_cost_view(bill, cmd.period, service.settings.timezone))
+        reply = views.Reply(team_cost_view(bill, cmd.period, service.settings.timezone))
+        return reply.with_note(note)
     who = actor.key if cmd.scope == "me" else (cmd.user.key if cmd.user else None)
     window, costs, names = service.costs(cmd.period, None if cmd.scope == "team" else who)
     if cmd.scope == "user" and who not in names and who is not None:
         names[who] = who
     tz = service.settings.timezone
-    return views.Reply(views.cost_view(cmd.scope, cmd.period, window, costs, names, tz, who))
+    reply = views.Reply(views.cost_view(cmd.scope, cmd.period, window, costs, names, tz, who))
+    return reply.with_note(note)
 
 
 def _budget(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:

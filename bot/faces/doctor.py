@@ -7,19 +7,8 @@ Alembic revision, EC2 describe calls), so a green line means the thing works, no
 a variable is merely set. Secrets are never printed: details name the variable, and
 every line is scrubbed of the token values before it leaves this module.
 
-The AWS and SSH settings the doctor reads (until `bot.app.config` carries them):
-
-    GPUBOT_AWS_REGION          region; else AWS_REGION, else AWS_DEFAULT_REGION
-    GPUBOT_AWS_SUBNETS         comma list of subnet ids, one per availability zone
-    GPUBOT_AWS_SECURITY_GROUPS comma list of security group ids (optional)
-    GPUBOT_AWS_KEY_NAME        the EC2 key pair the bot logs in with
-    GPUBOT_AWS_AMI             a fixed AMI id (optional; else the DLAMI SSM parameter)
-    GPUBOT_AWS_AMI_PARAMETER   another SSM parameter naming the AMI (optional)
-    GPUBOT_AWS_METADATA_URL    the instance metadata service the host agent asks for spot
-                               notices (default http://169.254.169.254)
-    GPUBOT_SSH_HOSTS           comma list of [name=][user@]host[:port][/4xA100[+2xT4]] GPU hosts
-    GPUBOT_SSH_USER            login user where a host names none (default root)
-    GPUBOT_SSH_KEY             private key file (default: ssh-agent and ~/.ssh)
+Each provider's lines come from the provider itself (bot.providers: its settings,
+its read-only probes).
 """
 
 from __future__ import annotations
@@ -28,14 +17,9 @@ import http.client
 import json
 import logging
 import os
-import re
-import subprocess
-import sys
 import urllib.error
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
-from functools import partial
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,52 +29,20 @@ from slack_sdk.errors import SlackApiError, SlackClientError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from bot import providers
 from bot.app.config import ConfigError, Settings, load_settings
+from bot.providers.base import SSH_TIMEOUT_S, AwsProbe, Note, NvmlProbe, Probes, guarded
 from db.migrate import current_revision, head_revision
 from db.session import make_engine
-from provisioning.aws import DLAMI_SSM_PARAMETER, Ec2Settings
-from provisioning.aws_doctor import Check, check_aws
-from provisioning.bootstrap import DEFAULT_METADATA_URL
-from provisioning.hosts import HostEntryError, StaticHost, parse_host_entries
-from provisioning.ssh import SshClient, SshError, SshTarget
-from training.telemetry import NO_DRIVER, parse_snapshot
+from provisioning.aws_doctor import Check
+from provisioning.ssh import SshTarget
 
-__all__ = [
-    "Check",
-    "Note",
-    "doctor",
-    "ec2_settings_from_env",
-    "render",
-    "run_checks",
-    "ssh_targets_from_env",
-]
+__all__ = ["Check", "Note", "doctor", "render", "run_checks"]
 
 DEFAULT_SLACK_API_URL = "https://slack.com/api/"
-AWS_ENV = (
-    "GPUBOT_AWS_REGION",
-    "GPUBOT_AWS_SUBNETS",
-    "GPUBOT_AWS_SECURITY_GROUPS",
-    "GPUBOT_AWS_KEY_NAME",
-    "GPUBOT_AWS_AMI",
-    "GPUBOT_AWS_AMI_PARAMETER",
-    "GPUBOT_AWS_METADATA_URL",
-)
-SSH_TIMEOUT_S = 5.0
-TELEMETRY_TIMEOUT_S = 60.0
 
 # A WebClient for one token: tests hand in one aimed elsewhere (a dead port, a fake).
 SlackClientFactory = Callable[[str], WebClient]
-# The EC2 checks for one set of settings (default: provisioning's read-only `check_aws`).
-AwsProbe = Callable[[Ec2Settings], list[Check]]
-# This machine's `python -m training.telemetry --json` document, as text.
-NvmlProbe = Callable[[], str]
-
-
-@dataclass(frozen=True)
-class Note(Check):
-    """Worth saying but not wrong (no GPU here: the bot offers CPU slots), so it never
-    turns the exit code red; `ok` is always True."""
-
 
 # --- the whole run ---------------------------------------------------------------------
 
@@ -100,7 +52,7 @@ def run_checks(
     *,
     env: Mapping[str, str] | None = None,
     aws: AwsProbe | None = None,
-    ssh_targets: Sequence[SshTarget] = (),
+    ssh_targets: Sequence[SshTarget] | None = None,
     slack_client_factory: SlackClientFactory | None = None,
     nvml_probe: NvmlProbe | None = None,
     ssh_timeout_s: float = SSH_TIMEOUT_S,
@@ -108,21 +60,16 @@ def run_checks(
     """Runs every section even after a failure, so one run lists everything missing."""
     environ: Mapping[str, str] = os.environ if env is None else env
     checks: list[Check] = []
-    checks += _guarded("Config", lambda: [_config(settings, environ)])
-    checks += _guarded("Database", lambda: check_database(settings))
+    checks += guarded("Config", lambda: [_config(settings, environ)])
+    checks += guarded("Database", lambda: check_database(settings))
     # Only what the chosen face and provider need: no Slack secret at all is a shell-only
     # set-up, and only the local provider runs on this machine's GPUs.
     if slack_wanted(settings):
-        checks += _guarded("Slack", lambda: check_slack(settings, slack_client_factory))
+        checks += guarded("Slack", lambda: check_slack(settings, slack_client_factory))
     else:
         checks.append(_NO_SLACK)
-    checks += _guarded("AWS", lambda: check_aws_section(settings, environ, aws))
-    checks += _guarded(
-        "SSH", lambda: check_ssh(ssh_targets, provider=settings.provider, timeout_s=ssh_timeout_s)
-    )
-    if settings.provider == "local":
-        checks += _guarded("This machine's GPUs", lambda: check_gpus(settings, nvml_probe))
-    checks += _guarded("Run account", lambda: check_run_account(settings))
+    probes = Probes(aws=aws, ssh_targets=ssh_targets, nvml=nvml_probe, ssh_timeout_s=ssh_timeout_s)
+    checks += guarded("Providers", lambda: providers.checks(settings, environ, probes))
     return [_scrub(c, _secrets(settings)) for c in checks]
 
 
@@ -146,20 +93,6 @@ def slack_wanted(settings: Settings) -> bool:
             settings.slack_signing_secret,
         )
     )
-
-
-def _guarded(name: str, section: Callable[[], list[Check]]) -> list[Check]:
-    try:
-        return section()
-    except Exception as exc:
-        return [
-            Check(
-                name,
-                False,
-                f"the check itself failed ({type(exc).__name__}: {exc})",
-                "This is a bug in gpubot doctor; please report this line.",
-            )
-        ]
 
 
 def _secrets(settings: Settings) -> list[str]:
@@ -191,9 +124,8 @@ def _scrub(check: Check, secrets: Sequence[str]) -> Check:
 
 def _config(settings: Settings, env: Mapping[str, str]) -> Check:
     source = env.get("GPUBOT_CONFIG") or "no config file"
-    return Check(
-        "Config", True, f"loaded ({source}); provider {settings.provider}, home {settings.home}"
-    )
+    named = ",".join(settings.providers) or settings.provider
+    return Check("Config", True, f"loaded ({source}); provider {named}, home {settings.home}")
 
 
 # --- database --------------------------------------------------------------------------
@@ -310,8 +242,8 @@ def check_slack(
     factory = client_factory or _default_factory(settings)
     base_url = settings.slack_api_url or DEFAULT_SLACK_API_URL
     return [
-        _guarded("Slack", lambda: [_bot_token(settings, factory, base_url)])[0],
-        _guarded("Slack inbound", lambda: [_inbound(settings, factory, base_url)])[0],
+        guarded("Slack", lambda: [_bot_token(settings, factory, base_url)])[0],
+        guarded("Slack inbound", lambda: [_inbound(settings, factory, base_url)])[0],
     ]
 
 
@@ -402,296 +334,6 @@ def _unreachable(name: str, base_url: str, exc: BaseException) -> Check:
     )
 
 
-# --- AWS -------------------------------------------------------------------------------
-
-_AWS_FIX = (
-    "Set GPUBOT_AWS_REGION, GPUBOT_AWS_SUBNETS (subnet ids, comma-separated, one per zone), "
-    "GPUBOT_AWS_KEY_NAME and optionally GPUBOT_AWS_SECURITY_GROUPS and GPUBOT_AWS_AMI; "
-    "or set GPUBOT_PROVIDER to local or ssh."
-)
-# check_aws speaks of Ec2Settings fields; a person sets environment variables.
-_FIELD_WORDS = {
-    "subnet_ids": "GPUBOT_AWS_SUBNETS",
-    "key_name": "GPUBOT_AWS_KEY_NAME",
-    "ami_id": "GPUBOT_AWS_AMI",
-}
-
-
-def _split(raw: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in raw.split(",") if part.strip())
-
-
-def ec2_settings_from_env(env: Mapping[str, str]) -> Ec2Settings:
-    """The EC2 settings from the environment; a ConfigError names what is missing."""
-    region = next(
-        (
-            env[v].strip()
-            for v in ("GPUBOT_AWS_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
-            if env.get(v, "").strip()
-        ),
-        "",
-    )
-    if not region:
-        raise ConfigError("no AWS region: set GPUBOT_AWS_REGION (or AWS_REGION/AWS_DEFAULT_REGION)")
-    subnets = _split(env.get("GPUBOT_AWS_SUBNETS", ""))
-    if not subnets:
-        raise ConfigError("GPUBOT_AWS_SUBNETS is not set: the bot needs a subnet to launch into")
-    try:
-        return Ec2Settings(
-            region=region,
-            subnet_ids=subnets,
-            security_group_ids=_split(env.get("GPUBOT_AWS_SECURITY_GROUPS", "")),
-            key_name=env.get("GPUBOT_AWS_KEY_NAME", "").strip() or None,
-            ami_id=env.get("GPUBOT_AWS_AMI", "").strip() or None,
-            ami_ssm_parameter=env.get("GPUBOT_AWS_AMI_PARAMETER", "").strip()
-            or DLAMI_SSM_PARAMETER,
-            metadata_url=env.get("GPUBOT_AWS_METADATA_URL", "").strip() or DEFAULT_METADATA_URL,
-        )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def aws_wanted(settings: Settings, env: Mapping[str, str]) -> bool:
-    """Generic AWS credentials in a shell say nothing about gpubot; its own variables do."""
-    return settings.provider == "aws" or any(env.get(v, "").strip() for v in AWS_ENV)
-
-
-def check_aws_section(
-    settings: Settings, env: Mapping[str, str], probe: AwsProbe | None = None
-) -> list[Check]:
-    if not aws_wanted(settings, env):
-        return [Check("AWS", True, f"not used (GPUBOT_PROVIDER={settings.provider})")]
-    try:
-        ec2 = ec2_settings_from_env(env)
-    except ConfigError as exc:
-        return [Check("AWS settings", False, exc.text, _AWS_FIX)]
-    checks = (probe or check_aws)(ec2)
-    return [
-        replace(c, detail=_env_words(c.detail), fix=_env_words(c.fix) if not c.ok else "")
-        for c in checks
-    ]
-
-
-def _env_words(text: str) -> str:
-    for field_name, var in _FIELD_WORDS.items():
-        text = re.sub(rf"\b{field_name}\b", var, text)
-    return text
-
-
-# --- SSH -------------------------------------------------------------------------------
-
-
-def ssh_targets_from_env(env: Mapping[str, str]) -> tuple[SshTarget, ...]:
-    """GPUBOT_SSH_HOSTS as targets; a ConfigError names an entry that does not parse."""
-    return tuple(h.target for h in static_hosts_from_env(env))
-
-
-def static_hosts_from_env(env: Mapping[str, str]) -> tuple[StaticHost, ...]:
-    """GPUBOT_SSH_HOSTS with the GPUs each entry declares (`box=user@host:22/4xA100`)."""
-    user = env.get("GPUBOT_SSH_USER", "").strip() or "root"
-    key = env.get("GPUBOT_SSH_KEY", "").strip() or None
-    try:
-        return parse_host_entries(
-            env.get("GPUBOT_SSH_HOSTS", ""),
-            default_user=user,
-            key_path=str(Path(key).expanduser()) if key else None,
-            normalize=_normalize_model,
-        )
-    except HostEntryError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _normalize_model(text: str) -> str | None:
-    from provisioning.catalog import Catalog
-
-    return Catalog.load().normalize_model(text)
-
-
-def check_ssh(
-    targets: Sequence[SshTarget], *, provider: str = "local", timeout_s: float = SSH_TIMEOUT_S
-) -> list[Check]:
-    """A login plus `true` per host: a listening port is not a host the bot can use."""
-    if not targets:
-        if provider == "ssh":
-            return [
-                Check(
-                    "SSH",
-                    False,
-                    "GPUBOT_PROVIDER=ssh but no hosts are configured",
-                    "List the GPU hosts in GPUBOT_SSH_HOSTS as [name=][user@]host[:port], comma-separated.",
-                )
-            ]
-        return [Check("SSH", True, "no SSH hosts configured (GPUBOT_SSH_HOSTS)")]
-    checks = []
-    with SshClient(connect_timeout=timeout_s, command_timeout=timeout_s) as client:
-        for target in targets:
-            name = f"SSH {target.name or target.host}"
-            checks += _guarded(name, partial(_ssh_one, client, target, name, timeout_s))
-    return checks
-
-
-def _ssh_fix(target: SshTarget, message: str) -> str:
-    key = target.key_path or "ssh-agent or ~/.ssh"
-    try_it = (
-        f"Try `ssh{f' -i {target.key_path}' if target.key_path else ''} -p {target.port} "
-        f"{target.user}@{target.host} true` from this machine."
-    )
-    if "did not accept" in message:
-        return (
-            f"Add the bot's public key (for {key}) to ~{target.user}/.ssh/authorized_keys on the host, "
-            f"or set GPUBOT_SSH_USER/GPUBOT_SSH_KEY to a user and key it accepts. {try_it}"
-        )
-    if "refused" in message:
-        return f"Nothing listens on port {target.port}: start sshd there, or fix the port in GPUBOT_SSH_HOSTS. {try_it}"
-    if "host key" in message:
-        return f"The host was reinstalled or is not the one you meant; check its key before trusting it. {try_it}"
-    return (
-        f"Check that {target.host} is up and reachable from here (firewall, VPN), that sshd listens on "
-        f"port {target.port}, and that user {target.user} accepts the key ({key}). {try_it}"
-    )
-
-
-def _ssh_one(client: SshClient, target: SshTarget, name: str, timeout_s: float) -> list[Check]:
-    return [_ssh_login(client, target, name, timeout_s)]
-
-
-def _ssh_login(client: SshClient, target: SshTarget, name: str, timeout_s: float) -> Check:
-    if target.key_path and not Path(target.key_path).is_file():
-        return Check(
-            name,
-            False,
-            f"the SSH key {target.key_path} does not exist",
-            "Set GPUBOT_SSH_KEY to the private key file the hosts accept.",
-        )
-    try:
-        result = client.run(target, "true", timeout=timeout_s)
-    except SshError as exc:
-        return Check(name, False, str(exc), _ssh_fix(target, str(exc)))
-    if not result.ok:
-        return Check(
-            name,
-            False,
-            f"logged in to {target.label}, but `true` exited {result.exit_code}",
-            f"The login shell of {target.user} on {target.host} is broken; check its shell and profile.",
-        )
-    return Check(name, True, f"{target.label}: logged in and ran a command")
-
-
-# --- this machine's GPUs ---------------------------------------------------------------
-
-
-def _telemetry_json() -> str:
-    """A child process, as on a remote host, so the bot's process never loads NVML."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.telemetry", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=TELEMETRY_TIMEOUT_S,
-        check=False,
-    )
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        raise RuntimeError(tail)
-    return proc.stdout
-
-
-def check_gpus(settings: Settings, probe: NvmlProbe | None = None) -> list[Check]:
-    name = "This machine's GPUs"
-    fix = "Run `python -m training.telemetry` to see what the probe says."
-    try:
-        text = (probe or _telemetry_json)()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return [Check(name, False, f"the GPU probe failed: {exc}", fix)]
-    snap = parse_snapshot(text)
-    if snap is None:
-        return [Check(name, False, "the GPU probe's answer could not be read", fix)]
-    if snap.source == "none" or not snap.gpus:
-        why = snap.error or NO_DRIVER
-        return [
-            Note(
-                name,
-                True,
-                f"{why}: this machine will offer CPU slots",
-                "If it has an NVIDIA GPU, install the driver (nvidia-smi should list it); otherwise nothing to do.",
-            )
-        ]
-    counts = Counter(g.name for g in snap.gpus)
-    summary = ", ".join(f"{n} × {model}" for model, n in counts.items()) + f" (via {snap.source})"
-    if settings.local_gpus == "none":
-        summary += "; GPUBOT_LOCAL_GPUS=none, so the bot offers CPU slots instead"
-    if snap.error:
-        return [
-            Note(
-                name,
-                True,
-                f"{summary}; but {snap.error}",
-                "Some metrics are missing; the GPUs are still usable.",
-            )
-        ]
-    return [Check(name, True, summary)]
-
-
-# --- the run account --------------------------------------------------------------------
-
-_RUN_AS_FIX = (
-    "Create an unprivileged account (`sudo useradd --create-home --shell /bin/sh gpubot-run`) "
-    "and set GPUBOT_RUN_AS=gpubot-run; a bot that is not root also needs the sudoers line "
-    "`BOTUSER ALL=(gpubot-run) NOPASSWD: /usr/bin/env` (README, Configuration)."
-)
-
-
-def check_run_account(settings: Settings) -> list[Check]:
-    """Runs on this machine must not run as the bot, next to its secrets (bot.faces.runtime)."""
-    name = "Run account"
-    if settings.provider != "local":
-        return [Check(name, True, "runs go to the GPU hosts, which get none of the bot's secrets")]
-    if not settings.run_as:
-        return [
-            Note(
-                name,
-                True,
-                "GPUBOT_RUN_AS is not set: `gpubot serve` refuses runs (they would run as the "
-                "bot's own user, able to read its tokens and database); `gpubot shell` runs "
-                "them as you. Reservations work either way",
-                _RUN_AS_FIX,
-            )
-        ]
-    import pwd
-
-    try:
-        account = pwd.getpwnam(settings.run_as)
-    except KeyError:
-        return [
-            Check(name, False, f"GPUBOT_RUN_AS={settings.run_as}: no such account", _RUN_AS_FIX)
-        ]
-    if account.pw_uid == os.geteuid():
-        return [
-            Check(
-                name,
-                False,
-                f"GPUBOT_RUN_AS={settings.run_as} is the bot's own account: runs could read its secrets",
-                _RUN_AS_FIX,
-            )
-        ]
-    home = settings.home
-    if home.exists() and home.stat().st_mode & 0o077:
-        return [
-            Check(
-                name,
-                False,
-                f"{home} (GPUBOT_HOME) is open to other accounts, the run account among them",
-                f"chmod 700 {home} (every gpubot command also does this on start)",
-            )
-        ]
-    return [
-        Check(
-            name,
-            True,
-            f"runs run as {settings.run_as} (uid {account.pw_uid}), in {account.pw_dir}/.gpubot/runs",
-        )
-    ]
-
-
 # --- the command -----------------------------------------------------------------------
 
 
@@ -729,6 +371,7 @@ def doctor(
     checks: list[Check]
     try:
         settings = load_settings()
+        providers.names(settings)
     except ConfigError as exc:
         checks = [
             Check(
@@ -739,14 +382,7 @@ def doctor(
             )
         ]
     else:
-        try:
-            targets = ssh_targets_from_env(os.environ)
-        except ConfigError as exc:
-            targets = ()
-            bad_hosts = [Check("SSH hosts", False, exc.text, "Fix GPUBOT_SSH_HOSTS.")]
-        else:
-            bad_hosts = []
-        checks = run_checks(settings, ssh_targets=targets) + bad_hosts
+        checks = run_checks(settings)
     if json_out:
         typer.echo(as_json(checks))
     else:

@@ -1,81 +1,45 @@
 """Start-up shared by every entry point: engine, schema upgrade, providers, service.
 
-The app upgrades its own schema on start (DESIGN: "the app upgrades itself"),
-then makes the host rows match what the configured provider reports.
-
-Providers (GPUBOT_PROVIDER):
-
-- `local`: this machine, reached without SSH.
-- `ssh`: the static hosts of GPUBOT_SSH_HOSTS (`[name=][user@]host[:port][/4xA100]`),
-  owned (no hourly bill), reached over SSH.
-- `aws`: EC2 (GPUBOT_AWS_* settings); instances are launched, started, stopped and
-  terminated by the fleet (bot.app.fleet) from the worker. The host rows are not synced
-  here but by the worker's first fleet pass (reconcile), which also waits for SSH
-  before calling an instance ready: a web process never needs EC2 credentials.
+The one composition root. The app upgrades its own schema on start (DESIGN: "the app
+upgrades itself"), makes the providers the settings name (bot.providers: GPUBOT_PROVIDER,
+or several in GPUBOT_PROVIDERS) and connects each to the service: it lists its hosts,
+and puts its runs, its fleet and its host checks on the service. Nothing else picks
+implementations; nothing else asks which provider it is.
 
 SSH and EC2 hosts share one `SshClient`; a `Resolver` says where to dial each host
 (tests pass one that maps instances to loopback sshd hosts).
 
-Runs on this machine never run as the bot (it holds the Slack token, the signing secret,
-AWS keys and the database password): with GPUBOT_RUN_AS they run as that unprivileged
-account, their directories in its home as on a remote host, and $GPUBOT_HOME (0700) with
-the SQLite file (0600) out of its reach. Without it, `gpubot serve` refuses runs and only
-`gpubot shell`, one trusted person at their own terminal, runs them as itself.
+Runs on this machine never run as the bot (bot.providers.local), and $GPUBOT_HOME (0700)
+with the SQLite file (0600) is out of the run account's reach.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import site
 import stat
-import sys
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
-from sqlmodel import select
 
 from bot.adapters.leader import Leadership, leadership_for
-from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
-from bot.app.fleet import CatalogSupply, Fleet, attach
-from bot.app.hostcheck import HostChecker
-from bot.app.ports import FIXED_POOL, Interpreter, Supply
-from bot.app.remote import Prepare, PreparedHost, RemoteAccess, bootstrap_prepare
+from bot.app.fleet import Fleet
+from bot.app.remote import Prepare, bootstrap_prepare
 from bot.app.rollups import backfill_rollups
-from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
 from bot.domain.clock import Clock, SystemClock
+from bot.providers import Displays, Parts, Provider, configured, for_compute
+from bot.providers.local import RUN_AS_MISSING
 from db.migrate import upgrade
-from db.models import HOST_PENDING, HOST_UNREACHABLE, Host
-from db.session import make_engine, transaction
-from provisioning import shell
-from provisioning.aws import Ec2Compute
-from provisioning.base import Compute, Instance, ProvisioningError
-from provisioning.bootstrap import bootstrap, default_package_dir
-from provisioning.catalog import Catalog
-from provisioning.hosts import LocalCompute, StaticHostsCompute
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from provisioning.ssh import (
-    InstanceResolver,
-    Resolver,
-    SshClient,
-    SshError,
-    SshRunner,
-    StaticResolver,
-)
+from db.session import make_engine
+from provisioning.base import Compute
+from provisioning.ssh import Resolver, SshClient, SshRunner
 
 log = logging.getLogger(__name__)
 
-RUN_AS_MISSING = (
-    "Runs are off on this bot: it would run them as its own user, next to its Slack and "
-    "database secrets. An admin turns them on by setting GPUBOT_RUN_AS to an unprivileged "
-    "unix account (e.g. gpubot-run) and restarting. Reservations work as usual."
-)
+__all__ = ["RUN_AS_MISSING", "Runtime", "build_runtime", "private_database", "private_home"]
 
 
 @dataclass
@@ -83,94 +47,19 @@ class Runtime:
     settings: Settings
     engine: Engine
     service: GpuService
-    compute: Compute
-    # The cloud side (launch, reuse, reconcile, idle stop); None for owned hosts.
+    # The configured providers, owned ones first (bot.providers).
+    providers: list[Provider] = field(default_factory=list)
+    # The cloud side (launch, reuse, reconcile, idle stop); None without a cloud provider.
     fleet: Fleet | None = None
+
+    @property
+    def compute(self) -> Compute:
+        """The first provider's hosts (a one-provider set-up's only ones)."""
+        return self.providers[0].compute
 
     def leadership(self) -> Leadership:
         """Only the leading worker acts; the others stand by (see bot.adapters.leader)."""
         return leadership_for(self.engine, self.service.clock, self.settings.tick_seconds)
-
-
-def _ssh_key() -> str | None:
-    key = os.environ.get("GPUBOT_SSH_KEY", "").strip()
-    return str(Path(key).expanduser()) if key else None
-
-
-def make_compute(settings: Settings, runner: SshRunner | None = None) -> Compute:
-    """The configured provider; `runner` lets static hosts without declared GPUs be probed."""
-    if settings.provider == "local":
-        if settings.local_gpus == "none":
-            return LocalCompute(slots=settings.local_slots, probe=list)
-        return LocalCompute(slots=settings.local_slots)
-    # Imported here: the doctor pulls in Slack's client, which the local build never needs.
-    from bot.faces.doctor import ec2_settings_from_env, static_hosts_from_env
-
-    if settings.provider == "ssh":
-        hosts = static_hosts_from_env(os.environ)
-        if not hosts:
-            raise ConfigError(
-                "GPUBOT_PROVIDER=ssh but GPUBOT_SSH_HOSTS lists no hosts; list them as "
-                "[name=][user@]host[:port][/4xA100], comma-separated."
-            )
-        return StaticHostsCompute(hosts, runner)
-    if settings.provider == "aws":
-        from bot.adapters.metrics import instrument_boto3_session
-        from provisioning.aws import make_session
-        from provisioning.base import ProvisioningError
-
-        try:
-            aws = ec2_settings_from_env(os.environ)
-            # Timed from the bot's side (AWS latency and errors on /metrics); prices
-            # from `gpubot prices refresh` when it has run.
-            return Ec2Compute(
-                aws,
-                Catalog.load(prefer=settings.prices_path),
-                session=instrument_boto3_session(make_session(aws.region)),
-            )
-        except ProvisioningError as exc:
-            raise ConfigError(str(exc)) from None
-    raise ConfigError(
-        f"GPUBOT_PROVIDER={settings.provider} is not supported; use local, ssh or aws."
-    )
-
-
-def _static_listing(engine: Engine, compute: StaticHostsCompute) -> list[Instance]:
-    """The static hosts as configured, without dialling any: a host given without a GPU
-    list is pending until bot.app.hostcheck has bootstrapped it and read its inventory (a bare
-    `python3` there cannot import `training`), and one marked down stays down until a
-    check sees it answer, across restarts."""
-    with transaction(engine, write=False) as s:
-        down = {
-            h.name
-            for h in s.exec(select(Host).where(Host.provider == "ssh"))
-            if h.state == HOST_UNREACHABLE and h.down_reason
-        }
-    out = []
-    for inst in StaticHostsCompute(compute.hosts).list_instances():
-        if inst.name in down:
-            inst = replace(inst, state=HOST_UNREACHABLE)
-        elif not inst.gpus:
-            inst = replace(inst, state=HOST_PENDING)
-        out.append(inst)
-    return out
-
-
-def _for_hosts(
-    prepare: Prepare | None, *, cloud: bool, metadata_url: str | None = None
-) -> Prepare | None:
-    """The production preparation told which kind of host it prepares (an EC2 instance
-    gets the stopping agent, a team's own server a watching one) rather than guessing it
-    from the host's name, and on EC2 where the agent asks for spot notices; a test's own
-    preparation is passed through as it is."""
-    if prepare is bootstrap_prepare:
-        if metadata_url is not None:
-            return functools.partial(bootstrap_prepare, cloud=cloud, metadata_url=metadata_url)
-        return functools.partial(bootstrap_prepare, cloud=cloud)
-    return prepare
-
-
-# --- runs on this machine, as the run account -------------------------------------------
 
 
 def private_home(home: Path) -> None:
@@ -198,210 +87,6 @@ def private_database(settings: Settings) -> None:
             path.chmod(0o600)
 
 
-def prepare_run_account(runner: LocalRunner) -> PreparedHost:
-    """Where `python -m training.runner` comes from when it runs as the run account.
-
-    The bot's own interpreter when that account can run it and import `training` with
-    it (a virtualenv under /opt, readable by all: torch and all come with it). Otherwise
-    the package is staged into the account's ``~/.gpubot`` as bootstrap does for a remote
-    host, with a virtualenv made from the account's ``python3`` (torch only if that
-    interpreter has it). Raises SshError naming the paths when neither works."""
-    account = runner.account
-    root = f"{account.home}/.gpubot"
-    probe = runner.run(
-        LOCAL_TARGET,
-        shell.join([sys.executable, "-c", "import training.runner"]),
-        timeout=120,
-        cwd=account.home,
-    )
-    if probe.ok:
-        return PreparedHost(root=root, python=sys.executable)
-    why = (probe.stderr.strip().splitlines() or [f"exit {probe.exit_code}"])[-1][:200]
-    try:
-        report = bootstrap(runner, LOCAL_TARGET, remote_root=root, install_torch=False)
-    except ProvisioningError as exc:
-        raise SshError(
-            f"the run account {account.name} cannot use the bot's interpreter "
-            f"{sys.executable} ({why}), and staging the training package "
-            f"({default_package_dir()}) into {root} failed: {exc}. Make the bot's "
-            f"virtualenv and code readable by {account.name}, or give it a python3."
-        ) from None
-    # Lent again on every preparation, not only the first: the marker remembers a torch
-    # that came from a lent path, and a bot venv that moved or was rebuilt since would
-    # leave the account's venv pointing at nothing. The venv's own packages come first.
-    torch = _lend_bot_packages(runner, report.venv_python) or report.torch
-    log.info(
-        "run account %s cannot use %s (%s); staged the training package into %s (torch: %s)",
-        account.name,
-        sys.executable,
-        why,
-        report.root,
-        torch or "none: recipes and torch scripts will fail",
-    )
-    return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
-
-
-# The .pth that lends the bot's site-packages to the staged virtualenv.
-_LENT_PTH = "_gpubot_bot_packages.pth"
-
-
-def _lend_bot_packages(runner: LocalRunner, python: str) -> str | None:
-    """The staged virtualenv's interpreter may not reach the bot's, but often it can read
-    the bot's site-packages (torch and all): with the same Python minor version, a .pth
-    naming them lends it those packages, as bootstrap does with an image's virtualenv.
-    Returns torch's version when it then imports; None otherwise."""
-
-    def ask(code: str) -> str | None:
-        result = runner.run(LOCAL_TARGET, shell.join([python, "-c", code]), timeout=180)
-        return result.stdout.strip() if result.ok else None
-
-    ours = "{}.{}".format(*sys.version_info[:2])
-    if ask("import sys; print('%d.%d' % sys.version_info[:2])") != ours:
-        return None
-    purelib = ask("import sysconfig; print(sysconfig.get_path('purelib'))")
-    if not purelib or not purelib.startswith("/"):
-        return None
-    lent = "".join(f"{d}\n" for d in site.getsitepackages())
-    runner.write_file(LOCAL_TARGET, f"{purelib}/{_LENT_PTH}", lent.encode())
-    return ask("import torch; print(torch.__version__)")
-
-
-class RunAccount:
-    """The run account's interpreter, prepared on first use (`prepare_run_account`) when a
-    run starts or a probe runs there: a failure then fails that run or probe with the
-    reason (SshError), instead of the bot refusing to start, and the next use tries again."""
-
-    def __init__(self, runner: LocalRunner) -> None:
-        self.runner = runner
-        self._found: Interpreter | None = None
-        self._lock = threading.Lock()
-
-    def interpreter(self) -> Interpreter:
-        with self._lock:
-            if self._found is None:
-                self._found = prepare_run_account(self.runner).interpreter()
-            return self._found
-
-
-def local_access(settings: Settings) -> LocalAccess:
-    """This machine's runs: as the run account in its home, or (no GPUBOT_RUN_AS) as
-    the bot under $GPUBOT_HOME/runs."""
-    if settings.run_as:
-        try:
-            runner = LocalRunner(run_as=settings.run_as)
-        except SshError as exc:
-            raise ConfigError(str(exc)) from None
-        runs_dir = Path(runner.account.home) / ".gpubot" / "runs"
-        return LocalAccess(runner, LOCAL_TARGET, runs_dir, RunAccount(runner).interpreter)
-    log.warning(
-        "GPUBOT_RUN_AS is not set: runs on this machine run as the bot's own user (fine "
-        "for gpubot shell; set it wherever a worker starts runs that Slack users submit)"
-    )
-    return LocalAccess(LocalRunner(), LOCAL_TARGET, (settings.home / "runs").resolve())
-
-
-@dataclass(frozen=True)
-class _Parts:
-    """What every provider's wiring is built from."""
-
-    settings: Settings
-    engine: Engine
-    runner: SshRunner
-    resolver: Resolver | None
-    prepare: Prepare | None
-    runs_as_self: bool
-
-
-@dataclass(frozen=True)
-class _Wiring:
-    """One provider's ports: its price list, the supply its pool can grow into, and
-    `connect`, which puts the runs (and, for a cloud, the fleet) on the service once it
-    exists and returns the fleet or None."""
-
-    catalog: Catalog
-    supply: Supply
-    connect: Callable[[GpuService], Fleet | None]
-
-
-@functools.singledispatch
-def _wiring(compute: Compute, parts: _Parts) -> _Wiring:
-    """A provider with no way to run anything (a test's double): its hosts, reservations
-    only. Each real provider registers its own wiring below, by the type of its compute;
-    this is the one place that knows which ports each provider gets."""
-
-    def connect(service: GpuService) -> None:
-        service.sync_hosts(compute.list_instances())
-
-    return _Wiring(Catalog.load(prefer=parts.settings.prices_path), FIXED_POOL, connect)
-
-
-@_wiring.register
-def _local_wiring(compute: LocalCompute, parts: _Parts) -> _Wiring:
-    """This machine: runs as the run account (or, in `gpubot shell`, as the bot)."""
-    catalog = Catalog.load(prefer=parts.settings.prices_path)
-
-    def connect(service: GpuService) -> None:
-        service.sync_hosts(compute.list_instances())
-        refused = not parts.settings.run_as and not parts.runs_as_self
-        service.runs = RunService(
-            service,
-            local_access(parts.settings),
-            catalog,
-            refusal=RUN_AS_MISSING if refused else None,
-        )
-
-    return _Wiring(catalog, FIXED_POOL, connect)
-
-
-@_wiring.register
-def _static_wiring(compute: StaticHostsCompute, parts: _Parts) -> _Wiring:
-    """Owned hosts over SSH: bootstrap, inventory and health run on the checker's threads,
-    never in the tick."""
-    catalog = Catalog.load(prefer=parts.settings.prices_path)
-
-    def connect(service: GpuService) -> None:
-        service.sync_hosts(_static_listing(parts.engine, compute))
-        access = RemoteAccess(
-            parts.engine,
-            parts.runner,
-            parts.resolver or StaticResolver(compute.targets()),
-            prepare=_for_hosts(parts.prepare, cloud=False),
-            # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
-            wait_for_prepare=False,
-        )
-        service.runs = RunService(service, access, catalog)
-        hostcheck.attach(service, HostChecker(service, access, compute.hosts))
-
-    return _Wiring(catalog, FIXED_POOL, connect)
-
-
-@_wiring.register
-def _cloud_wiring(compute: Ec2Compute, parts: _Parts) -> _Wiring:
-    """EC2: the pool grows to what the catalog can launch; the fleet buys and stops. An
-    instance's bootstrap runs on the host checker's threads, never in the fleet's job."""
-
-    def connect(service: GpuService) -> Fleet:
-        access = RemoteAccess(
-            parts.engine,
-            parts.runner,
-            parts.resolver or InstanceResolver(user=compute.settings.ssh_user, key_path=_ssh_key()),
-            prepare=_for_hosts(
-                parts.prepare, cloud=True, metadata_url=compute.settings.metadata_url
-            ),
-            # The checker bootstraps; the tick (dispatch, sampling) never waits on one.
-            wait_for_prepare=False,
-        )
-        service.runs = RunService(service, access, compute.catalog)
-        fleet = Fleet(service, compute, access, catalog=compute.catalog)
-        checker = HostChecker(service, access, (), cloud=compute.name)
-        hostcheck.attach(service, checker)
-        fleet.set_up_off_tick(checker.tick)
-        attach(service, fleet)
-        return fleet
-
-    return _Wiring(compute.catalog, CatalogSupply(compute.catalog), connect)
-
-
 def build_runtime(
     settings: Settings,
     clock: Clock | None = None,
@@ -412,19 +97,31 @@ def build_runtime(
     prepare: Prepare | None = bootstrap_prepare,
     runs_as_self: bool = True,
 ) -> Runtime:
-    """`resolver`, `ssh` and `prepare` replace where hosts are dialed, the SSH client, and
-    how a host is made ready on first use (tests: loopback sshd hosts, no bootstrap).
-    `runs_as_self=False` (`gpubot serve`): on the local provider without GPUBOT_RUN_AS,
-    runs are refused rather than run as the bot's own user."""
+    """`compute` replaces the configured provider's hosts (tests: its type says which
+    provider it is); `resolver`, `ssh` and `prepare` replace where hosts are dialed, the
+    SSH client, and how a host is made ready on first use (tests: loopback sshd hosts, no
+    bootstrap). `runs_as_self=False` (`gpubot serve`): on the local provider without
+    GPUBOT_RUN_AS, runs are refused rather than run as the bot's own user."""
     private_home(settings.home)
     engine = make_engine(settings.sqlalchemy_url)
     upgrade(engine)
     backfill_rollups(engine)  # once, after the upgrade that brought rollups in
     private_database(settings)
     runner = ssh or SshClient()
-    compute = compute or make_compute(settings, runner)
-    parts = _Parts(settings, engine, runner, resolver, prepare, runs_as_self)
-    wiring = _wiring(compute, parts)
-    service = GpuService(engine, settings, clock or SystemClock(), wiring.supply)
-    fleet = wiring.connect(service)
-    return Runtime(settings=settings, engine=engine, service=service, compute=compute, fleet=fleet)
+    providers = (
+        [for_compute(compute, settings)]
+        if compute is not None
+        else configured(settings, os.environ, runner)
+    )
+    if len(providers) != 1:
+        raise ConfigError(
+            f"GPUBOT_PROVIDERS names {len(providers)} providers; this bot runs one at a time "
+            "for now: set GPUBOT_PROVIDER to one of them."
+        )
+    service = GpuService(engine, settings, clock or SystemClock(), providers[0].supply)
+    service.display = Displays(providers)
+    parts = Parts(settings, engine, runner, resolver, prepare, runs_as_self)
+    fleet = None
+    for provider in providers:
+        fleet = provider.connect(service, parts) or fleet
+    return Runtime(settings, engine, service, providers, fleet)

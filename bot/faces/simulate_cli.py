@@ -9,15 +9,13 @@ from pathlib import Path
 
 import typer
 
+from bot.sim.output import summary_table, write_instances, write_schedule
 from bot.sim.simulate import (
     DEFAULT_STOP_S,
     SimInputError,
     TraceJob,
     parse_trace,
     run_simulation,
-    summary_table,
-    write_instances,
-    write_schedule,
 )
 from provisioning.catalog import Catalog
 from provisioning.costs import DEFAULT_COSTS

@@ -89,6 +89,16 @@ def leader_job(
         log.error("ref=%s worker job %s failed", new_ref(), job_id, exc_info=exc)
 
 
+# How often the providers' upkeep runs (a cluster re-read: at most once per its cache).
+UPKEEP_EVERY_S = 5.0
+
+
+def providers_job(service: GpuService) -> None:
+    """Each provider's periodic upkeep (bot.providers: a cluster's nodes and holds)."""
+    for upkeep in list(service.upkeep):
+        upkeep()
+
+
 def periodic_jobs(service: GpuService) -> list[PeriodicJob]:
     """Every periodic job besides the tick, from the settings. Each feature adds its own
     line here; its function lives in its own module."""
@@ -104,6 +114,7 @@ def periodic_jobs(service: GpuService) -> list[PeriodicJob]:
     jobs.append(
         PeriodicJob("fleet", fleet.fleet_job, "interval", fleet.fleet_trigger(service.settings))
     )
+    jobs.append(PeriodicJob("providers", providers_job, "interval", {"seconds": UPKEEP_EVERY_S}))
     jobs.append(
         PeriodicJob(
             "host-check",

@@ -82,17 +82,6 @@ from provisioning.costs import DEFAULT_COSTS
 from provisioning.simulated import InstanceRecord, SimulatedCloud
 
 TRACE_HEADER = ("job_id", "user", "submit_time", "duration_s", "gpus", "gpu_type")
-SCHEDULE_HEADER = ("job_id", "user", "instance_ids", "submit_s", "start_s", "end_s", "gpus")
-INSTANCES_HEADER = (
-    "instance_id",
-    "instance_type",
-    "market",
-    "launch_s",
-    "ready_s",
-    "end_s",
-    "stopped",
-    "usd",
-)
 FIGURE_KEYS = (
     "policy",
     "jobs",
@@ -952,64 +941,3 @@ def _figures(
         gpu_utilization=round(busy / paid, 6) if paid > 0 else 0.0,
         makespan_s=round(makespan, 3),
     )
-
-
-# ---------------------------------------------------------------- output
-
-
-def write_schedule(path: Path, schedule: Sequence[ScheduledJob]) -> None:
-    with Path(path).open("w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh, lineterminator="\n")
-        w.writerow(SCHEDULE_HEADER)
-        for s in schedule:
-            w.writerow(
-                [
-                    s.job_id,
-                    s.user,
-                    ";".join(s.instance_ids),
-                    repr(s.submit_s),
-                    repr(s.start_s),
-                    repr(s.end_s),
-                    s.gpus,
-                ]
-            )
-
-
-def write_instances(path: Path, records: Sequence[InstanceRecord]) -> None:
-    with Path(path).open("w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh, lineterminator="\n")
-        w.writerow(INSTANCES_HEADER)
-        for r in records:
-            stopped = ";".join(f"{a!r}-{b!r}" for a, b in r.stopped)
-            end = "" if r.end_s is None else repr(r.end_s)
-            w.writerow(
-                [
-                    r.instance_id,
-                    r.instance_type,
-                    r.market,
-                    repr(r.launch_s),
-                    repr(r.ready_s),
-                    end,
-                    stopped,
-                    f"{r.usd:.6f}",
-                ]
-            )
-
-
-def summary_table(res: SimResult) -> str:
-    h = 3600.0
-    lines = [
-        f"policy           {res.policy}",
-        f"jobs             {res.jobs}"
-        + (f"  ({len(res.rejected)} rejected)" if res.rejected else ""),
-        f"total cost       ${res.total_cost_usd:,.2f}",
-        f"ideal cost       ${res.ideal_cost_usd:,.2f}",
-        f"cost efficiency  {res.cost_efficiency:.3f}",
-        f"avg queue        {res.avg_queue_s / h:.2f} h   (p95 {res.p95_queue_s / h:.2f} h)",
-        f"avg completion   {res.avg_jct_s / h:.2f} h",
-        f"GPU utilization  {res.gpu_utilization:.3f}",
-        f"makespan         {res.makespan_s / h:.2f} h",
-        f"instances        {len(res.instances)}",
-        f"preemptions      {res.preemptions}",
-    ]
-    return "\n".join(lines)

@@ -36,8 +36,8 @@ from bot.domain.commands import Reserve, Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import Host, TrainingRun, UsageInterval
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshRunner, SshTarget
+from tests.runtime_helpers import checked, run_row
 from tests.runtime_helpers import dms as _dms
-from tests.runtime_helpers import run_row
 from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
 from training.agent import LEASE_NAME, LOST_NAME
 
@@ -85,7 +85,7 @@ class Bench:
 
         # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about the agent's reports;
         # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
-        self.rt: Runtime = build_runtime(load_settings(), ssh=self.client, prepare=prepare)
+        self.rt: Runtime = checked(build_runtime(load_settings(), ssh=self.client, prepare=prepare))
         runs = self.rt.service.runs
         assert runs is not None
         self.runs = runs

@@ -30,7 +30,7 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"GPUBOT_PROVIDER": "azure"}, "GPUBOT_PROVIDER"),
+        ({"GPUBOT_PROVIDER": "two words"}, "GPUBOT_PROVIDER"),
         ({"GPUBOT_LOCAL_SLOTS": "many"}, "whole number"),
         ({"GPUBOT_DEFAULT_DURATION": "soon"}, "duration like 2h"),
         ({"GPUBOT_CONFIG": "/nonexistent/gpubot.toml"}, "does not exist"),
@@ -231,3 +231,17 @@ def test_the_default_length_never_passes_the_longest() -> None:
         ConfigError, match=r"local_slots \(from GPUBOT_LOCAL_SLOTS\) must be between 0 and 64"
     ):
         load_settings({"GPUBOT_LOCAL_SLOTS": "65"})
+
+
+def test_a_provider_that_does_not_exist_is_named_with_the_ones_that_do() -> None:
+    """Which providers exist is theirs to say (bot.providers), not the settings'."""
+    from bot.providers import names
+
+    with pytest.raises(
+        ConfigError, match=r"GPUBOT_PROVIDER=azure: azure is not one of local, ssh, aws"
+    ):
+        names(load_settings({"GPUBOT_PROVIDER": "azure"}))
+    with pytest.raises(ConfigError, match="GPUBOT_PROVIDERS=ssh,gcp: gcp is not one of"):
+        names(load_settings({"GPUBOT_PROVIDERS": "ssh, gcp"}))
+    assert names(load_settings({"GPUBOT_PROVIDERS": "ssh,aws"})) == ("ssh", "aws")
+    assert names(load_settings({"GPUBOT_PROVIDER": "SSH"})) == ("ssh",)

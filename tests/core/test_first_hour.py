@@ -12,6 +12,7 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from bot.app.fleet import CatalogSupply
 from bot.app.runs import LocalAccess, RunService
 from bot.app.runwatch import Outcome, result_view
 from bot.app.service import GpuService
@@ -68,6 +69,7 @@ def test_booting_instances_are_not_free(sqlite_engine: Engine) -> None:
 
 def test_an_empty_cloud_pool_says_the_first_request_launches(sqlite_engine: Engine) -> None:
     svc, _ = make_service(sqlite_engine, [], provider="aws")
+    svc.supply = CatalogSupply(Catalog.load())  # a cloud's pool: it grows on demand
     text = " ".join(
         getattr(b, "text", "") for b in svc.status(actor(svc, "a"), Status()).view.blocks
     )

@@ -35,11 +35,11 @@ def _to(engine: Engine, revision: str) -> None:
         command.downgrade(cfg, revision)
 
 
-def test_0010_regroups_the_kept_rollups_per_person_and_per_run(engine: Engine) -> None:
-    """A database of 0009 keeps its rollups keyed per host and run: after the upgrade the
+def test_0011_regroups_the_kept_rollups_per_person_and_per_run(engine: Engine) -> None:
+    """A database of 0010 keeps its rollups keyed per host and run: after the upgrade the
     same sums are per person, market and instance type (hours and days), and per run
     (hours and days), to the micro-dollar, with nothing rebuilt."""
-    _to(engine, "0009")
+    _to(engine, "0010")
     h1, h2 = datetime(2026, 3, 2, 10), datetime(2026, 3, 2, 11)
     day = datetime(2026, 3, 2)
     with engine.begin() as conn:

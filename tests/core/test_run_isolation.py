@@ -33,17 +33,19 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.config import load_settings
+from bot.app.runaccount import prepare_run_account
 from bot.app.runs import RunService
 from bot.domain.commands import Logs, Release, Reserve, Run
 from bot.domain.errors import UserError
 from bot.faces.dispatch import execute
-from bot.faces.runtime import Runtime, build_runtime, prepare_run_account
+from bot.faces.runtime import Runtime, build_runtime
 from bot.faces.terminal import render
 from db.models import Notification, Reservation, TrainingRun, User
 from provisioning import shell
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from tests.core.helpers import make_service
 from tests.provisioning.conftest import RUN_ACCOUNT
+from tests.ssh_hosts import pip_env
 
 SECRETS = {
     "SLACK_BOT_TOKEN": "xoxb-iso-bot-token-60913",
@@ -279,3 +281,26 @@ def test_a_stale_lent_path_is_lent_again_when_the_run_account_is_prepared(
     result = runner.run(LOCAL_TARGET, probe, timeout=120)
     assert result.ok, result.stderr
     assert "/nonexistent/" not in (runner.read_file(LOCAL_TARGET, pth) or b"").decode()
+
+
+def test_a_run_account_that_cannot_read_the_bot_venv_gets_torch_of_its_own(
+    run_account: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkout under a private directory (`mktemp -d`, many homes): the run account can
+    read neither the bot's interpreter nor its site-packages. Its environment then gets the
+    whole train extra, torch included, from where the bot's pip installs (here the suite's
+    wheel cache), instead of runs failing later with `No module named 'torch'`."""
+    closed = tmp_path / "closed" / "site-packages"
+    closed.mkdir(parents=True)
+    (tmp_path / "closed").chmod(0o700)  # what the run account cannot enter
+    monkeypatch.setattr("bot.app.runaccount.site.getsitepackages", lambda: [str(closed)])
+    for name, value in pip_env().items():
+        monkeypatch.setenv(name, value)
+    runner = LocalRunner(run_as=run_account)
+    prepared = prepare_run_account(runner)
+    if prepared.python == sys.executable:
+        pytest.skip("the run account runs the bot's own interpreter here")
+    where = shell.join([prepared.python, "-c", "import torch; print(torch.__file__)"])
+    result = runner.run(LOCAL_TARGET, where, timeout=300)
+    assert result.ok, result.stderr
+    assert result.stdout.strip().startswith(runner.account.home), result.stdout

@@ -154,8 +154,10 @@ def test_impossible_runs_are_refused_up_front(sqlite_engine: Engine, tmp_path: P
 def test_a_run_naming_no_model_on_an_empty_cloud_pool_is_told_what_it_can_launch(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    """A cloud pool with nothing running yet: "this pool has: none" taught nothing; the
-    refusal names the models the cloud can launch, and naming one queues the run."""
+    """A cloud pool with nothing running yet: "this pool has: none" taught nothing. A
+    command (the bot cannot know what it needs) is refused with the models the cloud can
+    launch; a recipe, which runs on any GPU, gets the cheapest per GPU-hour, and the reply
+    says which and why. Naming a model queues the run on it."""
     from bot.app.config import Settings
     from bot.app.fleet import CatalogSupply
     from bot.domain.clock import VirtualClock
@@ -164,13 +166,24 @@ def test_a_run_naming_no_model_on_an_empty_cloud_pool_is_told_what_it_can_launch
     svc = GpuService(sqlite_engine, Settings(), VirtualClock(), CatalogSupply(catalog))
     runs = RunService(svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), catalog)
     with pytest.raises(UserError) as refused:
-        runs.submit(actor(svc, "a"), Run(recipe="digits"))
+        runs.submit(actor(svc, "a"), Run(command=("python", "train.py")))
     text = refused.value.text
     assert "this pool has: none; the cloud can launch: " in text
     assert all(m in text for m in catalog.models()) and "GPUBOT_DEFAULT_GPU" in text
+
+    per_gpu = {
+        m: min(t.ondemand_per_gpu_hr for t in catalog.for_model(m)) for m in catalog.models()
+    }
+    cheapest = min(per_gpu, key=lambda m: per_gpu[m])
+    picked = runs.submit(actor(svc, "a"), Run(recipe="digits"))
+    assert state(sqlite_engine, picked.extra["run_id"]).gpu_model == cheapest
+    assert f"so {cheapest}: the cheapest the cloud can launch for this recipe" in picked.view.text
+    assert f"${per_gpu[cheapest]:.2f} per GPU-hour" in picked.view.text
+
     model = catalog.models()[0]
     queued = runs.submit(actor(svc, "a"), Run(recipe="digits", model=model))
     assert state(sqlite_engine, queued.extra["run_id"]).gpu_model == model
+    assert "cheapest" not in queued.view.text
 
 
 def test_the_same_submission_delivered_twice_queues_once(

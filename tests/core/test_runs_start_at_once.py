@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import secrets
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from bot.adapters.leader import AdvisoryLeadership, LeaseLeadership, worker_running
 from bot.app.runs import LocalAccess, RunService
@@ -19,7 +21,7 @@ from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock
 from bot.faces.dispatch import handle_text
 from bot.faces.worker import Worker
-from db.models import TrainingRun
+from db.models import Notification, TrainingRun, UsageInterval
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
@@ -80,6 +82,69 @@ def test_a_release_places_the_run_that_waited_for_its_gpu(
         assert run_state(sqlite_engine, rid) != "queued"
     finally:
         worker.stop()
+
+
+def _wait_ended(engine: Engine, run_id: int) -> str:
+    deadline = time.monotonic() + WAIT_S  # a guard against a hang, not a speed assertion
+    while (state := run_state(engine, run_id)) in ("queued", "starting", "running"):
+        assert time.monotonic() < deadline, f"run {run_id} is still {state}"
+        time.sleep(0.05)
+    return state
+
+
+def test_a_run_that_ends_is_finished_and_told_without_waiting_for_the_tick(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """Its process's end asks for a tick (bot.app.runs.watch): the hour-long interval tick
+    never fires, yet the run is finished, its owner told, and its GPUs free again."""
+    svc, worker = one_slot(sqlite_engine, tmp_path)
+    worker.start()
+    try:
+        code = "import time; time.sleep(1)"
+        rid = handle_text(svc, actor(svc, "alice"), f"/gpu run -- {sys.executable} -c {code!r}")
+        assert _wait_ended(sqlite_engine, rid.extra["run_id"]) == "succeeded"
+        with Session(sqlite_engine) as s:
+            texts = [n.text for n in s.exec(select(Notification))]
+        assert any(f"Run #{rid.extra['run_id']}" in t and "finished" in t for t in texts)
+        assert "0 of 1" not in handle_text(svc, actor(svc, "bob"), "/gpu status").view.text
+    finally:
+        worker.stop()
+
+
+def test_a_run_is_billed_to_when_its_process_ended_not_to_when_it_was_polled(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    svc, clock = make_service(
+        sqlite_engine,
+        [Instance(name="local", provider="local", state="ready", gpus=(GpuDevice(0, "cpu"),))],
+    )
+    svc.runs = runs = RunService(
+        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
+    )
+    rid = handle_text(svc, actor(svc, "alice"), f"/gpu run -- {sys.executable} -c pass").extra[
+        "run_id"
+    ]
+    assert runs.dispatch() == 1
+    ended_at = clock.now()
+    deadline = time.monotonic() + WAIT_S
+    while not runs.ctx.executor.ended_at(rid, _placement(sqlite_engine, rid)):
+        assert time.monotonic() < deadline, "its watcher never saw it end"
+        time.sleep(0.05)
+    clock.advance(timedelta(minutes=10))  # the poll comes round much later
+    assert runs.poll() == 1
+    with Session(sqlite_engine) as s:
+        run = s.get(TrainingRun, rid)
+        assert run is not None and run.state == "succeeded"
+        assert run.finished_at == ended_at
+        [interval] = s.exec(select(UsageInterval).where(UsageInterval.run_id == rid)).all()
+        assert interval.ended_at == ended_at
+
+
+def _placement(engine: Engine, run_id: int) -> dict[str, Any]:
+    with Session(engine) as s:
+        run = s.get(TrainingRun, run_id)
+        assert run is not None
+        return dict(run.placement)
 
 
 def test_a_refused_command_does_not_nudge(sqlite_engine: Engine, tmp_path: Path) -> None:

@@ -213,6 +213,59 @@ def test_the_live_message_is_edited_once_a_minute_within_slacks_limits(
         finish(runs, sqlite_engine, tmp_path, rid, f"go-{who}")
 
 
+def _edits(engine: Engine) -> list[Notification]:
+    with Session(engine) as s:
+        return list(
+            s.exec(
+                select(Notification)
+                .where(col(Notification.edit_of).is_not(None))
+                .order_by(col(Notification.id))
+            )
+        )
+
+
+def test_the_live_message_shows_the_first_figures_at_once_then_every_minute(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """Its first figures as soon as the runner has measured some steps, not a minute
+    later (a 47-second run used to get one update, at step 0); and it says so."""
+    svc, clock = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    rid = user_run(runs, svc, tmp_path, "alice", "2.3,2.0")
+    run_until(runs, lambda: step_seen(sqlite_engine, rid, 2))
+    [first] = _edits(sqlite_engine)  # the clock has not moved: no minute has passed
+    assert "is running: step " in first.text and "/20, loss 2" in first.text
+    assert "first figures as soon as it has measured some steps" in str(first.view)
+    runs.poll()
+    clock.advance(timedelta(seconds=30))
+    runs.poll()
+    assert len(_edits(sqlite_engine)) == 1  # then about once a minute
+    clock.advance(timedelta(seconds=31))
+    runs.poll()
+    assert len(_edits(sqlite_engine)) == 2
+    finish(runs, sqlite_engine, tmp_path, rid, "go-alice")
+
+
+def test_a_script_that_reports_nothing_gets_its_first_update_after_a_minute(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    svc, clock = make_service(sqlite_engine, [local_host(1)])
+    runs = runs_for(svc, tmp_path)
+    go = tmp_path / "go-quiet"
+    script = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+    rid = int(
+        runs.submit(actor(svc, "bob"), Run(command=(sys.executable, "-c", script))).extra["run_id"]
+    )
+    # Its runner has written its status (running, no step): the poll has read it.
+    run_until(runs, lambda: state(sqlite_engine, rid).metrics.get("state") == "running")
+    assert _edits(sqlite_engine) == []  # nothing measured: no edit that says nothing
+    clock.advance(timedelta(seconds=61))
+    runs.poll()
+    [update] = _edits(sqlite_engine)
+    assert "elapsed" in update.text and "so far" in update.text
+    finish(runs, sqlite_engine, tmp_path, rid, "go-quiet")
+
+
 def test_digits_at_an_absurd_learning_rate_ends_with_a_warning(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
@@ -231,8 +284,10 @@ def test_digits_at_an_absurd_learning_rate_ends_with_a_warning(
     assert result.text.startswith(f"⚠️ Run #{rid} (recipe digits) finished")
     assert "the loss diverged" in result.text and "Do not trust this result" in result.text
     body = str(result.view)
-    for fact in ("precision", "batch", "learning rate", "GPU-hours", "blew up"):
+    # local_host's slot is a CPU slot: it held a slot, not a GPU, and says so.
+    for fact in ("precision", "batch", "learning rate", "CPU-slot hours", "blew up"):
         assert fact in body, fact
+    assert "GPU-hours" not in body
     assert result.attachment is not None and result.attachment_name == f"run-{rid}-curve.png"
 
 

@@ -37,6 +37,7 @@ from db.session import make_engine
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshTarget
 from tests.core.helpers import actor, make_service
 from tests.core.test_runs import local_host, run_until, runs_for, state
+from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,7 +218,7 @@ def test_the_upload_refuses_a_symlink_too(tmp_path: Path) -> None:
     """local_tree (what upload_dir sends) checks on its own: a staged copy or a package
     directory that holds a link is refused, never sent by content."""
     from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-    from provisioning.ssh import SymlinkRefused, local_tree
+    from provisioning.manifest import SymlinkRefused, local_tree
 
     tree = tmp_path / "tree"
     (tree / "sub").mkdir(parents=True)
@@ -538,7 +539,7 @@ def test_staged_and_git_runs_on_a_static_ssh_host(
     client = SshClient(connect_timeout=5, command_timeout=60)
     # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about where a run's code comes from;
     # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
-    rt = build_runtime(load_settings(), ssh=client, prepare=lambda runner, target: remote)
+    rt = checked(build_runtime(load_settings(), ssh=client, prepare=lambda runner, target: remote))
     runs = rt.service.runs
     assert runs is not None
     runs.allow_file_git = True

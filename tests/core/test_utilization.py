@@ -26,8 +26,10 @@ from bot.app.ports import HostSeat, Interpreter, bot_python
 from bot.app.runs import RunService
 from bot.app.service import GpuService
 from bot.app.utilization import (
+    CHART_WINDOW,
     TIERS,
     Sample,
+    chart_start,
     collect,
     snapshot_job,
     thin,
@@ -37,10 +39,13 @@ from bot.domain.commands import Reserve
 from bot.faces.dispatch import handle_text
 from bot.faces.terminal import render
 from bot.faces.worker import periodic_jobs
+from bot.providers import Displays
+from bot.providers.local import LocalProvider
 from db.models import Gpu, GpuSample, Host, Notification, TrainingRun, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
+from provisioning.hosts import LocalCompute
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.ssh import RunResult, SshClient, SshError, SshRunner, SshTarget
 from tests.core.helpers import actor, host, make_service
@@ -293,6 +298,8 @@ def test_the_real_probe_on_this_machine_says_no_driver_end_to_end(
     _no_gpu_here()
     svc, _ = make_service(engine, [local_instance()])
     with_access(svc, local=(LocalRunner(), LOCAL_TARGET))
+    # As the runtime wires it: the local provider words its host "this machine".
+    svc.display = Displays([LocalProvider(svc.settings, LocalCompute(probe=list))])
     alice = actor(svc, "alice")
     before = render(handle_text(svc, alice, "/gpu util").view)
     assert "No utilization samples for local yet: nothing has been held or run" in before
@@ -555,3 +562,20 @@ def test_the_worker_runs_the_three_jobs(sqlite_engine: Engine) -> None:
     assert jobs["util-sample"].trigger_args == {"seconds": 30.0}
     assert jobs["idle-check"].trigger_args == {"seconds": 30.0}
     assert "util-post" in jobs
+
+
+def test_the_chart_axis_fits_data_shorter_than_its_window() -> None:
+    """A fresh install has twenty minutes of samples: the axis spans them (with a little
+    room before), not six hours with all the data in its last pixel; older data keeps
+    the whole window."""
+    from bot.domain.charts import GpuSeries
+
+    now = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+    fresh = [now - timedelta(minutes=m) for m in (20, 10, 0)]
+    series = [GpuSeries("a:0 A100", fresh, [50.0] * 3, [10.0] * 3)]
+    start = chart_start(series, now)
+    assert now - timedelta(minutes=22) <= start <= now - timedelta(minutes=20)
+    old = [now - CHART_WINDOW - timedelta(minutes=5), now]
+    assert chart_start([GpuSeries("a:0 A100", old, [1.0, 2.0], [0.0, 0.0])], now) == (
+        now - CHART_WINDOW
+    )

@@ -42,7 +42,8 @@ from provisioning.bootstrap import (
     train_requirements,
 )
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from provisioning.ssh import RunResult, SshClient, SshRunner, SshTarget, UploadReport, local_tree
+from provisioning.manifest import local_tree
+from provisioning.ssh import RunResult, SshClient, SshRunner, SshTarget, UploadReport
 from tests.provisioning.conftest import target_for
 from tests.ssh_hosts import SshLab
 
@@ -129,6 +130,10 @@ class Recorder:
     def is_alive(self, target: SshTarget, pid: int) -> bool:
         self.calls.append(("is_alive", str(pid)))
         return self.inner.is_alive(target, pid)
+
+    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
+        self.calls.append(("wait_gone", str(pid)))
+        return self.inner.wait_gone(target, pid, timeout)
 
     def close(self, target: SshTarget | None = None) -> None:
         self.inner.close(target)

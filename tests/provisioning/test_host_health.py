@@ -209,8 +209,9 @@ def test_the_tick_never_waits_for_a_slow_bootstrap(
     rt, _clock, checker = _runtime(
         monkeypatch, tmp_path, ssh_lab, _entry(ssh_lab, "gpu-a"), client, slow
     )
-    # Without a GPU list it is pending (not grantable) until its bootstrap and inventory.
-    assert _host(rt, "gpu-a").state == "pending"
+    # It has not answered yet (and without a GPU list it has none until its bootstrap and
+    # inventory): checking, not grantable.
+    assert _host(rt, "gpu-a").state == "checking"
     assert checker.tick() == ["gpu-a"]
     assert entered.wait(timeout=60)
     # The bootstrap is in flight: the tick hands out nothing more and returns.
@@ -275,4 +276,154 @@ def test_a_host_without_a_gpu_list_is_probed_after_its_bootstrap_with_its_own_py
     assert seat is not None
     snap = probe(seat)
     assert snap.gpus == () and snap.error
+    rt.engine.dispose()
+
+
+class _DeadPort:
+    """A loopback port that takes each connection and closes it at once, counting them: a
+    host whose sshd is gone but whose machine answers TCP. Every dial of the bot to it,
+    from any job, is one accepted connection here."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = int(self._sock.getsockname()[1])
+        self.dials = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self._sock.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                continue
+            self.dials += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+
+@pytest.fixture
+def dead_port() -> Iterator[_DeadPort]:
+    port = _DeadPort()
+    try:
+        yield port
+    finally:
+        port.close()
+
+
+def _worker_minutes(rt: Runtime, clock: VirtualClock, checker: HostChecker, minutes: int) -> None:
+    """The worker's jobs on the virtual clock, as `gpubot worker` schedules them with a 2 s
+    tick: the tick (grants, poll, dispatch) every 2 s, samples and idle checks every
+    `util_sample_s`, host checks every 15 s; each check finished before time moves on."""
+    from bot.app import idle, utilization
+    from bot.faces.worker import tick_job
+
+    sample_every = int(rt.settings.util_sample_s)
+    for second in range(0, minutes * 60, 2):
+        tick_job(rt.service, None)
+        if second % sample_every == 0:
+            utilization.sample_job(rt.service)
+            idle.idle_job(rt.service)
+        if second % 15 == 0:
+            checker.tick()
+            checker.wait(timeout=60)
+        clock.advance(timedelta(seconds=2))
+
+
+def test_a_declared_host_that_never_answers_is_checking_then_unreachable_and_never_granted(
+    dead_port: _DeadPort, client: SshClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUBOT_TICK_SECONDS", "2")
+    monkeypatch.setenv("GPUBOT_PROVIDER", "ssh")
+    monkeypatch.setenv("GPUBOT_HOME", str(tmp_path))
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.setenv("GPUBOT_SSH_HOSTS", f"dead=nobody@127.0.0.1:{dead_port.port}/1xT4")
+    clock = VirtualClock(START)
+    rt = build_runtime(load_settings(), clock=clock, ssh=client, prepare=_no_bootstrap(tmp_path))  # type: ignore[arg-type]
+    checker = checker_for(rt.service)
+    assert checker is not None
+    svc, alice = rt.service, rt.service.actor("alice")
+
+    # Declared with its GPUs, but it has not answered: checking, nothing granted on it,
+    # and the waiting reservation is told why.
+    assert _host(rt, "dead").state == "checking"
+    reply = svc.reserve(alice, Reserve(1, "T4")).view.text
+    assert "waiting" in reply and "dead is not answered yet" in reply, reply
+    status = svc.status(alice, Status()).view
+    assert status.text.startswith("0 of 0 free on 0 hosts; 1 starting up")
+    assert any("*dead*" in str(b) and "not answered yet" in str(b) for b in status.blocks)
+
+    # Its first check fails: unreachable at once (it never answered: not a flap).
+    _check(checker)
+    host = _host(rt, "dead")
+    assert host.state == "unreachable" and host.check_failures == 1
+    status = svc.status(alice, Status()).view
+    assert any("*dead*" in str(b) and "down since 09:00" in str(b) for b in status.blocks)
+    [note] = [t for t in _dms(rt, "alice") if "is down since" in t]
+    assert note.startswith("Host dead is down since 09:00")
+
+    # Three minutes of the worker with a 2 s tick: every job, and the host checks on their
+    # backoff. Only the checks dial it, and few times.
+    before = dead_port.dials
+    _worker_minutes(rt, clock, checker, 3)
+    assert 1 <= dead_port.dials - before <= 10, dead_port.dials - before
+    with Session(rt.engine) as s:
+        assert [r.state for r in s.exec(select(Reservation))] == ["waiting"]
+    rt.engine.dispose()
+
+
+def test_a_ready_host_that_stops_answering_is_dialled_only_by_its_checks(
+    stranger_lab: SshLab,
+    stranger_b: SshHost,
+    client: SshClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It answered before: today's rule against flapping keeps it ready until its checks
+    fail three times, but from its first unanswered dial (here the tick's telemetry) only
+    the checks dial it, on their backoff, and status says it is not answering."""
+    monkeypatch.setenv("GPUBOT_TICK_SECONDS", "2")
+    lab = stranger_lab
+    rt, clock, checker = _runtime(
+        monkeypatch, tmp_path, lab, _entry(lab, "gpu-b", "1xT4"), client, _no_bootstrap(tmp_path)
+    )
+    _check(checker)
+    assert _host(rt, "gpu-b").state == "ready"
+    rt.service.reserve(rt.service.actor("alice"), Reserve(1, "T4"))  # busy: it is sampled
+    stranger_b.stop()
+    client.close()  # the cached connection would hide the stop until it noticed
+    from bot.app import utilization
+
+    utilization.sample_job(rt.service)  # a tick's dial, not a check's
+    host = _host(rt, "gpu-b")
+    assert host.state == "ready" and host.down_since == clock.now()
+    assert host.next_check_at == clock.now()  # checked at once
+    assert rt.service.runs is not None and rt.service.runs.access.runner_for("gpu-b") is None
+    line = next(
+        b
+        for b in rt.service.status(rt.service.actor("a"), Status()).view.blocks
+        if "*gpu-b*" in str(b)
+    )
+    assert "not answering since 09:00" in str(line)
+
+    _worker_minutes(rt, clock, checker, 4)
+    host = _host(rt, "gpu-b")
+    assert host.state == "unreachable" and host.check_failures >= 3
+
+    stranger_b.start()
+    clock.advance(backoff(host.check_failures))
+    _check(checker)
+    host = _host(rt, "gpu-b")
+    assert (host.state, host.down_since) == ("ready", None)
+    assert rt.service.runs.access.runner_for("gpu-b") is not None
     rt.engine.dispose()

@@ -34,8 +34,8 @@ from bot.domain.commands import Cancel, Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import HOST_UNREACHABLE, Host, TrainingRun, UsageInterval
 from provisioning.ssh import SshClient, SshRunner, SshTarget
+from tests.runtime_helpers import checked, drive_until
 from tests.runtime_helpers import dms as _dms
-from tests.runtime_helpers import drive_until
 from tests.runtime_helpers import run_row as _run
 from tests.ssh_hosts import SshLab
 from tests.training.test_agent import FakeImds
@@ -92,7 +92,7 @@ def bot(
         return PreparedHost(root=str(roots[target.name]), python=sys.executable, code_dir=str(REPO))
 
     clock = VirtualClock(START)
-    rt = build_runtime(load_settings(), clock=clock, ssh=client, prepare=prepare)
+    rt = checked(build_runtime(load_settings(), clock=clock, ssh=client, prepare=prepare))
     with Session(rt.engine) as s:
         for host in s.exec(select(Host)):
             host.hourly_usd = HOURLY_USD

@@ -26,6 +26,7 @@ from bot.faces.runtime import build_runtime
 from bot.faces.terminal import render
 from db.models import TrainingRun
 from provisioning.ssh import SshClient, SshRunner, SshTarget
+from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshLab
 
 SECRETS = {
@@ -69,7 +70,7 @@ def test_a_run_on_an_ssh_host_sees_none_of_the_bots_secrets(
 
     # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about secrets reaching a run;
     # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
-    rt = build_runtime(load_settings(), ssh=client, prepare=prepare, runs_as_self=False)
+    rt = checked(build_runtime(load_settings(), ssh=client, prepare=prepare, runs_as_self=False))
     try:
         alice = rt.service.actor("alice")
         reply = execute(

@@ -31,6 +31,7 @@ from provisioning.bootstrap import UP_TO_DATE, bootstrap
 from provisioning.ssh import SshClient, SshRunner, SshTarget
 from tests.isolated_hosts import Bootstrapped, clone_prepared, isolated_target, remove_clone
 from tests.multinode import EFFECTIVE_BATCH, Node, run_digits
+from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshLab, pip_env
 from training.loop import TrainConfig, train
 from training.recipes import load_digits_data
@@ -152,7 +153,7 @@ def _bot(
         # Each host its own root (both are this machine): node files never share a path.
         return PreparedHost(root=str(tmp_path / "remote" / target.name), python=sys.executable)
 
-    rt = build_runtime(load_settings(), ssh=client, prepare=prepare)
+    rt = checked(build_runtime(load_settings(), ssh=client, prepare=prepare))
     with Session(rt.engine) as s:
         for host in s.exec(select(Host)):
             host.hourly_usd = HOURLY_USD

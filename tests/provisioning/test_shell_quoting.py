@@ -35,6 +35,7 @@ from bot.app.runs import command_text, runner_command
 from bot.domain import code_sources
 from db.models import TrainingRun
 from provisioning import bootstrap, shell, ssh
+from provisioning import manifest as manifest_lines
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 
 
@@ -427,7 +428,7 @@ def test_mkdir_and_manifest_lines_make_exactly_those_directories(
     proc = box.run(sh, ssh.mkdir_command_line(dirs))
     assert proc.returncode == 0, proc.stderr
     assert all((box.work / d).is_dir() for d in dirs)
-    proc = box.run(sh, ssh.remote_manifest_command_line(manifest))
+    proc = box.run(sh, manifest_lines.remote_manifest_command_line(manifest))
     assert proc.returncode == 0, proc.stderr
     assert [(r.name, r.pwd) for r in box.records()] == [("find", str(box.work / manifest))] * 2
     no_injection(box)

@@ -44,6 +44,7 @@ from bot.faces.runtime import Runtime, build_runtime
 from db.models import HOST_STOPPED, HOST_UNREACHABLE, Host
 from db.session import transaction
 from provisioning.ssh import SshClient, SshRunner, SshTarget
+from tests.runtime_helpers import checked
 from tests.runtime_helpers import dms as _dms
 from tests.runtime_helpers import run_row as _run
 from tests.ssh_hosts import SshLab
@@ -93,7 +94,7 @@ def runtime(
 
     # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about spot notices and resuming;
     # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
-    rt = build_runtime(load_settings(), ssh=client, prepare=prepare)
+    rt = checked(build_runtime(load_settings(), ssh=client, prepare=prepare))
     try:
         yield rt, client
     finally:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from provisioning.base import Instance
+from provisioning.manifest import parse_remote_manifest
 from provisioning.ssh import (
     InstanceResolver,
     SshClient,
@@ -29,7 +30,6 @@ from provisioning.ssh import (
     SshNotAllowed,
     SshTarget,
     StaticResolver,
-    parse_remote_manifest,
 )
 from tests.provisioning.conftest import Bench
 from tests.ssh_hosts import SshHost, SshLab
@@ -254,6 +254,36 @@ def test_kill_group_refuses_what_would_hit_other_processes(bench: Bench) -> None
 def test_is_alive_is_false_for_a_finished_process(bench: Bench) -> None:
     pid = bench.start("exit 0")
     assert wait_for(lambda: not bench.runner.is_alive(bench.target, pid))
+
+
+def test_wait_gone_returns_when_the_process_ends_and_other_work_goes_on_meanwhile(
+    bench: Bench,
+) -> None:
+    """A run's watcher (bot.app.runs.watch) blocks here: it must learn of the end, not of a
+    timeout, and it must not hold the host while it waits."""
+    flag = bench.path("go")
+    pid = bench.start(f"while [ ! -e {flag} ]; do sleep 0.05; done")
+    outcome: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: outcome.append(bench.runner.wait_gone(bench.target, pid, 120))
+    )
+    waiter.start()
+    # While it waits, the same host serves commands and reads (its own channel).
+    assert bench.runner.run(bench.target, "echo meanwhile").stdout == "meanwhile\n"
+    assert bench.runner.is_alive(bench.target, pid)
+    assert outcome == []
+    bench.runner.write_file(bench.target, flag, b"")
+    waiter.join(timeout=60)
+    assert outcome == [True]
+    assert not bench.runner.is_alive(bench.target, pid)
+
+
+def test_wait_gone_says_false_after_its_timeout_while_the_process_runs(bench: Bench) -> None:
+    pid = bench.start("sleep 300")
+    assert bench.runner.wait_gone(bench.target, pid, 0.5) is False
+    assert bench.runner.is_alive(bench.target, pid)
+    assert bench.runner.kill_group(bench.target, pid, "KILL")
+    assert bench.runner.wait_gone(bench.target, pid, 30) is True
 
 
 # --- what only a network link does ----------------------------------------------------

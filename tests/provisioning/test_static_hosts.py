@@ -34,6 +34,7 @@ from provisioning.hosts import (
 )
 from provisioning.ssh import SshClient, SshRunner, SshTarget
 from tests.isolated_hosts import Bootstrapped
+from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshLab
 
 
@@ -107,9 +108,15 @@ def test_static_hosts_are_listed_synced_and_reachable(env: Path, client: SshClie
     # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     rt = build_runtime(load_settings(), ssh=client, prepare=prepare)
     assert isinstance(rt.compute, StaticHostsCompute)
+    # Declared is not answered: nothing is grantable until the hosts' first checks reach
+    # them (the worker runs them at start), and nothing was dialled to list them.
+    snap = rt.service.status(rt.service.actor("alice"), Status())
+    assert snap.view.text == "0 of 0 free on 0 hosts; 3 starting up"
+    assert prepared == []
+    checked(rt)
     snap = rt.service.status(rt.service.actor("alice"), Status())
     assert snap.view.text == "3 of 3 free on 2 hosts"
-    # Owned, GPUs as declared, grantable at once.
+    # Owned, GPUs as declared, grantable once they answered.
     with Session(rt.engine) as s:
         rows = {h.name: h for h in s.exec(select(Host))}
         assert set(rows) == {"gpu-a", "gpu-b"}
@@ -132,9 +139,9 @@ def test_static_hosts_are_listed_synced_and_reachable(env: Path, client: SshClie
     runner.write_file(target, path, b"hello from gpu-a")
     assert runner.read_file(target, path) == b"hello from gpu-a"
     assert runs_dir == env / "remote" / "runs"
-    # Prepared on first use only.
+    # Prepared by their checks, once: a seat does not prepare again.
     assert rt.service.runs.access.runner_for("gpu-a") is not None
-    assert prepared == ["gpu-a"]
+    assert sorted(prepared) == ["gpu-a", "gpu-b"]
     assert rt.service.runs.access.runner_for("no-such-host") is None
     rt.engine.dispose()
 
@@ -196,7 +203,7 @@ def test_a_training_run_goes_to_a_static_host_over_ssh(
     remote = PreparedHost(root=str(tmp_path / "remote"), python=sys.executable)
     # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about listing and reaching static hosts;
     # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
-    rt = build_runtime(load_settings(), ssh=client, prepare=lambda runner, target: remote)
+    rt = checked(build_runtime(load_settings(), ssh=client, prepare=lambda runner, target: remote))
     runs = rt.service.runs
     assert runs is not None
     script = tmp_path / "train.py"

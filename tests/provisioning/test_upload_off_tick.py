@@ -30,8 +30,8 @@ from bot.faces.runtime import Runtime, build_runtime
 from bot.faces.terminal import render
 from db.models import UsageInterval
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshError, SshTarget, UploadReport
+from tests.runtime_helpers import checked, drive_until
 from tests.runtime_helpers import dms as _dms
-from tests.runtime_helpers import drive_until
 from tests.runtime_helpers import run_row as _run
 from tests.ssh_hosts import SshLab
 
@@ -78,8 +78,10 @@ def env(
     made: list[tuple[Runtime, SshClient]] = []
 
     def runtime(client: SshClient, clock: VirtualClock) -> Runtime:
-        rt = build_runtime(
-            load_settings(), clock=clock, ssh=client, prepare=lambda runner, target: remote
+        rt = checked(
+            build_runtime(
+                load_settings(), clock=clock, ssh=client, prepare=lambda runner, target: remote
+            )
         )
         made.append((rt, client))
         return rt

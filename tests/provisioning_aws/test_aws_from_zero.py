@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bot.faces.doctor import ec2_settings_from_env
+from bot.providers.aws import ec2_settings_from_env
 from provisioning.aws_doctor import check_aws
 from tests.provisioning_aws.conftest import AMI_PARAMETER, _reset_server, fresh_session
 

@@ -287,7 +287,7 @@ def test_redelivery_to_another_replica_still_reserves_once(
         replies: list[str] = []
 
         def send(client: SignedClient) -> None:
-            replies.append(client.command("reserve", trigger_id=trigger).json()["text"])
+            replies.append(client.answer("reserve", trigger_id=trigger)["text"])
 
         threads = [threading.Thread(target=send, args=(c,)) for c in (one.client, two.client)]
         for t in threads:

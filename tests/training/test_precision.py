@@ -76,11 +76,10 @@ def _fp16_step(
     with autocast("fp16", CPU):
         loss = nn.functional.cross_entropy(model(x), y) * poison
     torch.autograd.backward(scaler.scale(loss))
-    before = monitor.before_update()
     scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)
-    monitor.after_step(loss, before)
+    monitor.after_step(loss)
 
 
 def test_fp16_with_grad_scaler_trains_on_cpu() -> None:
@@ -88,13 +87,13 @@ def test_fp16_with_grad_scaler_trains_on_cpu() -> None:
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = make_grad_scaler("fp16", CPU)
-    monitor = AmpMonitor(scaler, CPU)
+    monitor = AmpMonitor(scaler)
     x = torch.randn(128, 8)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
     first = nn.functional.cross_entropy(model(x), y).item()
     for _ in range(60):
         _fp16_step(model, opt, scaler, monitor, x, y)
-    report = monitor.collect()
+    report = monitor.collect(60)
     assert report.nonfinite_losses == 0 and report.warnings == []
     assert report.mean_loss is not None
     assert nn.functional.cross_entropy(model(x), y).item() < 0.7 * first
@@ -105,12 +104,12 @@ def test_monitor_reports_skipped_streak_collapsing_scale_and_nan() -> None:
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
-    monitor = AmpMonitor(scaler, CPU)
+    monitor = AmpMonitor(scaler)
     x, y = torch.randn(8, 4), torch.zeros(8, dtype=torch.long)
     weights_before = model.weight.detach().clone()
     for _ in range(6):
         _fp16_step(model, opt, scaler, monitor, x, y, poison=float("inf"))
-    report = monitor.collect()
+    report = monitor.collect(6)
     assert torch.equal(model.weight, weights_before), "GradScaler must skip inf steps"
     assert report.skipped_steps == 6 and report.longest_skip_streak == 6
     assert report.nonfinite_losses == 6 and report.mean_loss is None
@@ -120,15 +119,15 @@ def test_monitor_reports_skipped_streak_collapsing_scale_and_nan() -> None:
     assert "loss scale collapsed" in text
     assert "NaN or inf" in text
     _fp16_step(model, opt, scaler, monitor, x, y)  # a healthy step ends the streak
-    healthy = monitor.collect()
+    healthy = monitor.collect(7)
     assert healthy.skipped_steps == 0 and healthy.nonfinite_losses == 0
 
 
 def test_monitor_without_scaler_counts_nan_losses() -> None:
-    monitor = AmpMonitor(None, CPU)
+    monitor = AmpMonitor(None)
     monitor.after_step(torch.tensor(1.0))
     monitor.after_step(torch.tensor(float("nan")))
-    report = monitor.collect()
+    report = monitor.collect(2)
     assert report.mean_loss == 1.0 and report.nonfinite_losses == 1
     assert report.skipped_steps == 0
 
@@ -148,19 +147,18 @@ def test_fp16_grad_scaler_and_monitor_on_cuda() -> None:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = make_grad_scaler("fp16", device)
-    monitor = AmpMonitor(scaler, device)
+    monitor = AmpMonitor(scaler)
     x = torch.randn(512, 64, device=device)
     y = torch.randint(0, 10, (512,), device=device)
     for _ in range(50):
         with autocast("fp16", device):
             loss = nn.functional.cross_entropy(model(x), y)
         torch.autograd.backward(scaler.scale(loss))
-        before = monitor.before_update()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        monitor.after_step(loss, before)
-    report = monitor.collect()
+        monitor.after_step(loss)
+    report = monitor.collect(50)
     assert report.nonfinite_losses == 0
     assert report.longest_skip_streak < AmpMonitor.skip_streak_warn
     assert report.loss_scale is not None and report.loss_scale >= 1.0

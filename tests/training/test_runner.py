@@ -32,6 +32,38 @@ def _accuracy(status: RunStatus) -> float:
     return status.summary.final_metrics["test_accuracy"]
 
 
+def _sigterm_at(
+    args: tuple[str | Path, ...], status_path: Path, step: int, cwd: Path = REPO
+) -> tuple[int, str, int]:
+    """Starts the runner and sends it SIGTERM once its status file says it is running at
+    `step` or later: its exit code, its output, and how often the file was read (each
+    read must parse, however often the runner rewrites the file)."""
+    proc = subprocess.Popen(
+        runner_cmd(*args),
+        env=runner_env(),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    polls = 0
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if status_path.exists():
+                polled = read_status(status_path)
+                assert polled is not None, "a polling reader failed to parse the status file"
+                polls += 1
+                if polled.state == "running" and polled.step >= step:
+                    proc.send_signal(signal.SIGTERM)
+                    break
+            time.sleep(0.01)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out.decode(), polls
+
+
 @pytest.fixture(scope="module")
 def fp32_run(tmp_path_factory: pytest.TempPathFactory) -> RunStatus:
     path = tmp_path_factory.mktemp("fp32") / "status.json"
@@ -75,35 +107,13 @@ def test_sigterm_checkpoints_and_a_restart_resumes_to_the_same_weights(tmp_path:
 
     status_path, ckpt = tmp_path / "status.json", tmp_path / "ckpt"
     args = (*LONG, "--checkpoint-dir", ckpt, "--status-file", status_path, "--status-every", "0.05")
-    proc = subprocess.Popen(
-        runner_cmd(*args),
-        env=runner_env(),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    seen = 0
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if status_path.exists():
-                polled = read_status(status_path)
-                assert polled is not None, "a polling reader failed to parse the status file"
-                seen += 1
-                if polled.state == "running" and polled.step >= 150:
-                    proc.send_signal(signal.SIGTERM)
-                    break
-            time.sleep(0.01)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == EXIT_PREEMPTED, err.decode()
+    code, out, polls = _sigterm_at(args, status_path, 150)
+    assert code == EXIT_PREEMPTED, out[-3000:]
     stopped = _final(status_path)
     assert stopped.state == "preempted" and stopped.exit_code == EXIT_PREEMPTED
     assert stopped.checkpoint_step is not None and stopped.total_steps is not None
     assert 150 <= stopped.checkpoint_step < stopped.total_steps
-    assert seen > 3
+    assert polls > 3
 
     resumed = run_runner(*args, timeout=180)
     assert resumed.returncode == EXIT_DONE, resumed.stderr
@@ -141,6 +151,22 @@ def test_ddp_two_cpu_processes_reach_the_same_accuracy(tmp_path: Path, fp32_run:
     assert ddp.world_size == 2 and ddp.effective_batch_size == 64
     assert _accuracy(ddp) >= 0.95
     assert abs(_accuracy(ddp) - _accuracy(fp32_run)) <= 0.015
+
+
+def test_ddp_ranks_agree_to_stop_on_sigterm_with_a_checkpoint(tmp_path: Path) -> None:
+    """The ranks agree on stopping every few steps (not every step): a SIGTERM still
+    stops both at one step, with rank 0's checkpoint of that step."""
+    status_path, ckpt = tmp_path / "status.json", tmp_path / "ckpt"
+    ddp = ("--gpus", "2", "--batch-size", "32", "--status-every", "0.05")
+    args = (*LONG, *ddp, "--checkpoint-dir", ckpt, "--status-file", status_path)
+    code, out, _ = _sigterm_at(args, status_path, 50)
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    stopped = _final(status_path)
+    assert stopped.state == "preempted" and stopped.world_size == 2
+    assert stopped.checkpoint_step == stopped.step
+    assert 50 <= stopped.step < (stopped.total_steps or 0)
+    saved = torch.load(ckpt / "latest.pt", weights_only=True)
+    assert saved["step"] == stopped.step and saved["plan"]["world"] == 2
 
 
 USER_SCRIPT = textwrap.dedent(
@@ -207,27 +233,10 @@ def test_user_command_failure_is_reported_with_its_log(tmp_path: Path, user_scri
 
 def test_sigterm_is_forwarded_to_the_user_command(tmp_path: Path, user_script: Path) -> None:
     path = tmp_path / "status.json"
-    proc = subprocess.Popen(
-        runner_cmd("--status-file", path, "--", sys.executable, user_script, "100000"),
-        env=runner_env(),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            status = read_status(path) if path.exists() else None
-            if status is not None and status.step >= 5:
-                break
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == EXIT_PREEMPTED
-    assert b"saving and stopping" in out
+    args = ("--status-file", path, "--", sys.executable, user_script, "100000")
+    code, out, _ = _sigterm_at(args, path, 5, cwd=tmp_path)
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    assert "saving and stopping" in out
     status = _final(path)
     assert status.state == "preempted" and status.exit_code == EXIT_PREEMPTED
     assert status.step >= 5 and "saving and stopping" in status.log_tail

@@ -190,3 +190,39 @@ def test_the_curve_is_thinned_to_a_bound_and_keeps_both_ends() -> None:
     assert status.history[0]["step"] == 1.0 and status.history[-1]["step"] == 1000.0
     steps = [p["step"] for p in status.history]
     assert steps == sorted(steps)
+
+
+def test_the_writer_thread_applies_every_update_in_order(tmp_path: Path) -> None:
+    """The runner's loop only queues; what it queued lands whole, in order, and `flush`
+    returns once it is on disk. Updates queued during a write go out in the next one."""
+    sf = StatusFile(tmp_path / "s.json")
+    writer = st.StatusWriter(sf)
+    writer.reset(RunStatus(state="running"))
+    for step in range(1, 201):
+
+        def point(s: RunStatus, step: int = step) -> None:
+            st.add_history(s, step, 1.0 / step)
+            s.nonfinite_losses += 1
+
+        writer.update(point, step=step)
+    writer.update(state="done")
+    writer.flush()
+    got = sf.read()
+    assert got is not None
+    assert (got.state, got.step, got.nonfinite_losses) == ("done", 200, 200)
+    assert [p["step"] for p in got.history] == list(range(1, 201))
+    writer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.update(step=1)
+
+
+def test_the_writer_thread_hands_its_errors_to_the_caller(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    writer = st.StatusWriter(StatusFile(blocker / "s.json"))
+    with pytest.raises(TypeError, match="stpe"):
+        writer.update(stpe=3)  # a typo fails in the caller's thread, at once
+    writer.update(step=3)
+    with pytest.raises(OSError):
+        writer.flush()
+    writer.close()

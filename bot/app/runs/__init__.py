@@ -27,6 +27,7 @@ from typing import Any
 from bot.app.access import RunGate
 from bot.app.ports import Actor, Core, HostAccess
 from bot.app.runs.board import RunBoard
+from bot.app.runs.command import runner_command
 from bot.app.runs.context import (
     RECIPES,
     STARTING_GRACE,
@@ -36,7 +37,8 @@ from bot.app.runs.context import (
     host_view,
     scheduler_config,
 )
-from bot.app.runs.dispatch import Dispatcher, runner_command
+from bot.app.runs.dispatch import Dispatcher
+from bot.app.runs.executor import RunExecutor
 from bot.app.runs.poll import OOM_ADVICE, Poller
 from bot.app.runs.records import RunRecords
 from bot.app.runs.submit import Submissions, command_text
@@ -64,9 +66,17 @@ class RunService:
     base class: the parts share state only through `ctx`."""
 
     def __init__(
-        self, core: Core, access: HostAccess, catalog: Catalog, *, refusal: str | None = None
+        self,
+        core: Core,
+        access: HostAccess,
+        catalog: Catalog,
+        *,
+        refusal: str | None = None,
+        executor: RunExecutor | None = None,
     ) -> None:
-        self.ctx = RunContext.build(core, access, catalog, refusal)
+        """`executor`: where its runs run (a provider's); process groups on the hosts
+        `access` reaches when None."""
+        self.ctx = RunContext.build(core, access, catalog, refusal, executor)
         self.records = RunRecords(self.ctx)
         self.submissions = Submissions(self.ctx)
         self.board = RunBoard(self.ctx)

@@ -19,6 +19,7 @@ from bot.domain.commands import Logs, Queue
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from db.models import (
+    HOST_CHECKING,
     HOST_PENDING,
     HOST_READY,
     HOST_UNREACHABLE,
@@ -91,8 +92,10 @@ class RunBoard:
                 start = "started"
                 if run.state == RUN_QUEUED:
                     where = f"#{waiting} in line"
-                else:
-                    where = f"{run.state} on {run.placement.get('host', '?')}"
+                elif "host" in run.placement:
+                    where = f"{run.state} on {run.placement['host']}"
+                else:  # handed to a cluster, whose scheduler has not started it
+                    where = run.state
                 price = prices.get(run.gpu_model or "", 0.0) * run.gpu_count
                 if run.max_seconds:
                     cost = f"≤ ${price * run.max_seconds / 3600:.2f}" if price else "$0 (owned)"
@@ -108,8 +111,7 @@ class RunBoard:
                 ]
                 if run.state == RUN_QUEUED and waits_on and run.gpu_model not in ready_models:
                     h = waits_on[0]
-                    assert h.down_since is not None
-                    start = f"waits: {h.name} {views.down_phrase(h.down_since, h.down_reason, now, self.ctx.core.settings.timezone)}"
+                    start = f"waits: {h.name} {self._trouble(h, now)}"
                 age = format_duration(now - run.submitted_at)
                 progress = "–"
                 if run.placement.get("stage"):
@@ -151,25 +153,28 @@ class RunBoard:
             ),
         )
         for h, _models in down:
-            assert h.down_since is not None
-            blocks += (
-                views.Context(
-                    f"{h.name} is {views.down_phrase(h.down_since, h.down_reason, now, self.ctx.core.settings.timezone)}"
-                ),
-            )
+            blocks += (views.Context(f"{h.name} is {self._trouble(h, now)}"),)
         return views.Reply(views.View(text=summary, blocks=blocks))
+
+    def _trouble(self, host: FleetHost, now: datetime) -> str:
+        tz = self.ctx.core.settings.timezone
+        said = views.host_trouble(host.state, host.down_since, host.down_reason, now, tz)
+        return said or host.state
 
     @staticmethod
     def _down_hosts(
         fleet: list[FleetHost],
     ) -> tuple[list[tuple[FleetHost, set[str]]], set[str]]:
-        """Hosts marked down (bot.app.hostcheck) with their GPU models, and the models some
-        ready host offers: a run waits on a down host when only that host has its model."""
+        """Hosts marked down (bot.app.hostcheck) or not answered yet, with their GPU models,
+        and the models some ready host offers: a run waits on such a host when only it
+        has its model."""
         down: list[tuple[FleetHost, set[str]]] = []
         ready: set[str] = set()
         for host in fleet:
             models = set(host.models)
-            if host.state == HOST_UNREACHABLE and host.down_since is not None:
+            if host.state == HOST_CHECKING or (
+                host.state == HOST_UNREACHABLE and host.down_since is not None
+            ):
                 down.append((host, models))
             elif host.state == HOST_READY:
                 ready |= models
@@ -275,14 +280,8 @@ class RunBoard:
                 RUN_CANCELLED: "was cancelled before it started",
             }.get(run_state, f"is {run_state} and never started")
             return views.message(f"Run #{cmd.run_id} {why}, so it has no log.")
-        seat = self.ctx.access.runner_for(placement["host"])
-        if seat is None:
-            raise UserError(
-                f"Host {placement['host']} is not reachable from here.", "/gpu logs ID [LINES]"
-            )
-        runner, target = seat.runner, seat.target
         try:
-            text = runner.tail(target, placement["log"], cmd.lines)
+            text = self.ctx.executor.tail(placement, cmd.lines)
         except SshError as exc:
             raise UserError(f"Could not read the log of run #{cmd.run_id}: {exc}") from None
         body = text.strip() or "(the log is empty so far)"

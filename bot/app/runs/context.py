@@ -18,6 +18,8 @@ from sqlmodel import Session, col, select
 from bot.app.access import RunGate, StaticMembership
 from bot.app.config import Settings
 from bot.app.ports import Core, HostAccess, HostSeat, Interpreter, bot_python
+from bot.app.runs.executor import RunExecutor
+from bot.app.runs.processes import ProcessExecutor
 from bot.app.runs.starts import OffTickStarts
 from bot.domain.scheduling import LAS_AFTER_S, FleetInstance, InstanceState, SchedulerConfig
 from db.models import HOST_PENDING, HOST_STOPPED, Gpu, Host
@@ -43,6 +45,9 @@ class RunContext:
     catalog: Catalog
     config: SchedulerConfig
     gate: RunGate
+    # Where claimed runs run (bot.app.runs.executor): process groups on the hosts that
+    # `access` reaches, or a cluster's batch jobs when the provider gives that executor.
+    executor: RunExecutor
     # Why runs are not accepted here at all (`gpubot serve` on this machine without
     # GPUBOT_RUN_AS), or None: submit says it, dispatch starts nothing, and what ran
     # already is still polled and shown.
@@ -59,7 +64,12 @@ class RunContext:
 
     @classmethod
     def build(
-        cls, core: Core, access: HostAccess, catalog: Catalog, refusal: str | None = None
+        cls,
+        core: Core,
+        access: HostAccess,
+        catalog: Catalog,
+        refusal: str | None = None,
+        executor: RunExecutor | None = None,
     ) -> RunContext:
         return cls(
             core=core,
@@ -68,6 +78,7 @@ class RunContext:
             config=scheduler_config(core.settings, catalog),
             gate=RunGate(core.settings, StaticMembership()),
             refusal=refusal,
+            executor=executor or ProcessExecutor(access, core.clock, core.nudge),
         )
 
 
@@ -83,7 +94,7 @@ class LocalAccess:
     interpreter: Callable[[], Interpreter] = bot_python
 
     def runner_for(self, host_name: str) -> HostSeat | None:
-        if host_name != "local":
+        if host_name != self.target.name:  # the one host it reaches: this machine
             return None
         return HostSeat(self.runner, self.target, self.runs_dir, self.interpreter)
 

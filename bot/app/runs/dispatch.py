@@ -22,12 +22,10 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from bot.app import budgets, runwatch, sources
-from bot.app.agentwatch import upload_checkpoints
+from bot.app import budgets, sources
 from bot.app.held import held_gpu_ids
-from bot.app.outbox import enqueue
-from bot.app.ports import HostSeat
 from bot.app.runs.context import RunContext
+from bot.app.runs.executor import StartFailed, Unavailable
 from bot.app.runs.inputs import anything_to_decide, scheduler_inputs
 from bot.app.runs.records import RunRecords
 from bot.domain import code_sources, views
@@ -62,9 +60,13 @@ class Dispatcher:
         self.preempt_slot = -(2**62)  # the last preemption slot dispatch looked at
 
     def dispatch(self) -> int:
-        """Places queued runs with the scheduler and starts them; returns how many started."""
+        """Places queued runs with the scheduler and starts them; returns how many started.
+        Where the place's own scheduler places runs (a cluster), every queued run is
+        handed to it instead."""
         if self.ctx.refusal is not None:
             return 0
+        if self.ctx.executor.places:
+            return self._hand_over()
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             if not anything_to_decide(s):
@@ -111,6 +113,36 @@ class Dispatcher:
                 started += 1
         return started
 
+    def _hand_over(self) -> int:
+        """Every queued run to the cluster, oldest first: claimed (no GPUs: its scheduler
+        gives them when it starts it, and poll meters them from then) and submitted. One
+        the cluster refuses fails with the cluster's words; a controller that does not
+        answer leaves the rest in line for the next tick."""
+        with transaction(self.ctx.engine, write=False) as s:
+            queued = [
+                int(i)
+                for i in s.exec(
+                    select(TrainingRun.id)
+                    .where(TrainingRun.state == RUN_QUEUED)
+                    .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
+                )
+                if i is not None
+            ]
+        runs_dir = self.ctx.executor.runs_dir("")
+        if not queued or runs_dir is None:
+            return 0
+        handed = 0
+        for run_id in queued:
+            claimed = self._claim_for_cluster(run_id, runs_dir)
+            if claimed is None:
+                continue
+            placement, run = claimed
+            started = self._run_start(run_id, run, [], placement)
+            if started is None:
+                return handed  # the cluster does not answer: the rest wait for the next tick
+            handed += int(started)
+        return handed
+
     @retrying
     def _preempt(self, run_id: int, for_run: str) -> None:
         """Stops a running run with a checkpoint so its GPUs go elsewhere (scheduler's call).
@@ -125,7 +157,7 @@ class Dispatcher:
             if run is None or run.state != RUN_RUNNING:
                 return
             placement = dict(run.placement)
-            if "pgid" not in placement or "interrupted" in placement:
+            if not self.ctx.executor.started(placement) or "interrupted" in placement:
                 return
             if for_run.startswith("consolidate:"):
                 reason = "moved so that a half-empty instance can stop"
@@ -141,20 +173,10 @@ class Dispatcher:
             }
             run.placement = placement
             s.add(run)
-        seat = self.ctx.access.runner_for(placement["host"])
-        if seat is None:
-            log.warning("preempt: host %s of run %s is not reachable", placement["host"], run_id)
-            return
-        runner, target = seat.runner, seat.target
         try:
-            runner.kill_group(target, int(placement["pgid"]), "TERM")
             # A run over several hosts: every node checkpoints and stops, not node 0 alone
             # (the others would fail in their next collective, and the run with them).
-            for node in placement.get("nodes", [])[1:]:
-                node_seat = self.ctx.access.runner_for(str(node.get("host", "")))
-                if node_seat is not None and "pgid" in node:
-                    with contextlib.suppress(SshError):
-                        node_seat.runner.kill_group(node_seat.target, int(node["pgid"]), "TERM")
+            self.ctx.executor.signal(placement, "TERM")
             self.records.update_placement(run_id, term_sent=True)
             log.info("run %s preempted (%s)", run_id, reason)
         except SshError as exc:
@@ -173,101 +195,119 @@ class Dispatcher:
             log.info("fleet: %s", done)
 
     def _start(self, run_id: int, host_names: list[str], gpus: int) -> bool:
-        """Claims GPUs and the run in one transaction, then starts the process: on each
-        host of a placement over several (one run, node 0 on the first, whose address is
-        torchrun's rendezvous), or the one host."""
-        seats = [self.ctx.access.runner_for(name) for name in host_names]
-        reachable = [seat for seat in seats if seat is not None]
-        if len(reachable) != len(seats):
+        """Claims GPUs and the run in one transaction, then starts it through the executor:
+        on each host of a placement over several (one run, node 0 on the first, whose
+        address is torchrun's rendezvous), or the one host."""
+        executor = self.ctx.executor
+        dirs = [executor.runs_dir(name) for name in host_names]
+        if any(d is None for d in dirs):
             log.warning("no way to reach one of %s; run %s stays queued", host_names, run_id)
+            return False
+        try:
+            rendezvous = executor.address(host_names[0]) if len(host_names) > 1 else None
+        except SshError as exc:
+            log.warning("run %s stays queued: %s", run_id, exc)
             return False
         claimed = self._claim(
             run_id,
-            [(n, seat.runs_dir) for n, seat in zip(host_names, reachable, strict=True)],
+            [(n, d) for n, d in zip(host_names, dirs, strict=True) if d is not None],
             gpus,
-            reachable[0].target.host if len(host_names) > 1 else None,
+            rendezvous,
         )
         if claimed is None:
             return False
         placement, run = claimed
-        endpoint: str | None = placement.get("rdzv")
         if run.source or placement.get("resume_from"):
             # Its code or the checkpoint it resumes from goes up first: off the tick
             # (bot.app.runs.starts), as either may be gigabytes.
             self.ctx.starts.submit(
-                run_id,
-                lambda: self._run_start(run_id, run, reachable, host_names, placement, endpoint),
+                run_id, lambda: self._run_start(run_id, run, host_names, placement)
             )
             return True
-        return self._run_start(run_id, run, reachable, host_names, placement, endpoint)
+        return bool(self._run_start(run_id, run, host_names, placement))
 
     def _run_start(
-        self,
-        run_id: int,
-        run: TrainingRun,
-        reachable: list[HostSeat],
-        host_names: list[str],
-        placement: dict[str, Any],
-        endpoint: str | None,
-    ) -> bool:
+        self, run_id: int, run: TrainingRun, host_names: list[str], placement: dict[str, Any]
+    ) -> bool | None:
         """The claimed run started on each of its hosts (code first, then the runner), or
-        ended with the reason when a node cannot start; True when it started."""
-        nodes = placement.get("nodes") or [placement]
-        pgids: list[int] = []
+        ended with the reason when it cannot start; True when it started. None: the place
+        does not answer now, and the run is back in line, as it was."""
+        executor = self.ctx.executor
+
+        def code(runner: SshRunner, target: SshTarget, run_dir: str, log_path: str) -> None:
+            self._prepare_code(run_id, runner, target, run_dir, log_path)
+
         try:
-            for rank, (seat, node) in enumerate(zip(reachable, nodes, strict=True)):
-                across = (len(nodes), rank, endpoint) if endpoint is not None else None
-                pgids.append(self._start_node(run_id, run, seat, node, across))
+            changes = executor.start(run, placement, code)
+        except Unavailable as exc:
+            log.warning("run %s stays in line: %s", run_id, exc)
+            self._unclaim(run_id)
+            return None
         except Exception as exc:
-            # One run: a node that could not start ends the nodes already started. Any
-            # failure ends it with its reason (off the tick nobody else would say it).
-            if not isinstance(exc, SshError):
+            # Any failure ends it with its reason (off the tick nobody else would say it).
+            cause = exc.cause if isinstance(exc, StartFailed) else exc
+            if not isinstance(cause, SshError):
                 log.exception("starting run %s failed", run_id)
-            _kill_started(reachable, pgids)
-            where = f" on {host_names[len(pgids)]}" if len(host_names) > 1 else ""
+            where = f" on {exc.host}" if isinstance(exc, StartFailed) and exc.host else ""
             self.records.finish(
                 run_id, RUN_FAILED, None, {"error": f"could not start{where}: {exc}"}, log_tail=""
             )
             return False
-        if not self._mark_started(run_id, pgids, host_names, placement, run.started_at):
+        if not self._mark_started(run_id, changes, host_names, placement, run.started_at):
             # Put back in line while this start was under way (another worker leads now
             # and requeued it past the starting grace): what started here is stopped, or
             # the run would run twice once it is placed again.
-            _kill_started(reachable, pgids)
+            executor.stop_started({**placement, **changes})
             log.warning("run %s was requeued while it started here; stopped what started", run_id)
             return False
+        # Its end is learnt as it happens, and its first figures as they come.
+        executor.watch(run_id, {**placement, **changes}, True)
         return True
 
-    def _start_node(
-        self,
-        run_id: int,
-        run: TrainingRun,
-        seat: HostSeat,
-        node: dict[str, Any],
-        across: tuple[int, int, str] | None,
-    ) -> int:
-        """One host's part of the run started detached; returns its process-group id."""
-        runner, target = seat.runner, seat.target
-        run_dir = node["dir"]
-        env = {
-            "CUDA_VISIBLE_DEVICES": "" if node["cpu"] else ",".join(map(str, node["gpu_indexes"])),
-            "GPUBOT_PGID_FILE": str(node["pgid_file"]),
-        }
-        runner.run(target, shell.join(["mkdir", "-p", "--", str(run_dir)]), timeout=30)
-        resume = run.placement.get("resume_from")
-        if resume:  # the checkpoint it resumes from, first: every node loads it
-            upload_checkpoints(runner, target, resume, str(node["checkpoints"]))
-        # Code source (bot.app.sources): clone / check / upload, before the runner starts.
-        self._prepare_code(run_id, runner, target, str(run_dir), str(node["log"]))
-        # The host's interpreter last: the run account's is prepared here on first use.
-        python = seat.interpreter()
-        return runner.start_detached(
-            target,
-            runner_command(run, node, python.python, across=across),
-            str(node["log"]),
-            cwd=str(run_dir),
-            env={**env, **python.env()},
-        )
+    @retrying
+    def _claim_for_cluster(
+        self, run_id: int, runs_dir: Path
+    ) -> tuple[dict[str, Any], TrainingRun] | None:
+        """The run claimed for a cluster's scheduler: `starting`, with where its files go
+        and no GPUs yet (its scheduler gives them when it starts it: poll then meters
+        them). None when another worker or a cancel got there first."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            won = s.exec(
+                update(TrainingRun)
+                .where(col(TrainingRun.id) == run_id, col(TrainingRun.state) == RUN_QUEUED)
+                .values(state=RUN_STARTING)
+            )
+            if won.rowcount != 1:
+                return None
+            run = locked(s, TrainingRun, run_id)
+            assert run is not None
+            node = _node_placement("", [], runs_dir / str(run_id))
+            placement = {k: v for k, v in node.items() if k not in ("host", "gpu_indexes", "cpu")}
+            if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
+                placement["resume_from"] = run.placement["resume_from"]
+            placement["stage"] = "handed to the cluster"
+            run.placement = placement
+            run.started_at = now
+            s.add(run)
+            return placement, run
+
+    @retrying
+    def _unclaim(self, run_id: int) -> None:
+        """A claim that could not start (its place does not answer): back in line as it
+        was, its resume point kept."""
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs, if it took any, go back: the pool first
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state != RUN_STARTING:
+                return
+            self.records.close_intervals(s, run_id, self.ctx.core.clock.now())
+            resume = run.placement.get("resume_from")
+            run.placement = {"resume_from": resume} if resume else {}
+            run.state = RUN_QUEUED
+            run.host_id = None
+            run.started_at = None
+            s.add(run)
 
     @retrying
     def _claim(
@@ -363,63 +403,31 @@ class Dispatcher:
     def _mark_started(
         self,
         run_id: int,
-        pgids: list[int],
+        changes: dict[str, Any],
         host_names: list[str],
         placement: dict[str, Any],
         claimed_at: datetime | None,
     ) -> bool:
-        """Its group ids recorded (node 0's at the top, each node's in its own entry) and
-        its owner told; False, recording nothing, when the run is no longer this claim's
+        """What the executor started recorded on the placement (its `changes`) and its
+        owner told; False, recording nothing, when the run is no longer this claim's
         (requeued or claimed again meanwhile). One row under its lock: a cancel that
-        landed while it started stays "cancelling"."""
+        landed while it started stays "cancelling". A cluster's job is only recorded:
+        it runs (and its owner hears) when the cluster's scheduler starts it (poll)."""
         with transaction(self.ctx.engine) as s:
             run = locked(s, TrainingRun, run_id)
             assert run is not None
             if run.state not in (RUN_STARTING, RUN_CANCELLING) or run.started_at != claimed_at:
                 return False
-            changes: dict[str, Any] = {"pgid": pgids[0]}
-            if "nodes" in run.placement:
-                changes["nodes"] = [
-                    {**node, "pgid": pgid}
-                    for node, pgid in zip(run.placement["nodes"], pgids, strict=True)
-                ]
+            if self.ctx.executor.places:
+                run.placement = {**run.placement, **changes}
+                s.add(run)
+                return True
             run.placement = {**run.placement, **changes}
             run.placement.pop("stage", None)
             if run.state == RUN_STARTING:
                 run.state = RUN_RUNNING
             s.add(run)
-            owner = s.get(User, run.user_id)
-            assert owner is not None
-            unit = "CPU slot" if placement["cpu"] else "GPU"
-            count = len(placement["gpu_indexes"])
-            if len(host_names) > 1:
-                where = (
-                    f"{len(host_names)} hosts ({', '.join(host_names)}), "
-                    f"{count} {unit}{'s' if count != 1 else ''} on each"
-                )
-            else:
-                where = (
-                    f"{host_names[0]}, {unit}"
-                    + ("s " if count != 1 else " ")
-                    + ", ".join(map(str, placement["gpu_indexes"]))
-                )
-            text = (
-                f"Run #{run_id} started on {where}. This message shows its progress, "
-                f"updated about once a minute; `/gpu logs {run_id}` shows its log."
-            )
-            # The run's live message (bot.app.runwatch edits it in place while it runs).
-            message = enqueue(
-                s,
-                "dm",
-                owner.key,
-                views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run_id))),
-                self.ctx.core.clock.now(),
-                # A resumed run says it started again (bot.app.agentwatch's resume count).
-                dedupe=f"run-started:{run_id}"
-                + (f":{placement['resume_from']['count']}" if "resume_from" in placement else ""),
-            )
-            runwatch.started_live(s, run, message)
-            s.add(run)
+            self.records.tell_started(s, run, host_names, self.ctx.core.clock.now())
         return True
 
     def _prepare_code(
@@ -450,15 +458,6 @@ class Dispatcher:
         with contextlib.suppress(SshError):
             line = shell.join(["printf", "%s\\n", f"[gpubot] {done.note}"])
             runner.run(target, f"{line} >> {shell.path(log_path)}", timeout=30)
-
-
-def _oom_batch(run: TrainingRun) -> tuple[int | None, bool]:
-    """(batch size, is a retry) for a run retried after running out of GPU memory."""
-    retry = run.metrics.get("oom_retry")
-    if not isinstance(retry, dict):
-        return None, False
-    size = retry.get("batch_size")
-    return (size if isinstance(size, int) and size > 0 else None), True
 
 
 # torchrun's rendezvous port on node 0 of a run over several hosts: in a range above
@@ -505,68 +504,3 @@ def _node_placement(host_name: str, free: list[Gpu], run_dir: Path) -> dict[str,
         # died before recording it is found, not started twice (_requeue_orphan).
         "pgid_file": str(run_dir / "pgid"),
     }
-
-
-def runner_command(
-    run: TrainingRun,
-    placement: dict[str, Any],
-    python: str,
-    *,
-    across: tuple[int, int, str] | None = None,
-) -> str:
-    """The runner's line, started with `python`: the host's interpreter (HostSeat).
-
-    `across`: (nodes, this node's rank, rendezvous HOST:PORT) for one host's part of a
-    run over several; `placement` is then that node's, and `--gpus` its share."""
-    batch, retried = _oom_batch(run)
-    parts = [
-        python,
-        "-m",
-        "training.runner",
-        "--precision",
-        run.precision,
-        "--status-file",
-        placement["status"],
-        "--checkpoint-dir",
-        placement["checkpoints"],
-        "--run-id",
-        str(run.id),
-    ]
-    if run.max_seconds:
-        parts += ["--max-minutes", f"{run.max_seconds / 60:.2f}"]
-    per_node = run.gpu_count if across is None else len(placement["gpu_indexes"])
-    if per_node > 1:
-        parts += ["--gpus", str(per_node)]
-    if across is not None:
-        nodes, rank, endpoint = across
-        parts += ["--nnodes", str(nodes), "--node-rank", str(rank), "--rdzv-endpoint", endpoint]
-    if run.recipe:
-        parts += ["--recipe", run.recipe]
-        for name in ("lr", "epochs"):  # the recipe's settings as asked (bot.domain.commands)
-            if isinstance(run.options.get(name), int | float):
-                parts += [f"--{name}", f"{run.options[name]:g}"]
-        asked = run.options.get("batch-size")
-        if batch is not None:  # an OOM retry; without a known batch `auto` probes again
-            parts += ["--batch-size", str(batch)]
-        elif isinstance(asked, int | float):
-            parts += ["--batch-size", str(int(asked))]
-        return shell.join(parts)
-    head = ""
-    if retried:
-        # The runner hands its own --batch-size to recipes only; a script reads these.
-        env = {"GPUBOT_OOM_RETRY": "1", "GPUBOT_BATCH_SCALE": "0.5"}
-        if batch is not None:
-            env["GPUBOT_BATCH_SIZE"] = str(batch)
-        head += shell.env_prefix(env)
-    if run.source:  # bot.app.sources: the command starts in its code directory
-        head += sources.in_code_dir(run.source, placement["dir"]) + " "
-    # run.command is the owner's own shell text (`command_text`), run as they typed it.
-    return shell.join(parts) + " -- " + head + run.command
-
-
-def _kill_started(seats: list[HostSeat], pgids: list[int]) -> None:
-    """The nodes of a start that must not go on (one node failed to start, or the run is
-    no longer this start's), killed as far as SSH reaches them."""
-    for seat, pgid in zip(seats, pgids, strict=False):
-        with contextlib.suppress(SshError):
-            seat.runner.kill_group(seat.target, pgid, "KILL")

@@ -22,6 +22,7 @@ from db.models import (
     HOST_PENDING,
     HOST_READY,
     HOST_STOPPED,
+    MARKET_CLUSTER,
     RES_WAITING,
     RUN_CANCELLING,
     RUN_QUEUED,
@@ -206,7 +207,12 @@ def scheduler_inputs(
     ready: Any = (
         select(*ready_cols)
         .join(Gpu, col(Gpu.host_id) == col(Host.id))
-        .where(Host.state == HOST_READY, col(Gpu.present).is_(True))
+        # A cluster's nodes are placed on by its own scheduler, not this one.
+        .where(
+            Host.state == HOST_READY,
+            col(Host.market) != MARKET_CLUSTER,
+            col(Gpu.present).is_(True),
+        )
         .group_by(
             col(Host.id),
             col(Host.name),

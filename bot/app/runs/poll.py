@@ -6,12 +6,13 @@ worker that started it died."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any
 
 from sqlmodel import col, select
 
-from bot.app.agentwatch import requeue_resumable, resumable_stop, watch_hosts
+from bot.app.agentwatch import requeue_resumable, resumable_stop
 from bot.app.runs.context import STARTING_GRACE, RunContext
 from bot.app.runs.records import RunRecords
 from bot.domain import views
@@ -27,10 +28,8 @@ from db.models import (
     User,
 )
 from db.session import lock_pool, locked, retrying, transaction
-from provisioning import shell
-from provisioning.ssh import SshError, SshRunner, SshTarget
+from provisioning.ssh import SshError
 from training.exitcodes import EXIT_FAILED, EXIT_OOM
-from training.status import TERMINAL_STATES, parse_status
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +43,10 @@ class Poller:
 
     def poll(self) -> int:
         """Reads every running run's status; finishes those that ended. Returns how many."""
-        # Host agents (bot.app.agentwatch): lease renewal, spot notices, runs lost in a reboot —
-        # before the runs are read, so a lost run is requeued rather than failed below.
-        try:
-            watched = watch_hosts(self.records)
-            if watched.interrupted or watched.requeued or watched.draining:
-                log.info("host agents: %s", watched)
-        except Exception:  # never fatal: the runs are still polled
-            log.exception("host agent watch failed")
+        executor = self.ctx.executor
+        # The executor's own upkeep first (host agents, bot.app.agentwatch: lease renewal,
+        # spot notices, runs lost in a reboot), so a lost run is requeued, not failed below.
+        executor.tend(self.records)
         with transaction(self.ctx.engine, write=False) as s:
             rows = list(
                 s.exec(
@@ -60,69 +55,83 @@ class Poller:
                     )
                 )
             )
+        self._watch(rows)
         finished = 0
         now = self.ctx.core.clock.now()
         for run in rows:
             assert run.id is not None
             placement = dict(run.placement)
-            if "pgid" not in placement:
+            if not executor.started(placement):
                 if self.ctx.starts.in_flight(run.id):
                     continue  # its code is on its way (bot.app.runs.starts), not orphaned
                 if run.started_at is not None and now - run.started_at > STARTING_GRACE:
                     self._requeue_orphan(run.id)
                 continue
-            seat = self.ctx.access.runner_for(placement["host"])
-            if seat is None:
-                continue
-            runner, target = seat.runner, seat.target
-            others = placement.get("nodes", [])[1:]  # a run over several hosts: node 1…
+            several = bool(placement.get("nodes"))  # a run over several hosts
             interrupted = "interrupted" in placement
             try:
-                stopping = run.state == RUN_CANCELLING or (interrupted and bool(others))
+                stopping = run.state == RUN_CANCELLING or (interrupted and several)
                 if stopping and not placement.get("term_sent"):
                     # Cancelled, or one node's host got a spot notice: every node is told
                     # (each checkpoints and exits), the run stops as one.
-                    runner.kill_group(target, int(placement["pgid"]), "TERM")
-                    self._signal_nodes(others, "TERM")
+                    executor.signal(placement, "TERM")
                     self.records.update_placement(run.id, term_sent=True)
-                raw = runner.read_file(target, placement["status"])
-                alive = runner.is_alive(target, int(placement["pgid"]))
+                look = executor.look(placement)
             except SshError as exc:
-                log.warning("poll of run %s on %s failed: %s", run.id, placement["host"], exc)
+                log.warning("poll of run %s on %s failed: %s", run.id, placement.get("host"), exc)
                 continue
+            if look.waiting is not None:
+                if run.state == RUN_RUNNING:
+                    # The cluster put it back in its queue (a preemption, a requeue):
+                    # its GPUs go back until the cluster starts it again.
+                    self.records.back_in_cluster_queue(run.id, look.waiting)
+                elif placement.get("stage") != look.waiting:
+                    # A cluster's scheduler has not started it: `/gpu queue` says why.
+                    self.records.update_placement(run.id, stage=look.waiting)
+                continue
+            if look.where and run.state == RUN_STARTING:
+                # A cluster's scheduler started it: its GPUs are metered from now.
+                self.records.mark_running(run.id, look.where, look.usd_per_gpu_hour)
+                if look.alive:
+                    continue
+                placement = {**placement, "host": look.where[0][0]}
             # Node 0 holds rank 0: its status file is the run's (one result, one DM).
-            status = parse_status(raw.decode("utf-8", "replace")) if raw else None
+            status, alive = look.status, look.alive
             if status is not None:
                 self.records.update_metrics(run.id, status, live_runs=len(rows))
-            if others and alive and "node_failed" not in placement and not interrupted:
+            if several and alive and "node_failed" not in placement and not interrupted:
                 # (An interrupted run's nodes end on purpose: not a node failing.)
-                failed = self._failed_node(others)
+                failed = executor.failed_node(placement)
                 if failed is not None:
                     # One node failing ends them all: the rest would wait in a collective.
                     log.warning("run %s: %s; stopping its other nodes", run.id, failed)
                     self.records.update_placement(run.id, node_failed=failed)
                     with contextlib.suppress(SshError):
-                        runner.kill_group(target, int(placement["pgid"]), "TERM")
-                    self._signal_nodes(others, "TERM")
+                        executor.signal(placement, "TERM")
                     continue
-            if alive and (status is None or status.state not in TERMINAL_STATES):
-                continue
             if alive:
-                continue  # final status written; the process is exiting
+                continue  # still running, or its final status is written and it is exiting
             # Node 0 has ended: a node still running cannot go on alone.
-            self._signal_nodes(others, "KILL" if "node_failed" in placement else "TERM")
             node_failed = placement.get("node_failed")
+            if several:
+                executor.signal(placement, "KILL" if node_failed else "TERM", others_only=True)
             # Stopped for a resume (exit 75) or reclaimed: back in line with its checkpoint.
             if (
                 run.state != RUN_CANCELLING
                 and node_failed is None
                 and resumable_stop(placement, status)
-                and requeue_resumable(self.records, run.id, placement, runner, target, status)
+                and requeue_resumable(
+                    self.records,
+                    run.id,
+                    placement,
+                    functools.partial(executor.save_checkpoint, placement),
+                    status,
+                )
             ):
                 continue
             tail = ""
             with contextlib.suppress(SshError):
-                tail = runner.tail(target, placement["log"], 15)
+                tail = executor.tail(placement, 15)
             if run.state == RUN_CANCELLING:
                 state = RUN_CANCELLED
             elif status is not None and status.state == "done" and node_failed is None:
@@ -151,59 +160,27 @@ class Poller:
                 exit_code = exit_code or EXIT_FAILED
             # Out of GPU memory (exit 77): once more with half the batch; then the advice.
             if state == RUN_FAILED and exit_code == EXIT_OOM and node_failed is None:
-                if self._retry_oom(run.id, status, runner, target, placement):
+                if self._retry_oom(run.id, status, placement):
                     continue
                 summary["error"] = f"{summary.get('error') or 'out of GPU memory'}. {OOM_ADVICE}"
-            self.records.finish(run.id, state, exit_code, summary, tail, status)
+            ended = executor.ended_at(run.id, placement)
+            self.records.finish(run.id, state, exit_code, summary, tail, status, ended)
             finished += 1
         return finished
 
-    def _failed_node(self, nodes: list[dict[str, Any]]) -> str | None:
-        """Why the first of these nodes that ended without finishing did, or None while
-        each runs or finished well (node 1 may exit a moment before node 0 writes the
-        result). A host that cannot be asked now is asked again at the next poll."""
-        for rank, node in enumerate(nodes, start=1):
-            seat = self.ctx.access.runner_for(str(node.get("host", "")))
-            if seat is None or "pgid" not in node:
-                continue
-            try:
-                if seat.runner.is_alive(seat.target, int(node["pgid"])):
-                    continue
-                raw = seat.runner.read_file(seat.target, node["status"])
-            except SshError as exc:
-                log.warning("poll of node %s on %s failed: %s", rank, node["host"], exc)
-                continue
-            status = parse_status(raw.decode("utf-8", "replace")) if raw else None
-            if status is not None and status.state == "done":
-                continue
-            why = (status.error if status is not None else None) or (
-                f"exit code {status.exit_code}"
-                if status is not None and status.exit_code is not None
-                else "it ended without writing a final status"
-            )
-            return f"node {rank} on {node['host']} failed: {why}"
-        return None
-
-    def _signal_nodes(self, nodes: list[dict[str, Any]], signal: str) -> None:
-        """Signals the process group of each of these nodes that still runs."""
-        for node in nodes:
-            seat = self.ctx.access.runner_for(str(node.get("host", "")))
-            if seat is None or "pgid" not in node:
-                continue
-            try:
-                seat.runner.kill_group(seat.target, int(node["pgid"]), signal)
-            except SshError as exc:
-                log.warning("could not stop node on %s: %s", node["host"], exc)
+    def _watch(self, rows: list[TrainingRun]) -> None:
+        """Every started run watched (bot.app.runs.executor), nothing else: after a restart,
+        or for a run adopted from a worker that died, its end is learnt as it happens too,
+        and its first figures when they are still to come."""
+        executor = self.ctx.executor
+        executor.keep_watching(run.id for run in rows if run.id is not None)
+        for run in rows:
+            if run.id is not None and executor.started(run.placement):
+                figures_due = not (run.metrics.get("live") or {}).get("figures")
+                executor.watch(run.id, dict(run.placement), figures_due)
 
     @retrying
-    def _retry_oom(
-        self,
-        run_id: int,
-        status: Any,
-        runner: SshRunner,
-        target: SshTarget,
-        placement: dict[str, Any],
-    ) -> bool:
+    def _retry_oom(self, run_id: int, status: Any, placement: dict[str, Any]) -> bool:
         """Puts a run that ran out of GPU memory back in line with half the batch it used
         (from its status; `GPUBOT_BATCH_SCALE=0.5` tells a script that did not say), and
         tells its owner. False when it was retried already or the batch was 1: then it
@@ -218,12 +195,8 @@ class Poller:
                 return False
             if run.metrics.get("oom_retry") or (isinstance(used, int) and used <= 1):
                 return False
-        # The old attempt's status and group id must not be read as the new one's.
-        with contextlib.suppress(SshError):
-            old = [placement.get("status"), placement.get("pgid_file")]
-            runner.run(
-                target, shell.join(["rm", "-f", "--", *(str(p) for p in old if p)]), timeout=30
-            )
+        # The old attempt's status and handle must not be read as the new one's.
+        self.ctx.executor.forget_attempt(placement)
         half = used // 2 if isinstance(used, int) else None
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine) as s:
@@ -259,58 +232,21 @@ class Poller:
             self.ctx.core.grant_pass(s, now)
         return True
 
-    def _started_by_the_dead(self, placement: dict[str, Any]) -> int | bool | None:
-        """The group id the runner wrote when the worker that claimed the run died after
-        launching it; None when it never launched; False when the host cannot say now."""
-        path = placement.get("pgid_file")
-        seat = self.ctx.access.runner_for(str(placement.get("host", "")))
-        if not path or seat is None:
-            return None
-        runner, target = seat.runner, seat.target
-        try:
-            raw = runner.read_file(target, str(path), max_bytes=64)
-        except SshError as exc:
-            log.warning("cannot check whether run on %s started: %s", placement["host"], exc)
-            return False
-        text = (raw or b"").decode(errors="replace").strip()
-        return int(text) if text.isdigit() else None
-
     @retrying
     def _requeue_orphan(self, run_id: int) -> None:
         with transaction(self.ctx.engine, write=False) as s:
             claimed = s.get(TrainingRun, run_id)
             placement = dict(claimed.placement) if claimed is not None else {}
-        started = self._started_by_the_dead(placement)
+        started = self.ctx.executor.orphan(placement)
         if started is False:
-            return  # the host is unreachable: ask again next poll, never start twice
-        nodes: list[dict[str, Any]] = list(placement.get("nodes", []))
-        if isinstance(started, int) and nodes:
-            # A run over several hosts is adopted whole or not at all: every node's group.
-            pgids: list[int | None] = [started]
-            for node in nodes[1:]:
-                found = self._started_by_the_dead(node)
-                if found is False:
-                    return  # ask again next poll
-                pgids.append(found)
-            if any(pgid is None for pgid in pgids):
-                # Some node never started, so the rest cannot finish: stop them, requeue.
-                for node, pgid in zip(nodes, pgids, strict=True):
-                    seat = self.ctx.access.runner_for(str(node.get("host", "")))
-                    if pgid is not None and seat is not None:
-                        with contextlib.suppress(SshError):
-                            seat.runner.kill_group(seat.target, pgid, "KILL")
-                started = None
-            else:
-                nodes = [{**n, "pgid": pgid} for n, pgid in zip(nodes, pgids, strict=True)]
+            return  # the host cannot say now: ask again next poll, never start twice
         with transaction(self.ctx.engine) as s:
             lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
             run = locked(s, TrainingRun, run_id)
-            if run is None or run.state != RUN_STARTING or "pgid" in run.placement:
+            if run is None or run.state != RUN_STARTING or self.ctx.executor.started(run.placement):
                 return
-            if isinstance(started, int):
-                run.placement = {**run.placement, "pgid": started}
-                if nodes:
-                    run.placement = {**run.placement, "nodes": nodes}
+            if isinstance(started, dict):
+                run.placement = {**run.placement, **started}
                 run.state = RUN_RUNNING
                 s.add(run)
                 log.warning("run %s was started by a worker that died; adopted it", run_id)

@@ -9,10 +9,11 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from bot.app import runwatch
 from bot.app.held import attained_s, end_held
+from bot.app.outbox import enqueue
 from bot.app.ports import Core, HostAccess
 from bot.app.runs.context import RunContext
 from bot.app.runtimes import note_run_ended
@@ -22,6 +23,8 @@ from db.models import (
     RUN_QUEUED,
     RUN_RUNNING,
     RUN_STARTING,
+    Gpu,
+    Host,
     TrainingRun,
     UsageInterval,
     User,
@@ -50,6 +53,135 @@ class RunRecords:
     @property
     def engine(self) -> Any:
         return self.ctx.engine
+
+    def tell_started(
+        self, s: Session, run: TrainingRun, host_names: list[str], now: datetime
+    ) -> None:
+        """The owner's "started" DM, which becomes the run's live message (bot.app.runwatch
+        edits it in place while it runs), in the caller's transaction."""
+        assert run.id is not None
+        placement = run.placement
+        owner = s.get(User, run.user_id)
+        assert owner is not None
+        unit = "CPU slot" if placement.get("cpu") else "GPU"
+        indexes = list(placement.get("gpu_indexes") or [])
+        count = len(indexes)
+        if len(host_names) > 1:
+            where = (
+                f"{len(host_names)} hosts ({', '.join(host_names)}), "
+                f"{count} {unit}{'s' if count != 1 else ''} on each"
+            )
+        else:
+            where = (
+                f"{host_names[0]}, {unit}"
+                + ("s " if count != 1 else " ")
+                + ", ".join(map(str, indexes))
+            )
+        text = (
+            f"Run #{run.id} started on {where}. This message shows its progress: its "
+            f"{runwatch.cadence(runwatch.live_period(1))}. `/gpu logs {run.id}` shows its log."
+        )
+        message = enqueue(
+            s,
+            "dm",
+            owner.key,
+            views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run.id))),
+            now,
+            # A resumed run says it started again (bot.app.agentwatch's resume count, or
+            # the times a cluster put it back in its queue).
+            dedupe=f"run-started:{run.id}"
+            + (f":{placement['resume_from']['count']}" if "resume_from" in placement else "")
+            + (f":q{placement['requeued']}" if placement.get("requeued") else ""),
+        )
+        runwatch.started_live(s, run, message)
+        s.add(run)
+
+    @retrying
+    def mark_running(
+        self,
+        run_id: int,
+        where: tuple[tuple[str, tuple[int, ...]], ...],
+        usd_per_gpu_hour: float | None,
+    ) -> bool:
+        """A run a cluster's scheduler has just started (its look says where): its GPUs
+        metered from now, on the nodes' GPU rows, and its owner told. False when it is no
+        longer waiting to start (cancelled meanwhile, or marked by an earlier poll)."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs are taken: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state != RUN_STARTING or "host" in run.placement:
+                return False
+            hosts = []
+            for name, indexes in where:
+                host = s.exec(select(Host).where(Host.name == name)).first()
+                if host is None:
+                    log.warning("run %s runs on %s, which is not listed yet", run_id, name)
+                    return False
+                gpus = list(
+                    s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.index).in_(indexes)))
+                )
+                self.ctx.core.open_usage(
+                    s,
+                    host,
+                    gpus,
+                    run.user_id,
+                    now,
+                    run_id=run_id,
+                    usd_per_gpu_hour=usd_per_gpu_hour,
+                )
+                hosts.append(host)
+            first, indexes = where[0]
+            run.placement = {
+                **run.placement,
+                "host": first,
+                "gpu_indexes": list(indexes),
+                "cpu": False,
+            }
+            run.placement.pop("stage", None)
+            run.host_id = hosts[0].id
+            run.started_at = now
+            run.state = RUN_RUNNING
+            s.add(run)
+            self.tell_started(s, run, [name for name, _ in where], now)
+        return True
+
+    @retrying
+    def back_in_cluster_queue(self, run_id: int, waiting: str) -> None:
+        """A running run its cluster put back in its queue (preempted, requeued): its GPUs
+        metered no more until the cluster starts it again (it resumes from its checkpoint
+        in its own directory), its owner told once per requeue."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine) as s:
+            lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
+            run = locked(s, TrainingRun, run_id)
+            if run is None or run.state != RUN_RUNNING:
+                return
+            self.close_intervals(s, run_id, now)
+            if run.started_at is not None:  # the segment it ran, for the scheduler's rules
+                ran = max(0.0, (now - run.started_at).total_seconds())
+                run.metrics = {**run.metrics, "attained_s": attained_s(run.metrics) + ran}
+            count = int(run.placement.get("requeued") or 0) + 1
+            placement = {
+                k: v for k, v in run.placement.items() if k not in ("host", "gpu_indexes", "cpu")
+            }
+            run.placement = {**placement, "requeued": count, "stage": waiting}
+            run.state = RUN_STARTING
+            run.host_id = None
+            s.add(run)
+            owner = s.get(User, run.user_id)
+            assert owner is not None
+            text = (
+                f"Run #{run_id} was put back in the cluster's queue ({waiting}); it resumes "
+                "from its checkpoint when the cluster starts it again."
+            )
+            self.ctx.core.notify_dm(
+                s,
+                owner.key,
+                views.message(text).view,
+                now,
+                dedupe=f"run-requeued:{run_id}:q{count}",
+            )
 
     @retrying
     def update_placement(self, run_id: int, **changes: Any) -> None:
@@ -117,16 +249,22 @@ class RunRecords:
         summary: dict[str, Any],
         log_tail: str,
         status: RunStatus | None = None,
+        ended_at: datetime | None = None,
     ) -> None:
+        """`ended_at`: when its process was seen gone (bot.app.runs.watch), which is what
+        its GPUs are billed to; the time of this call when nobody saw it end."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine) as s:
             lock_pool(s)  # its GPUs go back: the pool first (db.session's lock order)
             run = locked(s, TrainingRun, run_id)
             if run is None or run.state not in RUN_OPEN_STATES:
                 return
-            cost = self.close_intervals(s, run_id, now)
+            end = now
+            if ended_at is not None:
+                end = min(now, max(ended_at, run.started_at or ended_at))
+            cost = self.close_intervals(s, run_id, end)
             run.state = state
-            run.finished_at = now
+            run.finished_at = end
             run.exit_code = exit_code
             run.metrics = {**run.metrics, "summary": summary, "cost_usd": round(cost, 4)}
             note_run_ended(s, run)  # its time, for the run-time estimates (bot.app.runtimes)

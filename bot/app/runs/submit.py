@@ -56,7 +56,7 @@ class Submissions:
                 ).first()
                 if prior is not None:
                     return self._queued_reply(s, prior)
-            model = self._resolve_model(s, cmd.model, cmd.gpus)
+            model, picked = self._resolve_model(s, cmd.model, cmd.gpus, cmd.recipe)
             user = self.ctx.core.user_row(s, actor.key, actor.name)
             max_s = int(cmd.max_duration.total_seconds()) if cmd.max_duration else None
             # Budget (bot.app.budgets): a run that cannot fit is refused before it queues.
@@ -76,7 +76,7 @@ class Submissions:
                 ),
             )
             if cmd.sweep is not None:
-                return self._submit_sweep(s, cmd, user, model, request_key)
+                return self._submit_sweep(s, cmd, user, model, request_key).with_note(picked)
             run = TrainingRun(
                 user_id=user.id,  # type: ignore[arg-type]
                 command=command_text(cmd.command),
@@ -95,7 +95,7 @@ class Submissions:
             )
             s.add(run)
             s.flush()
-            return self._queued_reply(s, run)
+            return self._queued_reply(s, run).with_note(picked)
 
     def _submit_sweep(
         self, s: Session, cmd: Run, user: User, model: str, request_key: str | None
@@ -159,9 +159,13 @@ class Submissions:
                 USAGE_RUN,
             )
 
-    def _resolve_model(self, s: Session, model: str | None, gpus: int) -> str:
+    def _resolve_model(
+        self, s: Session, model: str | None, gpus: int, recipe: str | None = None
+    ) -> tuple[str, str | None]:
         """A run needs one GPU model: the asked one, else the configured default, else
-        the one model the pool has. Refuses what no host could ever run."""
+        the one model the pool has, else (a recipe, which runs on any GPU, on a cloud pool
+        with nothing running) the cheapest the cloud can launch for it, said in the reply
+        (the second value). Refuses what no host could ever run."""
         counts: dict[str, int] = {}
         fleet = read_fleet(s)
         for host in fleet:
@@ -169,7 +173,11 @@ class Submissions:
                 counts[m] = max(counts.get(m, 0), n)
         wanted = model or self.ctx.core.settings.default_gpu
         if wanted is not None and self.ctx.core.supply.can_run(wanted, gpus):
-            return str(wanted)
+            return str(wanted), None
+        if wanted is None and not counts and recipe is not None:
+            cheapest = self._cheapest_offered(gpus)
+            if cheapest is not None:
+                return cheapest
         if wanted is None:
             if len(counts) != 1:
                 have = ", ".join(sorted(counts)) or "none"
@@ -195,7 +203,25 @@ class Submissions:
                 f"and no hosts of one kind hold {gpus} between them in equal shares.",
                 USAGE_RUN,
             )
-        return wanted
+        return wanted, None
+
+    def _cheapest_offered(self, gpus: int) -> tuple[str, str] | None:
+        """The GPU model the cloud can launch for `gpus` GPUs at the lowest on-demand price
+        per GPU-hour, with the sentence that says it was picked; None when it offers none."""
+        supply = self.ctx.core.supply
+        options = []
+        for offered in supply.offered():
+            itype = self.ctx.catalog.cheapest(offered, 1)
+            if itype is not None and supply.can_run(offered, gpus):
+                options.append((itype.ondemand_per_gpu_hr, offered, itype.instance_type))
+        if not options:
+            return None
+        per_gpu, chosen, itype_name = min(options)
+        return chosen, (
+            f"No GPU model asked for and none running, so {chosen}: the cheapest the cloud "
+            f"can launch for this recipe (${per_gpu:.2f} per GPU-hour on {itype_name}). "
+            "`--gpu MODEL` picks another."
+        )
 
     def _queued_reply(self, s: Session, run: TrainingRun) -> views.Reply:
         queue = self._queued(s)

@@ -35,7 +35,16 @@ from sqlmodel import Session, col, select
 from bot.app.billing import TeamBill, note_host_state
 from bot.app.config import Settings
 from bot.app.held import GpuCount
-from bot.app.ports import FIXED_POOL, GpuRef, Provisioner, Supply
+from bot.app.ports import (
+    FIXED_POOL,
+    GpuRef,
+    Holder,
+    HostDisplay,
+    NoHolder,
+    PlainDisplay,
+    Provisioner,
+    Supply,
+)
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
 from bot.app.service.common import IN_FLIGHT, OutboxItem, TickReport
 from bot.app.service.grants import Grants
@@ -81,6 +90,14 @@ class GpuService:
         # What the pool can grow into (a cloud's catalog); a fixed pool refuses what no
         # host fits, a cloud queues it for the fleet to launch.
         self.supply = supply
+        # How hosts read in replies: the providers' words, set by the runtime.
+        self.display: HostDisplay = PlainDisplay()
+        # Who holds GPUs for reservations a cluster grants (a Slurm provider's); nobody
+        # where gpubot grants every GPU itself.
+        self.holder: Holder = NoHolder()
+        # The providers' periodic upkeep (a cluster's nodes and others' holds re-read),
+        # which the worker runs every few seconds (bot.faces.worker).
+        self.upkeep: list[Callable[[], object]] = []
         # Training runs (bot.app.runs.RunService), set by the runtime when hosts can run them.
         self.runs: RunService | None = None
         # The fleet (bot.app.fleet.Fleet), attached by the runtime when a cloud provider is
@@ -239,6 +256,7 @@ class GpuService:
         reservation_id: int | None = None,
         run_id: int | None = None,
         gpu_count: int | None = None,
+        usd_per_gpu_hour: float | None = None,
     ) -> None:
         """Starts the clock on these GPUs for a reservation or a run: each at its share
         of the host's hourly price, in the host's market. The partial unique index
@@ -253,6 +271,7 @@ class GpuService:
             reservation_id=reservation_id,
             run_id=run_id,
             gpu_count=gpu_count,
+            usd_per_gpu_hour=usd_per_gpu_hour,
         )
 
     def gpu_count(self, s: Session, host_id: int) -> int:

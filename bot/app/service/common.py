@@ -19,7 +19,6 @@ from bot.domain.best_fit import best_fit
 from bot.domain.errors import UserError
 from bot.domain.readmodels import GpuState, HostState, ReservationInfo
 from db.models import (
-    HOST_UNREACHABLE,
     RES_ACTIVE,
     RES_OPEN_STATES,
     RES_WAITING,
@@ -133,6 +132,7 @@ def reservation_info(
         gpu_indexes=indexes,
         gpu_models=models,
         position=position,
+        how=tuple(str(line) for line in (res.external or {}).get("how", ())),
     )
 
 
@@ -206,7 +206,14 @@ def read_hosts(s: Session) -> list[HostState]:
     hosts = conn.execute(
         select(*host_cols).where(Host.state != "terminated").order_by(col(Host.id))
     ).all()
-    gpu_cols: tuple[Any, ...] = (Gpu.id, Gpu.host_id, Gpu.index, Gpu.model, Gpu.memory_gb)
+    gpu_cols: tuple[Any, ...] = (
+        Gpu.id,
+        Gpu.host_id,
+        Gpu.index,
+        Gpu.model,
+        Gpu.memory_gb,
+        Gpu.held_by,
+    )
     gpus = conn.execute(
         select(*gpu_cols)
         .where(col(Gpu.present).is_(True))
@@ -214,10 +221,13 @@ def read_hosts(s: Session) -> list[HostState]:
     ).all()
     holder = {h.interval.gpu_id: h for h in who_holds(s)} if gpus else {}
     by_host: dict[int, list[GpuState]] = {}
-    for gpu_id, host_id, index, model, memory_gb in gpus:
+    for gpu_id, host_id, index, model, memory_gb, held_by in gpus:
         h = holder.get(gpu_id)
         if h is None:
-            state = GpuState(gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb)
+            # Free, or held outside gpubot (a cluster job of another's, in its words).
+            state = GpuState(
+                gpu_id=gpu_id, index=index, model=model, memory_gb=memory_gb, holder=held_by
+            )
         else:
             iv, u, r = h.interval, h.user, h.reservation
             state = GpuState(
@@ -234,7 +244,6 @@ def read_hosts(s: Session) -> list[HostState]:
         by_host.setdefault(host_id, []).append(state)
     out = []
     for host_id, name, provider, state_, address, user, port, market, usd, down, why in hosts:
-        down_now = state_ == HOST_UNREACHABLE
         out.append(
             HostState(
                 name=name,
@@ -246,8 +255,8 @@ def read_hosts(s: Session) -> list[HostState]:
                 market=market,
                 hourly_usd=usd,
                 gpus=tuple(by_host.get(host_id, ())),
-                down_since=down if down_now else None,
-                down_reason=why if down_now else None,
+                down_since=down,
+                down_reason=why if down is not None else None,
             )
         )
     return out
@@ -307,6 +316,6 @@ def to_host_state(host: ShownHost, gpus: list[GpuState]) -> HostState:
         market=host.market,
         hourly_usd=host.hourly_usd,
         gpus=tuple(gpus),
-        down_since=host.down_since if host.state == HOST_UNREACHABLE else None,
-        down_reason=host.down_reason if host.state == HOST_UNREACHABLE else None,
+        down_since=host.down_since,
+        down_reason=host.down_reason if host.down_since is not None else None,
     )

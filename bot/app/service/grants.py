@@ -29,6 +29,7 @@ from bot.domain import views
 from bot.domain.errors import UserError
 from db.models import (
     HOST_READY,
+    MARKET_CLUSTER,
     RES_ACTIVE,
     RES_CANCELLED,
     RES_WAITING,
@@ -82,7 +83,8 @@ class Grants:
         free: dict[tuple[int, str], int] = {}  # (host, model): free GPUs, in fit order
         present: dict[int, int] = {}  # a host's price is shared by these
         for c in counts if counts is not None else gpu_counts(s):
-            if c.host_state == HOST_READY:
+            # A cluster's nodes are granted by its scheduler (a holding job), not here.
+            if c.host_state == HOST_READY and c.market != MARKET_CLUSTER:
                 present[c.host_id] = present.get(c.host_id, 0) + c.present
                 free[(c.host_id, c.model)] = c.free
         # Each waiting row is read under its lock (ids in order) before it is granted:
@@ -197,15 +199,21 @@ class Grants:
         reservation_id: int | None = None,
         run_id: int | None = None,
         gpu_count: int | None = None,
+        usd_per_gpu_hour: float | None = None,
     ) -> None:
         """Starts the clock on these GPUs for a reservation or a run: each at its share
-        of the host's hourly price, in the host's market. The partial unique index
-        refuses a GPU that is already held. A caller that has counted the host's present
-        GPUs already (the grant pass) passes `gpu_count`, sparing the count query."""
+        of the host's hourly price, in the host's market, or at `usd_per_gpu_hour` (a
+        cluster's use, priced at the team's rate for the model: no machine bill to
+        share). The partial unique index refuses a GPU that is already held. A caller
+        that has counted the host's present GPUs already (the grant pass) passes
+        `gpu_count`, sparing the count query."""
         assert host.id is not None
-        if gpu_count is None:
-            gpu_count = self.gpu_count(s, host.id)
-        per_gpu = gpu_share(host.hourly_usd, gpu_count)
+        if usd_per_gpu_hour is not None:
+            per_gpu = usd_per_gpu_hour
+        else:
+            if gpu_count is None:
+                gpu_count = self.gpu_count(s, host.id)
+            per_gpu = gpu_share(host.hourly_usd, gpu_count)
         rows = []
         for g in gpus:
             assert g.id is not None

@@ -5,7 +5,7 @@ that takes the pool first (db.session's lock order)."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import and_, or_
 from sqlalchemy.exc import IntegrityError
@@ -28,12 +28,14 @@ from bot.domain.commands import Extend, Release, Reserve
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from db.models import (
+    HOST_READY,
     RES_ACTIVE,
     RES_CANCELLED,
     RES_EXPIRED,
     RES_OPEN_STATES,
     RES_RELEASED,
     RES_WAITING,
+    Host,
     Reservation,
     User,
 )
@@ -50,8 +52,30 @@ class Reservations:
         # The grant pass these verbs end in, with the GPU counts a reserve already read.
         self.grants = grants
 
-    @retrying
     def reserve(self, actor: Actor, cmd: Reserve, request_key: str | None = None) -> views.Reply:
+        """Granted at once, or put in line; a request for a cluster's GPUs is then handed
+        to its holder (a Slurm holding job), after the line committed: a cluster answers
+        slowly, or not at all while its controller is down, and the pool must not wait."""
+        reply, waiting = self._put_in_line(actor, cmd, request_key)
+        if waiting is None:
+            return reply
+        said = self.core.holder.hold(waiting)
+        if said is None:
+            return reply
+        with transaction(self.core.engine, write=False) as s:
+            res = s.get(Reservation, waiting)
+            assert res is not None
+            info = reservation_info(s, res)
+            if res.state == RES_ACTIVE:  # the cluster granted it at once
+                now = self.core.clock.now()
+                return views.Reply(views.granted_view(info, now, self.core.settings.timezone))
+            return views.Reply(views.waiting_view(info, (said,)))
+
+    @retrying
+    def _put_in_line(
+        self, actor: Actor, cmd: Reserve, request_key: str | None
+    ) -> tuple[views.Reply, int | None]:
+        """The reply, and the reservation's id when it waits (None: granted, or refused)."""
         duration = cmd.duration or self.core.settings.default_duration
         if duration > self.core.settings.max_duration:
             raise UserError(
@@ -66,7 +90,7 @@ class Reservations:
                 # and a second delivery of this request waits here and then finds the first.
                 lock_pool(s)
                 if request_key and (prior := self._by_request_key(s, request_key)) is not None:
-                    return self._already(s, prior)
+                    return self._already(s, prior), None
                 # The fleet's GPU counts, read once under the pool: for the check and for
                 # this request's grant pass.
                 counts = gpu_counts(s)
@@ -104,8 +128,10 @@ class Reservations:
                 s.flush()
                 info = reservation_info(s, res)
                 if res.state == RES_ACTIVE:
-                    return views.Reply(views.granted_view(info, now, self.core.settings.timezone))
-                return views.Reply(views.waiting_view(info))
+                    granted = views.granted_view(info, now, self.core.settings.timezone)
+                    return views.Reply(granted), None
+                why = self._unready(s, model, cmd.count, counts, now)
+                return views.Reply(views.waiting_view(info, why)), res.id
         except IntegrityError:
             if not request_key:
                 raise
@@ -114,7 +140,7 @@ class Reservations:
                 prior = self._by_request_key(s, request_key)
                 if prior is None:
                     raise
-                return self._already(s, prior)
+                return self._already(s, prior), None
 
     def _already(self, s: Session, prior: Reservation) -> views.Reply:
         """The reply to a request delivered again: what its first delivery made."""
@@ -123,6 +149,27 @@ class Reservations:
                 reservation_info(s, prior), self.core.clock.now(), self.core.settings.timezone
             )
         )
+
+    def _unready(
+        self, s: Session, model: str | None, count: int, counts: list[GpuCount], now: datetime
+    ) -> tuple[str, ...]:
+        """Why hosts that have GPUs for this request grant nothing now (not answered yet,
+        or down), in status's words: a reservation left waiting on them says so. Read only
+        when it waits, so a granted reserve pays nothing for it."""
+        fits: dict[int, int] = {}
+        for c in counts:
+            if c.host_state != HOST_READY and model in (None, c.model):
+                fits[c.host_id] = fits.get(c.host_id, 0) + c.present
+        ids = [host_id for host_id, n in fits.items() if n >= count]
+        if not ids:
+            return ()
+        tz = self.core.settings.timezone
+        notes = []
+        for host in s.exec(select(Host).where(col(Host.id).in_(ids)).order_by(col(Host.id))):
+            trouble = views.host_trouble(host.state, host.down_since, host.down_reason, now, tz)
+            if trouble is not None:
+                notes.append(f"{host.name} is {trouble}.")
+        return tuple(notes)
 
     def _by_request_key(self, s: Session, key: str) -> Reservation | None:
         return s.exec(select(Reservation).where(Reservation.request_key == key)).first()
@@ -156,8 +203,13 @@ class Reservations:
             "/gpu reserve [COUNT] [MODEL] [for DURATION]",
         )
 
-    @retrying
     def release(self, actor: Actor, cmd: Release) -> views.Reply:
+        reply, ended = self._release(actor, cmd)
+        self.core.holder.let_go(ended)  # a cluster's holding jobs end too (after commit)
+        return reply
+
+    @retrying
+    def _release(self, actor: Actor, cmd: Release) -> tuple[views.Reply, list[int]]:
         with transaction(self.core.engine) as s:
             # The pool, then each reservation under its lock: what is ended is the state
             # as it is now, never a "waiting" read before a grant pass made it active.
@@ -196,7 +248,8 @@ class Reservations:
                     dedupe=f"admin-release:{res.id}",
                 )
             self.grants.grant_pass(s, now)
-            return views.Reply(views.released_view(done, actor.key))
+            ended = [r.id for r in targets if r.id is not None]
+            return views.Reply(views.released_view(done, actor.key)), ended
 
     def _targets(
         self,
@@ -262,6 +315,10 @@ class Reservations:
                     f"#{res.id} can take {can}.",
                     usage,
                 )
+            # A cluster's holding job is given the time first: its refusal (the bot is
+            # not a Slurm operator) leaves the reservation as it was.
+            assert res.id is not None
+            self.core.holder.extend(res.id, int(total.total_seconds()))
             if res.user_id != user.id:
                 holder = s.get(User, res.user_id)
                 target = f"reservation #{res.id} of {holder.key if holder else res.user_id}"
@@ -281,8 +338,18 @@ class Reservations:
                 views.extended_view(info, now, self.core.settings.timezone, cmd.duration)
             )
 
-    @retrying
     def tick(self) -> TickReport:
+        """A cluster's holds looked at (granted, ended, submitted), then what is due
+        ended, what is near warned and what became free granted; the holding jobs of what
+        expired end too. Idempotent."""
+        self.core.holder.sync()
+        report, expired = self._tick()
+        if expired:
+            self.core.holder.let_go(expired)
+        return report
+
+    @retrying
+    def _tick(self) -> tuple[TickReport, list[int]]:
         """Ends what is due, warns what is near, grants what became free. Idempotent.
 
         Most ticks have nothing to do: one indexed read says so without the write
@@ -313,11 +380,12 @@ class Reservations:
                 .limit(1)
             ).first()
         if due is None:
-            return TickReport(expired=0, warned=0, granted=0)
+            return TickReport(expired=0, warned=0, granted=0), []
         with transaction(self.core.engine) as s:
             lock_pool(s)  # expiry frees GPUs: the pool first (db.session's lock order)
             now = self.core.clock.now()
             expired = 0
+            ended: list[int] = []
             for res in locked_rows(
                 s,
                 select(Reservation)
@@ -331,6 +399,8 @@ class Reservations:
                     s, info.user_key, views.expired_view(info), now, dedupe=f"expired:{res.id}"
                 )
                 expired += 1
+                if res.id is not None:
+                    ended.append(res.id)
             warned = 0
             lead = self.core.settings.expiry_warning
             for res in locked_rows(
@@ -360,4 +430,4 @@ class Reservations:
                 )
                 warned += 1
             granted = self.grants.grant_pass(s, now)
-            return TickReport(expired=expired, warned=warned, granted=granted)
+            return TickReport(expired=expired, warned=warned, granted=granted), ended

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
@@ -46,13 +47,18 @@ class StatusBoard:
 
     def status(self, actor: Actor, cmd: Status) -> views.Reply:
         hosts, waiting, mine = self._status_data(actor.key)
+        display = self.core.display
         snap = StatusSnapshot(
             now=self.core.clock.now(),
-            hosts=tuple(hosts),
+            hosts=tuple(replace(h, note=display.note(h)) for h in hosts),
             waiting=tuple(waiting),
             mine=tuple(mine),
             mine_only=cmd.mine_only,
-            provider=self.core.settings.provider,
+            # A pool that grows on demand (a cloud) is empty before its first request.
+            empty_pool=views.GROWS_ON_DEMAND
+            if self.core.supply.offered()
+            else display.empty_pool(),
+            notes=tuple(display.status_lines()),
             tz=self.core.settings.timezone,
         )
         return views.Reply(views.status_view(snap))

@@ -30,10 +30,13 @@ Policies (``SchedulerConfig.policy``):
     reservation: on other instances, on GPUs the head leaves spare, or ending before it.
   * Provisioning by the cost model: runs that must wait are bundled onto a restarted
     stopped instance (cheaper, faster) or a new one; the bundle is provisioned only if
-    the waiting it saves, valued at ``wait_value`` times the GPUs' own price, beats what
-    the provisioning costs: the boot (or restart) billing plus the GPUs of the new
-    instance that the bundle leaves empty for its duration (the pessimistic "nobody else
-    comes" case). No constant fitted to a trace.
+    the waiting it saves, valued at ``wait_value`` times the GPUs' own price (the
+    model's cheapest per GPU), beats what the provisioning costs: the boot (or restart)
+    billing plus the GPUs of the new instance that the bundle leaves empty for its
+    duration (the pessimistic "nobody else comes" case), plus what a size dearer per GPU
+    charges above that price. Where the model comes in several sizes, the one with the
+    most net worth per GPU served is bought: the size the queue fills. No constant
+    fitted to a trace.
   * Idle stop and terminate, as ski rental (see ``SchedulerConfig.idle_stop_after``).
   * Preemption of runs that checkpoint (``Preempt``, once per ``preempt_period_s``):
     fair-share reclaim and defragmentation for runs the quota keeps out, and

@@ -361,6 +361,13 @@ cached_shape = lru_cache(maxsize=4096)(run_shape)  # run_shape is pure; decide a
 
 
 @lru_cache(maxsize=256)
+def gpu_price(catalog: Catalog, model: str, market: Market) -> float:
+    """What one GPU of `model` costs an hour at least (the cheapest per-GPU price in
+    `market`): the rate at which waiting for one is valued, whatever size is bought."""
+    return min((t.gpu_hourly(market) for t in catalog.for_model(model)), default=0.0)
+
+
+@lru_cache(maxsize=256)
 def min_gpus(catalog: Catalog, model: str) -> int:
     """GPUs of the smallest instance of a model: less headroom than this launches nothing."""
     return min((t.gpus for t in catalog.for_model(model)), default=0)

@@ -3,6 +3,13 @@
 Runs that must wait are bundled onto a stopped instance or a new one only when the
 waiting it saves, valued at `wait_value` times the GPUs' own price, beats the boot
 billing and the GPUs the bundle leaves empty (see the package docstring).
+
+Where the catalog has the model in several sizes (a 1-GPU and a 4-GPU type), the size
+bought is the one that serves the waiting GPUs cheapest: its net worth per GPU served,
+with the waiting valued at the model's cheapest per-GPU price whatever size is bought,
+and the size's own per-GPU price above that counted as a cost. Valuing the waiting at
+each size's own price made the dearer-per-GPU size look worth more, and a lone 1-GPU
+run bought a 4-GPU instance.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from bot.domain.scheduling.model import (
     SchedulerConfig,
     Start,
     est,
+    gpu_price,
     market_of,
     min_gpus,
     run_shape,
@@ -81,7 +89,9 @@ def provision(
             if shape is None:
                 i += 1
                 continue
-            options: list[tuple[float, str, InstanceType, int, FleetInstance | None]] = []
+            # (net worth per GPU served, GPUs served, type name, type, hosts, restart)
+            options: list[tuple[float, int, str, InstanceType, int, FleetInstance | None]] = []
+            base_hr = gpu_price(catalog, model, market)
             for t in catalog.for_model(model):
                 if first.gpus <= t.gpus:
                     k = 1
@@ -106,17 +116,24 @@ def provision(
                 )
                 delay = config.start_s if reuse is not None else config.boot_s + config.setup_s
                 bill = max(delay, config.min_bill_s) if reuse is not None else delay
-                net, _ = _bundle_value(runs, i, waits, placed, t, k, usd, delay, bill, now, config)
-                options.append((net, t.instance_type, t, k, reuse))
-            options.sort(key=lambda o: (-o[0], o[1]))
-            if not options or options[0][0] <= 0:
+                net, members = _bundle_value(
+                    runs, i, waits, placed, t, k, usd, delay, bill, base_hr, now, config
+                )
+                if net > 0:
+                    served = sum(r.gpus for r, _ in members)
+                    options.append((net / served, served, t.instance_type, t, k, reuse))
+            # the most worth per GPU served; among equals the bigger bundle (fewer boots)
+            options.sort(key=lambda o: (-o[0], -o[1], o[2]))
+            if not options:
                 i += 1
                 continue
-            _, _, t, k, reuse = options[0]
+            _, _, _, t, k, reuse = options[0]
             usd = t.hourly(market)
             delay = config.start_s if reuse is not None else config.boot_s + config.setup_s
             bill = max(delay, config.min_bill_s) if reuse is not None else delay
-            _, members = _bundle_value(runs, i, waits, placed, t, k, usd, delay, bill, now, config)
+            _, members = _bundle_value(
+                runs, i, waits, placed, t, k, usd, delay, bill, base_hr, now, config
+            )
             refs: list[str] = []
             if reuse is not None:
                 stopped_left.remove(reuse)
@@ -156,10 +173,15 @@ def _bundle_value(
     usd_hr: float,
     delay: float,
     bill_s: float,
+    base_hr: float,
     now: float,
     config: SchedulerConfig,
 ) -> tuple[float, list[tuple[QueuedRun, int]]]:
-    """Net worth (USD) of provisioning k instances of t for runs[i] and whoever else fits."""
+    """Net worth (USD) of provisioning k instances of t for runs[i] and whoever else fits.
+
+    The waiting saved is valued at `base_hr`, one GPU's cheapest price for the model, so
+    that every size is credited alike for the same runs; what t charges per GPU above
+    it, for as long as the runs are expected to hold them, is a cost of choosing t."""
     first = runs[i]
     per = first.gpus // k
     members: list[tuple[QueuedRun, int]] = [(first, per)]
@@ -175,14 +197,18 @@ def _bundle_value(
             members.append((run, run.gpus))
             free -= run.gpus
     gpu_usd_s = usd_hr / t.gpus / 3600.0
+    base_usd_s = min(base_hr / 3600.0, gpu_usd_s)
     saved = 0.0
     longest = 0.0
+    held = 0.0  # GPU-seconds the members are expected to hold
     for run, _ in members:
         w = waits.get(run.run_id, math.inf) - now
         saved += run.gpus * (min(w, 1e9) - delay)
         longest = max(longest, est(run, config))
-    value = config.wait_value * saved * gpu_usd_s
-    cost = k * (bill_s * usd_hr / 3600.0 + free * gpu_usd_s * longest)
+        held += run.gpus * est(run, config)
+    value = config.wait_value * saved * base_usd_s
+    premium = held * (gpu_usd_s - base_usd_s)
+    cost = k * (bill_s * usd_hr / 3600.0 + free * gpu_usd_s * longest) + premium
     return value - cost, members
 
 

@@ -18,6 +18,7 @@ from types import FrameType
 
 import typer
 
+from bot import providers
 from bot.app.config import ConfigError, Settings, load_settings
 from bot.domain.errors import UserError
 
@@ -44,7 +45,9 @@ def _fail(text: str) -> typer.Exit:
 
 def _load() -> Settings:
     try:
-        return load_settings()
+        settings = load_settings()
+        providers.names(settings)  # one that does not exist is named before anything starts
+        return settings
     except ConfigError as exc:
         raise _fail(exc.text) from None
 

@@ -1,8 +1,8 @@
 """rollups per person (the runs' own in runrollup and runrollupday); finished runs' times
 and the run-time estimates kept as runs end
 
-Revision ID: 0010
-Revises: 0009
+Revision ID: 0011
+Revises: 0010
 Create Date: 2026-12-05
 
 A team month read the daily rollups keyed per run as well as per person: 20,659 of 22,559
@@ -26,8 +26,8 @@ from alembic import op
 
 import db.types
 
-revision: str = "0010"
-down_revision: str | None = "0009"
+revision: str = "0011"
+down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
@@ -54,7 +54,7 @@ def _per_person(name: str, at: str, key: str) -> None:
 def upgrade() -> None:
     # The kept rows regrouped, aside while their tables are made again.
     op.execute(
-        "CREATE TEMPORARY TABLE rollup_hours_0010 AS"
+        "CREATE TEMPORARY TABLE rollup_hours_0011 AS"
         " SELECT r.hour AS hour, r.user_id AS user_id, r.market AS market,"
         " COALESCE(h.instance_type, '') AS instance_type, SUM(r.micro_usd) AS micro_usd,"
         " SUM(r.held_us) AS held_us, SUM(r.covered_micro) AS covered_micro"
@@ -62,17 +62,17 @@ def upgrade() -> None:
         " GROUP BY r.hour, r.user_id, r.market, COALESCE(h.instance_type, '')"
     )
     op.execute(
-        "CREATE TEMPORARY TABLE rollup_days_0010 AS"
+        "CREATE TEMPORARY TABLE rollup_days_0011 AS"
         f" SELECT day, user_id, market, instance_type, {_SUMS},"
         " SUM(covered_micro) AS covered_micro"
         " FROM usagerollupday GROUP BY day, user_id, market, instance_type"
     )
     op.execute(
-        "CREATE TEMPORARY TABLE rollup_runs_0010 AS"
+        "CREATE TEMPORARY TABLE rollup_runs_0011 AS"
         f" SELECT hour, run_id, {_SUMS} FROM usagerollup WHERE run_id <> 0 GROUP BY hour, run_id"
     )
     op.execute(
-        "CREATE TEMPORARY TABLE rollup_run_days_0010 AS"
+        "CREATE TEMPORARY TABLE rollup_run_days_0011 AS"
         f" SELECT day, run_id, {_SUMS} FROM usagerollupday WHERE run_id <> 0 GROUP BY day, run_id"
     )
     op.drop_table("usagerollup")
@@ -96,22 +96,22 @@ def upgrade() -> None:
     )
     sums = "micro_usd, held_us, covered_micro"
     for table, at, aside in (
-        ("usagerollup", "hour", "rollup_hours_0010"),
-        ("usagerollupday", "day", "rollup_days_0010"),
+        ("usagerollup", "hour", "rollup_hours_0011"),
+        ("usagerollupday", "day", "rollup_days_0011"),
     ):
         columns = f"{at}, user_id, market, instance_type, {sums}"
         op.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {aside}")
     for table, at, aside in (
-        ("runrollup", "hour", "rollup_runs_0010"),
-        ("runrollupday", "day", "rollup_run_days_0010"),
+        ("runrollup", "hour", "rollup_runs_0011"),
+        ("runrollupday", "day", "rollup_run_days_0011"),
     ):
         columns = f"{at}, run_id, micro_usd, held_us"
         op.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {aside}")
     for aside in (
-        "rollup_hours_0010",
-        "rollup_days_0010",
-        "rollup_runs_0010",
-        "rollup_run_days_0010",
+        "rollup_hours_0011",
+        "rollup_days_0011",
+        "rollup_runs_0011",
+        "rollup_run_days_0011",
     ):
         op.execute(f"DROP TABLE {aside}")
     op.create_table(

@@ -1,0 +1,184 @@
+"""The providers: the one place that knows them by name.
+
+`KINDS` lists every provider by the name GPUBOT_PROVIDER (or the list GPUBOT_PROVIDERS)
+gives it; `configured` makes the ones the settings name, `checks` runs their doctor
+lines, and `Displays` words each host as its own provider would. The composition root
+(bot.faces.runtime) connects the providers; nothing else asks which one it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from bot.app.config import ConfigError, Settings
+from bot.app.ports import FIXED_POOL, Supply
+from bot.domain.readmodels import HostState
+from bot.providers.aws import AwsProvider
+from bot.providers.base import Note, Parts, Probes, Provider, ProviderKind, guarded
+from bot.providers.local import LocalProvider
+from bot.providers.slurm import SlurmProvider
+from bot.providers.ssh import SshProvider
+from provisioning.aws import Ec2Compute
+from provisioning.aws_doctor import Check
+from provisioning.base import Compute
+from provisioning.catalog import Catalog
+from provisioning.hosts import LocalCompute, StaticHostsCompute
+from provisioning.ssh import SshRunner
+
+if TYPE_CHECKING:
+    from bot.app.fleet import Fleet
+    from bot.app.service import GpuService
+
+__all__ = [
+    "KINDS",
+    "Displays",
+    "Note",
+    "Parts",
+    "Probes",
+    "Provider",
+    "checks",
+    "configured",
+    "for_compute",
+    "names",
+    "owners",
+]
+
+KINDS: dict[str, ProviderKind] = {
+    kind.name: kind for kind in (LocalProvider, SshProvider, AwsProvider, SlurmProvider)
+}
+
+
+def names(settings: Settings) -> tuple[str, ...]:
+    """The providers the settings name, in order (owned ones first is the team's call);
+    a ConfigError names one that is not known."""
+    wanted = settings.providers or (settings.provider,)
+    unknown = [n for n in wanted if n not in KINDS]
+    if unknown:
+        known = ", ".join(KINDS)
+        variable = "GPUBOT_PROVIDERS" if settings.providers else "GPUBOT_PROVIDER"
+        raise ConfigError(f"{variable}={','.join(wanted)}: {unknown[0]} is not one of {known}")
+    return wanted
+
+
+def configured(settings: Settings, env: Mapping[str, str], runner: SshRunner) -> list[Provider]:
+    """The providers the settings name, each made from its settings."""
+    return [KINDS[name].from_env(settings, env, runner) for name in names(settings)]
+
+
+def checks(settings: Settings, env: Mapping[str, str], probes: Probes) -> list[Check]:
+    """Each configured provider's doctor lines (a name that is not known is one line),
+    and those of a provider whose own variables are set though it is not configured."""
+    try:
+        wanted = list(names(settings))
+    except ConfigError as exc:
+        return [Check("Provider", False, exc.text, f"Use one of {', '.join(KINDS)}.")]
+    configured_ = ",".join(wanted)
+    wanted += [name for name, kind in KINDS.items() if name not in wanted and kind.wanted(env)]
+    out: list[Check] = [
+        Check(kind.label, True, f"not used (GPUBOT_PROVIDER={configured_})")
+        for name, kind in KINDS.items()
+        if name not in wanted
+    ]
+    for name in wanted:
+        kind = KINDS[name]
+        out += guarded(kind.label, lambda kind=kind: kind.checks(settings, env, probes))  # type: ignore[misc]
+    return out
+
+
+def owners(settings: Settings) -> tuple[str, ...]:
+    """The providers whose hosts are the team's own machines (`gpubot hosts forget`)."""
+    return tuple(n for n, kind in KINDS.items() if kind.owns_hosts)
+
+
+class _Listed:
+    """A provider made from a compute a test handed the runtime, with no way to run
+    anything: its hosts, reservations only."""
+
+    name: ClassVar[str] = "listed"
+    owns_hosts: ClassVar[bool] = False
+
+    def __init__(self, settings: Settings, compute: Compute) -> None:
+        self._compute = compute
+        self._catalog = Catalog.load(prefer=settings.prices_path)
+
+    @property
+    def compute(self) -> Compute:
+        return self._compute
+
+    @property
+    def catalog(self) -> Catalog:
+        return self._catalog
+
+    @property
+    def supply(self) -> Supply:
+        return FIXED_POOL
+
+    def connect(self, service: GpuService, parts: Parts) -> Fleet | None:
+        service.sync_hosts(self._compute.list_instances())
+        return None
+
+    def note(self, host: HostState) -> str | None:
+        return None
+
+    def called(self, host_name: str, provider: str) -> str:
+        return host_name
+
+    def empty_pool(self) -> str:
+        return "No hosts are configured."
+
+    def status_lines(self) -> list[str]:
+        return []
+
+    def cost_note(self) -> str | None:
+        return None
+
+
+@functools.singledispatch
+def for_compute(compute: Compute, settings: Settings) -> Provider:
+    """The provider of a compute handed to the runtime (tests): by the compute's type."""
+    return _Listed(settings, compute)
+
+
+@for_compute.register
+def _(compute: LocalCompute, settings: Settings) -> Provider:
+    return LocalProvider(settings, compute)
+
+
+@for_compute.register
+def _(compute: StaticHostsCompute, settings: Settings) -> Provider:
+    return SshProvider(settings, compute)
+
+
+@for_compute.register
+def _(compute: Ec2Compute, settings: Settings) -> Provider:
+    return AwsProvider(compute)
+
+
+class Displays:
+    """`HostDisplay` over the configured providers: each host worded by its own."""
+
+    def __init__(self, providers: Sequence[Provider]) -> None:
+        self.providers = list(providers)
+
+    def _of(self, provider: str) -> Provider | None:
+        return next((p for p in self.providers if p.name == provider), None)
+
+    def note(self, host: HostState) -> str | None:
+        own = self._of(host.provider)
+        return own.note(host) if own is not None else None
+
+    def called(self, host_name: str, provider: str) -> str:
+        own = self._of(provider)
+        return own.called(host_name, provider) if own is not None else host_name
+
+    def empty_pool(self) -> str:
+        return self.providers[-1].empty_pool() if self.providers else "No hosts are configured."
+
+    def status_lines(self) -> list[str]:
+        return [line for p in self.providers for line in p.status_lines()]
+
+    def cost_note(self) -> str | None:
+        notes = [n for p in self.providers if (n := p.cost_note()) is not None]
+        return " ".join(notes) or None

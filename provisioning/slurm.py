@@ -1,0 +1,466 @@
+"""A lab's Slurm cluster, read and driven through Slurm's own command-line tools.
+
+The bot never links Slurm: it runs `sinfo`, `squeue`, `sbatch`, `scontrol`, `scancel`
+(and `sacct` where the cluster keeps accounting) on its own machine, or over SSH on a
+login node, and `provisioning.slurm_parse` turns what they print into plain dataclasses
+(re-exported here). Rules:
+
+- Every command has a timeout. A controller that does not answer makes client tools
+  retry for many seconds (9 s for a refused connection, longer for a silent host), so
+  the timeout is what bounds a status request; either way it is `SlurmUnavailable`.
+- `SLURM_CONF` is honoured as Slurm's tools honour it: given (or read from the bot's
+  environment), it is put in each command's environment, and over SSH in the remote
+  command's `env` prefix (SSH does not pass it). Nothing else of the bot's environment
+  reaches a command: a job must never see the bot's secrets, and an `SBATCH_*` or
+  `SQUEUE_*` variable of the bot's must not change what a command means.
+- Shell words are built only by `provisioning.shell`.
+- Finished jobs: squeue shows them for MinJobAge (default 300 s) after their end;
+  later `final_state` asks `sacct` (a real cluster's answer: slurmdbd keeps every job)
+  and falls back to the jobcomp/filetxt file where the bot can read it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from provisioning import shell
+from provisioning.base import ProvisioningError
+from provisioning.slurm_parse import (
+    FINISHED_STATES,
+    NODE_STATES,
+    JobEnd,
+    SlurmJob,
+    SlurmNode,
+    format_duration,
+    gres_type_for,
+    load_json,
+    model_of,
+    parse_job_gpu_indexes,
+    parse_jobcomp,
+    parse_jobs,
+    parse_nodes,
+    parse_sacct,
+)
+from provisioning.ssh import RunResult, SshError, SshRunner, SshTarget
+
+__all__ = [
+    "FINISHED_STATES",
+    "NODE_STATES",
+    "JobEnd",
+    "JobSpec",
+    "SlurmClient",
+    "SlurmError",
+    "SlurmJob",
+    "SlurmNode",
+    "SlurmUnavailable",
+]
+
+DEFAULT_TIMEOUT_S = 15.0
+SACCT_FIELDS = "JobID,JobName,User,Partition,State,ExitCode,Start,End,NodeList"
+# What client tools print when the controller does not answer.
+_UNREACHABLE = re.compile(
+    r"Unable to contact slurm controller|Socket timed out|Zero Bytes were transmitted"
+    r"|Communication connection failure|Connection refused",
+    re.IGNORECASE,
+)
+
+
+class SlurmError(ProvisioningError):
+    """Slurm refused or could not do what was asked; the message is fit for a user."""
+
+
+class SlurmUnavailable(SlurmError):
+    """The controller (or the login node in front of it) did not answer in time."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One batch job on one node. `argv` is exec'd by a `#!/bin/sh` script, so the job's
+    process is the program itself (signals reach it). Its environment is Slurm's
+    `SLURM_*` (and CUDA_VISIBLE_DEVICES), USER/LOGNAME/HOME/PATH of the account it runs
+    as, and `env`: never the bot's, and not the account's login scripts."""
+
+    name: str
+    argv: tuple[str, ...]
+    workdir: str
+    time_limit_s: int
+    gpus: int = 0
+    # Slurm's gres type ("a100") or a model name ("A100"): mapped onto the cluster's type.
+    gpu_type: str | None = None
+    partition: str | None = None
+    output: str | None = None  # Slurm's %j etc. allowed; default slurm-%j.out in workdir
+    error: str | None = None  # default: with the output
+    requeue: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)
+    # Run as this unix account (the bot must be root: sbatch --uid/--gid); None: the bot's.
+    user: str | None = None
+    group: str | None = None  # default: the user's primary group
+    cpus: int | None = None
+    memory_mb: int | None = None
+
+
+def _slurm_message(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else "no message"
+    return re.sub(r"^(\w+: )?(error: )?(Batch job submission failed: )?", "", last)
+
+
+def explain_denial(stderr: str) -> str:
+    """Why scancel or scontrol said no, with what to do about a permission."""
+    said = _slurm_message(stderr)
+    if re.search(r"permission denied|Invalid user id", said, re.IGNORECASE):
+        return (
+            "the bot's account is not a Slurm operator, and the job is not the bot's own "
+            f"or may only be changed by one ({said}; an admin can grant it: sacctmgr "
+            "modify user NAME set adminlevel=operator)"
+        )
+    return said
+
+
+def explain_refusal(
+    stderr: str,
+    spec: JobSpec,
+    nodes: Sequence[SlurmNode],
+    normalize: Callable[[str], str | None] | None = None,
+) -> str:
+    """An sbatch refusal in words a person acts on, from what the cluster has."""
+    said = _slurm_message(stderr)
+    partitions = sorted({p for n in nodes for p in n.partitions})
+    if "Invalid partition" in said and spec.partition:
+        return (
+            f"there is no partition {spec.partition!r}; the partitions are {', '.join(partitions)}"
+        )
+    if "uid" in said.lower() and spec.user:
+        return f"the bot cannot submit jobs as {spec.user}: Slurm allows that only to root ({said})"
+    if "node configuration is not available" in said or "Invalid generic resource" in said:
+        pool = [n for n in nodes if spec.partition is None or spec.partition in n.partitions]
+        where = f"partition {spec.partition}" if spec.partition else "the cluster"
+        if spec.gpus:
+            asked = spec.gpu_type or ""
+            fits = [
+                n.gpus.get(m, 0)
+                for n in pool
+                for m in n.gpus
+                if not asked or asked.lower() in (m.lower(), n.gres_types.get(m, "").lower())
+            ]
+            label = model_of(asked, normalize) if asked else ""
+            if not fits:
+                have = sorted({m for n in pool for m in n.gpus})
+                return (
+                    f"{where} has no {label} GPUs (it has: {', '.join(have) or 'no GPUs'})"
+                    if asked
+                    else f"{where} has no GPUs"
+                )
+            if spec.gpus > max(fits):
+                gpus = " ".join(w for w in (str(spec.gpus), label, "GPUs") if w)
+                scope = "no partition" if spec.partition is None else f"partition {spec.partition}"
+                return f"{scope} has {gpus} on one node (the most is {max(fits)})"
+        if spec.cpus and all(n.cpus < spec.cpus for n in pool):
+            return f"no node of {where} has {spec.cpus} CPUs"
+        if spec.memory_mb and all(n.memory_mb < spec.memory_mb for n in pool):
+            return f"no node of {where} has {spec.memory_mb} MB of memory"
+    if "time limit" in said.lower():
+        return f"the time limit is longer than partition {spec.partition or '(default)'} allows"
+    return f"Slurm refused the job: {said}"
+
+
+# The job starts with no environment but Slurm's own (--export-file=/dev/null): these
+# are what a program expects of a login, for the account the job runs as.
+_BASICS = (
+    'USER=$(id -un); LOGNAME=$USER; HOME=$(getent passwd "$USER" | cut -d: -f6); '
+    "PATH=${PATH:-/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin}; "
+    "export USER LOGNAME HOME PATH; "
+)
+
+
+def batch_line(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """The body of the job's `#!/bin/sh` script (sbatch --wrap adds the #! line)."""
+    return _BASICS + "exec " + shell.env_prefix(dict(env)) + shell.join(argv)
+
+
+# --- the client -----------------------------------------------------------------------
+
+# What a local command keeps of the bot's environment (see the module's docstring).
+_KEEP_ENV = ("PATH", "HOME", "USER", "LOGNAME", "TZ")
+
+
+class SlurmClient:
+    """Slurm's tools on this machine, or on a login node over SSH (`login` + `runner`)."""
+
+    def __init__(
+        self,
+        *,
+        conf: str | None = None,
+        login: SshTarget | None = None,
+        runner: SshRunner | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        normalize: Callable[[str], str | None] | None = None,
+    ) -> None:
+        if (login is None) != (runner is None):
+            raise ValueError("a login node needs both its SshTarget and an SshRunner")
+        self.conf = conf if conf is not None else os.environ.get("SLURM_CONF") or None
+        self.login = login
+        self.runner = runner
+        self.timeout_s = timeout_s
+        self.normalize = normalize
+        self._gids: dict[str, str] = {}
+        self._jobcomp: tuple[str, str] | None = None
+
+    @property
+    def where(self) -> str:
+        return f"on {self.login.label}" if self.login else "on this machine"
+
+    def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        env = {"LC_ALL": "C"}
+        if self.conf:
+            env["SLURM_CONF"] = self.conf
+        env.update(extra or {})
+        return env
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> RunResult:
+        """One Slurm command; a non-zero exit is a result, a silent controller is not."""
+        limit = self.timeout_s if timeout is None else timeout
+        what = argv[0]
+        if self.login is not None and self.runner is not None:
+            try:
+                result = self.runner.run(self.login, shell.join(argv), limit, env=self._env(env))
+            except SshError as exc:
+                raise SlurmUnavailable(
+                    f"Slurm is not answering: `{what}` {self.where} failed ({exc})"
+                ) from exc
+            if result.exit_code == 127:
+                raise SlurmError(f"Slurm's `{what}` is not installed {self.where}")
+        else:
+            local = {k: os.environ[k] for k in _KEEP_ENV if k in os.environ}
+            try:
+                done = subprocess.run(
+                    list(argv),
+                    env=local | self._env(env),
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    timeout=limit,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired as exc:
+                raise SlurmUnavailable(
+                    f"the Slurm controller is not answering (`{what}` took over {limit:g} s)"
+                ) from exc
+            except FileNotFoundError as exc:
+                raise SlurmError(f"Slurm's `{what}` is not installed {self.where}") from exc
+            result = RunResult(done.returncode, done.stdout, done.stderr)
+        if not result.ok and "fetch config" in result.stderr:
+            raise SlurmError(
+                f"Slurm's tools {self.where} find no configuration: set SLURM_CONF to the "
+                "cluster's slurm.conf (or install it as /etc/slurm/slurm.conf)"
+            )
+        if not result.ok and _UNREACHABLE.search(result.stderr):
+            raise SlurmUnavailable(
+                f"the Slurm controller is not answering ({_slurm_message(result.stderr)})"
+            )
+        return result
+
+    def _checked(self, argv: Sequence[str], doing: str, **kw: Any) -> str:
+        result = self.run(argv, **kw)
+        if not result.ok:
+            raise SlurmError(f"Slurm could not {doing}: {_slurm_message(result.stderr)}")
+        return result.stdout
+
+    # reading
+
+    def ping(self, timeout: float | None = None) -> None:
+        """Returns when the controller answers; SlurmUnavailable saying why otherwise."""
+        result = self.run(["scontrol", "ping"], timeout=timeout)
+        if result.ok and " is UP" in result.stdout:
+            return
+        said = (result.stdout + result.stderr).strip().splitlines()
+        raise SlurmUnavailable(
+            f"the Slurm controller is not answering ({said[0] if said else 'scontrol ping failed'})"
+        )
+
+    def controller_up(self, timeout: float | None = None) -> bool:
+        try:
+            self.ping(timeout)
+        except SlurmUnavailable:
+            return False
+        return True
+
+    def _listing(self, argv: Sequence[str], doing: str) -> dict[str, Any] | None:
+        """A `--json` listing; None when Slurm says the job id is unknown."""
+        result = self.run(argv)
+        if not result.ok:
+            said = _slurm_message(result.stderr)
+            if "Invalid job id" in said:
+                return None
+            raise SlurmError(f"Slurm could not {doing} ({argv[0]}: {said})")
+        doc, errors = load_json(result.stdout)
+        if not errors:
+            return doc
+        said = "; ".join(errors)
+        if "Invalid job id" in said:
+            return None
+        # 22.05 says a controller that does not answer only here, with an empty list.
+        raise SlurmUnavailable(f"the Slurm controller is not answering ({argv[0]}: {said})")
+
+    def nodes(self) -> list[SlurmNode]:
+        doc = self._listing(["sinfo", "--all", "--Node", "--json"], "list its nodes")
+        return parse_nodes(doc or {}, self.normalize)
+
+    def jobs(self) -> list[SlurmJob]:
+        """Every job Slurm still knows (ended ones for MinJobAge), in one squeue call."""
+        doc = self._listing(["squeue", "--all", "--states=all", "--json"], "list its jobs")
+        return parse_jobs(doc or {}, self.normalize)
+
+    def job(self, job_id: int) -> SlurmJob | None:
+        """The job, or None once Slurm has forgotten it (see `final_state`)."""
+        argv = ["squeue", "--all", "--states=all", "--json", f"--jobs={int(job_id)}"]
+        doc = self._listing(argv, f"show job {job_id}")
+        # 22.05 ignores --jobs with --json and returns every job.
+        found = [j for j in parse_jobs(doc or {}, self.normalize) if j.job_id == job_id]
+        return found[0] if found else None
+
+    def gpu_indexes(self, job_id: int) -> dict[str, tuple[int, ...]]:
+        """Node → GPU indexes of a running job, from `scontrol show job -d` (for Slurm
+        versions whose squeue JSON lacks gres_detail; jobs() fills them where it has it)."""
+        out = self._checked(
+            ["scontrol", "show", "job", "-d", str(int(job_id))], f"show job {job_id}"
+        )
+        return parse_job_gpu_indexes(out)
+
+    def final_state(self, job_id: int) -> JobEnd | None:
+        """A finished job's end from accounting (sacct, when slurmdbd runs), else from the
+        jobcomp/filetxt file (readable only where the controller's file is); None when
+        neither knows it."""
+        argv = ["sacct", "-X", "-n", "-P", "-j", str(int(job_id)), "-o", SACCT_FIELDS]
+        try:
+            sacct = self.run(argv, env={"SLURM_TIME_FORMAT": "%s"})
+        except SlurmUnavailable:
+            raise
+        except SlurmError:  # no sacct here: the jobcomp file may still know
+            sacct = RunResult(127, "", "")
+        if sacct.ok and (end := parse_sacct(sacct.stdout, job_id)) is not None:
+            return end
+        kind, path = self.jobcomp()
+        if kind != "jobcomp/filetxt" or not path:
+            return None
+        found = self.run(["grep", "-a", "-E", "--", f"^JobId={int(job_id)} ", path])
+        return parse_jobcomp(found.stdout, job_id) if found.ok else None
+
+    def jobcomp(self) -> tuple[str, str]:
+        """(JobCompType, JobCompLoc) of the cluster, read once."""
+        if self._jobcomp is None:
+            out = self._checked(["scontrol", "show", "config"], "show its configuration")
+            conf = dict(re.findall(r"^(JobComp(?:Type|Loc))\s*=\s*(\S*)", out, re.MULTILINE))
+            self._jobcomp = (conf.get("JobCompType", ""), conf.get("JobCompLoc", ""))
+        return self._jobcomp
+
+    # acting
+
+    def submit(self, spec: JobSpec, nodes: Sequence[SlurmNode] | None = None) -> int:
+        """The new job's id. `nodes` (as just read for status) maps a model name in
+        spec.gpu_type onto the cluster's gres type; without it they are read here."""
+        if not spec.argv:
+            raise SlurmError("a job needs a command")
+        argv = ["sbatch", "--parsable", "--nodes=1", f"--job-name={spec.name}"]
+        argv += [f"--time={format_duration(spec.time_limit_s)}", f"--chdir={spec.workdir}"]
+        # Not --export=NONE: that makes slurmd run the account's login scripts (`su -`)
+        # before each job, which took 60 s here under load; /dev/null is a clean start.
+        argv += ["--export-file=/dev/null", "--requeue" if spec.requeue else "--no-requeue"]
+        if spec.partition:
+            argv.append(f"--partition={spec.partition}")
+        if spec.gpus:
+            gres = "gpu"
+            if spec.gpu_type:
+                if nodes is None:
+                    nodes = self.nodes()
+                gres += ":" + (gres_type_for(spec.gpu_type, nodes) or spec.gpu_type)
+            argv.append(f"--gres={gres}:{int(spec.gpus)}")
+        if spec.cpus:
+            argv.append(f"--cpus-per-task={int(spec.cpus)}")
+        if spec.memory_mb:
+            argv.append(f"--mem={int(spec.memory_mb)}M")
+        if spec.output:
+            argv.append(f"--output={spec.output}")
+        if spec.error:
+            argv.append(f"--error={spec.error}")
+        if spec.user:
+            argv += [f"--uid={spec.user}", f"--gid={spec.group or self._gid_of(spec.user)}"]
+        argv.append(f"--wrap={batch_line(spec.argv, spec.env)}")
+        result = self.run(argv)
+        if not result.ok:
+            try:
+                known = list(nodes) if nodes is not None else self.nodes()
+            except SlurmError:
+                known = []  # the refusal is still said, without what the cluster has
+            why = explain_refusal(result.stderr, spec, known, self.normalize)
+            raise SlurmError(f"Slurm refused job {spec.name!r}: {why}")
+        first = result.stdout.strip().split(";")[0]
+        if not first.isdigit():
+            raise SlurmError(f"sbatch gave no job id: {result.stdout.strip()[:200]!r}")
+        return int(first)
+
+    def _gid_of(self, user: str) -> str:
+        """The account's primary group where the jobs run (without --gid Slurm uses 0)."""
+        if user not in self._gids:
+            result = self.run(["id", "-g", "--", user])
+            if not result.ok or not result.stdout.strip().isdigit():
+                raise SlurmError(f"there is no account {user!r} {self.where}")
+            self._gids[user] = result.stdout.strip()
+        return self._gids[user]
+
+    def cancel(self, job_id: int, signal: str | None = None) -> None:
+        """End the job (or, with `signal`, signal its batch script and steps). An id
+        Slurm has forgotten is already over: no error."""
+        argv = ["scancel"]
+        if signal:
+            argv += [f"--signal={signal}", "--full"]
+        result = self.run([*argv, str(int(job_id))])
+        if not result.ok and "Invalid job id" not in result.stderr:
+            raise SlurmError(
+                f"Slurm refused to cancel job {job_id}: {explain_denial(result.stderr)}"
+            )
+
+    def set_time_limit(self, job_id: int, seconds: int) -> None:
+        """Raising a running job's limit needs a Slurm operator or admin (or root)."""
+        limit = f"TimeLimit={format_duration(seconds)}"
+        result = self.run(["scontrol", "update", f"JobId={int(job_id)}", limit])
+        if not result.ok:
+            raise SlurmError(
+                f"Slurm refused to change job {job_id}'s time limit: {explain_denial(result.stderr)}"
+            )
+
+    def run_in_job(
+        self,
+        job_id: int,
+        argv: Sequence[str],
+        *,
+        node: str | None = None,
+        timeout: float | None = None,
+    ) -> RunResult:
+        """`argv` as a step inside a running job's allocation (`srun --overlap`): it
+        sees the job's GPUs (CUDA_VISIBLE_DEVICES), e.g. for telemetry. The bot must own
+        the job or be root; a non-zero exit is a result."""
+        step = ["srun", f"--jobid={int(job_id)}", "--overlap", "--nodes=1", "--ntasks=1"]
+        if node:
+            step.append(f"--nodelist={node}")
+        return self.run([*step, *argv], timeout=timeout)
+
+    def requeue(self, job_id: int) -> None:
+        """Back to pending (a running job submitted with requeue=True); it starts again
+        after AuthInfo's cred_expire (default 120 s) with SLURM_RESTART_COUNT set."""
+        result = self.run(["scontrol", "requeue", str(int(job_id))])
+        if not result.ok:
+            raise SlurmError(
+                f"Slurm refused to requeue job {job_id}: {explain_denial(result.stderr)}"
+            )
