@@ -7,9 +7,9 @@ billed periods, runs and reservations placed on free GPUs as usage intervals, ho
 utilization samples of the reservations, the rollups rebuilt from the intervals
 (`bot.app.rollups.rebuild_rollups`, what `gpubot db rebuild-rollups` does). Then
 `digest_for` is timed without the advice and with it (the simulator behind the port, as
-the CLI and the worker hand it), and the text view with both; each the median of REPEATS
-calls, beside the history bench's yardstick (a fixed piece of Python) so a reader can tell
-a slow machine from slow code. SQLite; sizes by GPUBOT_BENCH_ADVICE_RUNS (runs per person
+the CLI and the worker hand it), and the text view with both; each the median of the
+history bench's repeats (GPUBOT_BENCH_HISTORY_REPEATS), beside its yardstick (a fixed
+piece of Python) so a reader can tell a slow machine from slow code. SQLite; sizes by GPUBOT_BENCH_ADVICE_RUNS (runs per person
 per week, default 10).
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sqlmodel import Session
 
-from bench.history import _yardstick
+from bench.history import _median_ms as _history_median_ms
 from bot.app.advice import replay_jobs, week_wastes
 from bot.app.config import Settings
 from bot.app.digest import digest_for, digest_view
@@ -53,7 +53,6 @@ HOSTS = 100
 USERS = 50
 RUNS_PER_PERSON = int(os.environ.get("GPUBOT_BENCH_ADVICE_RUNS", "10"))
 HOLDS_PER_PERSON = 5
-REPEATS = int(os.environ.get("GPUBOT_BENCH_ADVICE_REPEATS", "5"))
 MON = datetime(2026, 3, 9, tzinfo=UTC)  # 2026-W11
 NOW = datetime(2026, 3, 17, 9, tzinfo=UTC)
 WEEK = "2026-W11"
@@ -251,16 +250,8 @@ def build(engine_url: str, seed: int = 11) -> tuple[GpuService, dict[str, int]]:
 
 
 def _median_ms(fn: Callable[[], object], yard: list[float]) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        _yardstick()
-        t1 = time.perf_counter()
-        yard.append((t1 - t0) * 1000)
-        fn()
-        times.append((time.perf_counter() - t1) * 1000)
-    return round(statistics.median(times), 2)
+    """The history bench's median of its repeats, with its yardstick, on SQLite."""
+    return _history_median_ms(fn, yard, [], None)
 
 
 def run() -> dict[str, object]:

@@ -128,19 +128,23 @@ class World:
         self.s.add(r)
         self.s.flush()
         for g in host[1][:gpus]:
-            self.s.add(
-                UsageInterval(
-                    gpu_id=g.id,  # type: ignore[arg-type]
-                    host_id=host[0].id,  # type: ignore[arg-type]
-                    user_id=u.id,  # type: ignore[arg-type]
-                    run_id=r.id,
-                    started_at=start,
-                    ended_at=end,
-                    usd_per_hour=SHARE,
-                    market="ondemand",
-                )
-            )
+            self.held(g, u, start, end, run_id=r.id)
         return r
+
+    def held(self, g: Gpu, u: User, start: datetime, end: datetime, **ref: int | None) -> None:
+        """A GPU held on demand from start to end, by a run or a reservation (`ref`)."""
+        self.s.add(
+            UsageInterval(
+                gpu_id=g.id,  # type: ignore[arg-type]
+                host_id=g.host_id,
+                user_id=u.id,  # type: ignore[arg-type]
+                started_at=start,
+                ended_at=end,
+                usd_per_hour=SHARE,
+                market="ondemand",
+                **ref,
+            )
+        )
 
     def reservation(
         self,
@@ -167,18 +171,7 @@ class World:
         self.s.add(res)
         self.s.flush()
         g = host[1][-1]
-        self.s.add(
-            UsageInterval(
-                gpu_id=g.id,  # type: ignore[arg-type]
-                host_id=host[0].id,  # type: ignore[arg-type]
-                user_id=u.id,  # type: ignore[arg-type]
-                reservation_id=res.id,
-                started_at=start,
-                ended_at=end,
-                usd_per_hour=SHARE,
-                market="ondemand",
-            )
-        )
+        self.held(g, u, start, end, reservation_id=res.id)
         for i in range(idle_hours):  # hourly samples under the idle threshold
             self.s.add(
                 GpuSample(
