@@ -464,22 +464,6 @@ def advise(
     return Advice(len(jobs), base, tuple(best[:TOP]), labels)
 
 
-def week_report(
-    s: Session,
-    window: Window,
-    now: datetime,
-    settings: Settings,
-    catalog: Catalog,
-    replay: Replayer | None,
-) -> WeekReport:
-    wastes = week_wastes(s, window, now, settings, catalog)
-    if replay is None:
-        advice = Advice(0, None, (), (), "no simulator here to replay the week")
-    else:
-        advice = advise(replay_jobs(s, window, now), settings, catalog, replay)
-    return WeekReport(wastes, advice)
-
-
 # --- what it looks like ------------------------------------------------------------------
 
 
@@ -702,6 +686,12 @@ def report_for(
     catalog: Catalog,
     replay: Replayer | None,
 ) -> WeekReport:
-    """`week_report` in a read transaction of its own (`/gpu cost team week`)."""
+    """The window's wastes and advice. What it needs is read in one read transaction and
+    the replays run after it has closed: they take a second or so on a busy week, and a
+    transaction held open that long would hold SQLite's writers back."""
     with transaction(engine, write=False) as s:
-        return week_report(s, window, now, settings, catalog, replay)
+        wastes = week_wastes(s, window, now, settings, catalog)
+        jobs = replay_jobs(s, window, now) if replay is not None else []
+    if replay is None:
+        return WeekReport(wastes, Advice(0, None, (), (), "no simulator here to replay the week"))
+    return WeekReport(wastes, advise(jobs, settings, catalog, replay))

@@ -33,7 +33,7 @@ from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, select
 
-from bot.app.advice import WeekReport, report_blocks, report_csv, week_report
+from bot.app.advice import WeekReport, report_blocks, report_csv, report_for
 from bot.app.billing import WindowCosts, shown_cents, window_costs
 from bot.app.billing import host_periods as load_periods
 from bot.app.config import Settings, parse_weekly_time
@@ -429,9 +429,10 @@ def digest_for(
     catalog = Catalog.load()
     with transaction(service.engine, write=False) as s:
         d = build_digest(s, year, wk, now, service.settings, catalog)
-        if replay is None:
-            return d
-        return replace(d, report=week_report(s, d.window, now, service.settings, catalog, replay))
+    if replay is None:
+        return d
+    report = report_for(service.engine, service.settings, d.window, now, catalog, replay)
+    return replace(d, report=report)
 
 
 def post_digest(service: GpuService, d: Digest) -> bool:
