@@ -359,6 +359,8 @@ class GpuSample(SQLModel, table=True):
         Index("ix_gpusample_host_at", "host_id", "at"),
         # The digest's week of samples, across hosts.
         Index("ix_gpusample_at", "at"),
+        # A run's samples since it started (the queue's and the live message's GPU line).
+        Index("ix_gpusample_run_at", "run_id", "at"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
@@ -413,9 +415,10 @@ class LaunchRequest(SQLModel, table=True):
 
 
 class UsageRollup(SQLModel, table=True):
-    """Closed usage, summed per hour (UTC), user, host, market and run, in integer
-    micro-dollars: what costs and the digest read for history, so that a month's bill reads
-    a few thousand small rows however many intervals it holds.
+    """Closed usage, summed per hour (UTC), user, market and instance type, in integer
+    micro-dollars: what costs and the digest read for history, so that a window's hours
+    read a row per person, market and instance type however many intervals, hosts or runs
+    it holds (the runs' own figures are in `RunRollup`).
 
     Written in the transaction that closes the interval (bot.app.rollups), from the same meter
     as `bot.domain.metering` (readings telescope, so hour pieces add up to the whole exactly).
@@ -425,19 +428,16 @@ class UsageRollup(SQLModel, table=True):
     """
 
     __table_args__ = (
-        UniqueConstraint(
-            "hour", "user_id", "host_id", "market", "run_id", name="uq_usagerollup_key"
-        ),
+        UniqueConstraint("hour", "user_id", "market", "instance_type", name="uq_usagerollup_key"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
     # Start of the UTC hour the pieces lie in.
     hour: datetime = _ts()
     user_id: int = Field(foreign_key="user.id")
-    host_id: int = Field(foreign_key="host.id")
     market: str = Field(default="owned", max_length=16)
-    # The run the time was held for; 0 for a reservation's (a key part, so never NULL).
-    run_id: int = 0
+    # The host's instance type ("" for machines without one), for spot savings.
+    instance_type: str = Field(default="", max_length=64)
     # What the holder pays (at the interval's rate), and GPU-microseconds held.
     micro_usd: int = Field(default=0, sa_type=BigInteger)
     held_us: int = Field(default=0, sa_type=BigInteger)
@@ -457,15 +457,13 @@ class FairShareUsage(SQLModel, table=True):
 
 
 class UsageRollupDay(SQLModel, table=True):
-    """The hourly rollups summed per UTC day, user, market, instance type and run (no
-    host: no reader needs it), so a month reads about a row per person and day however
-    big the fleet. Kept beside `UsageRollup` in the same transaction; a window's whole
-    UTC days come from here, its other whole hours from the hourly rows."""
+    """The hourly rollups summed per UTC day, user, market and instance type, so a month
+    reads about a row per person and day however big the fleet or however many runs.
+    Kept beside `UsageRollup` in the same transaction; a window's whole UTC days come from
+    here, its other whole hours from the hourly rows."""
 
     __table_args__ = (
-        UniqueConstraint(
-            "day", "user_id", "market", "instance_type", "run_id", name="uq_usagerollupday_key"
-        ),
+        UniqueConstraint("day", "user_id", "market", "instance_type", name="uq_usagerollupday_key"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
@@ -474,7 +472,75 @@ class UsageRollupDay(SQLModel, table=True):
     market: str = Field(default="owned", max_length=16)
     # The host's instance type ("" for machines without one), for spot savings.
     instance_type: str = Field(default="", max_length=64)
-    run_id: int = 0
     micro_usd: int = Field(default=0, sa_type=BigInteger)
     held_us: int = Field(default=0, sa_type=BigInteger)
     covered_micro: int = Field(default=0, sa_type=BigInteger)
+
+
+class RunRollup(SQLModel, table=True):
+    """A run's closed usage summed per UTC hour, in integer micro-dollars (the same pieces
+    as `UsageRollup`'s, kept beside them), for the hours of a window that are not whole UTC
+    days (`RunRollupDay` has those): what a view of runs reads (the digest's dearest runs
+    of a week), so that the team's rows stay a row per person however many runs there
+    were. Its owner is the run's."""
+
+    __table_args__ = (UniqueConstraint("hour", "run_id", name="uq_runrollup_key"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    hour: datetime = _ts()
+    run_id: int = Field(foreign_key="trainingrun.id")
+    micro_usd: int = Field(default=0, sa_type=BigInteger)
+    held_us: int = Field(default=0, sa_type=BigInteger)
+
+
+class RunRollupDay(SQLModel, table=True):
+    """A run's hourly rollups summed per UTC day: a week's runs are about a row each. The
+    dearest runs of a window are summed from an index that holds the cost too, so that
+    the database reads the index alone (7,500 runs in a week of a busy team)."""
+
+    __table_args__ = (
+        UniqueConstraint("day", "run_id", name="uq_runrollupday_key"),
+        Index("ix_runrollupday_cost", "day", "run_id", "micro_usd"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    day: datetime = _ts()
+    run_id: int = Field(foreign_key="trainingrun.id")
+    micro_usd: int = Field(default=0, sa_type=BigInteger)
+    held_us: int = Field(default=0, sa_type=BigInteger)
+
+
+class RunTime(SQLModel, table=True):
+    """How long a finished run ran, all its segments together, as the run-time estimates
+    count it (bot.app.runtimes): written when the run ends, so the estimates never
+    re-read a month of runs and their metrics."""
+
+    run_id: int = Field(primary_key=True, foreign_key="trainingrun.id")
+    user_id: int = Field(foreign_key="user.id")
+    gpus: int
+    finished_at: datetime = Field(sa_type=UTCDateTime, nullable=False, index=True)
+    ran_s: float
+
+
+class RunEstimate(SQLModel, table=True):
+    """The run-time predictions of one (user, GPUs), as the finished runs of the last 30
+    days make them (bot.domain.scheduling.RunHistory): a queued run's expected length and
+    a running run's stepped predicted ends, so that the worker's tick reads the rows of
+    the runs it weighs, not the runs behind them.
+
+    The row (0, 0) is everybody's, the fallback of a (user, GPUs) with too few runs of its
+    own, and the bookkeeping: every run end adds one to `version`, and the predictions are
+    current while `computed_version` equals it and the clock is in [as_of, valid_until)
+    (until the oldest run they count leaves the 30 days)."""
+
+    user_id: int = Field(primary_key=True)  # 0: everybody's
+    gpus: int = Field(primary_key=True)
+    # A queued run's expected length (None: nothing to go on).
+    first_s: float | None = None
+    # The stepped predicted run times, in order: a run that has run a while ends at the
+    # first of them it has not reached.
+    ends_s: list[float] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    version: int = 0
+    computed_version: int = -1
+    as_of: datetime | None = _ts(nullable=True)
+    valid_until: datetime | None = _ts(nullable=True)

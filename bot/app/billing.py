@@ -18,7 +18,7 @@ from fractions import Fraction
 from sqlmodel import Session, col, func, select
 
 from bot.app.config import Settings
-from bot.app.rollups import WindowUsage, window_usage
+from bot.app.rollups import WindowUsage, rolled_run_costs, window_usage
 from bot.domain import timefmt
 from bot.domain.metering import HostPeriod as MeteredPeriod
 from bot.domain.metering import (
@@ -232,21 +232,6 @@ class WindowCosts:
                 us[u.user] = us.get(u.user, 0) + (b - a) // timedelta(microseconds=1)
         return {k: Decimal(v) / Decimal(3_600_000_000) for k, v in us.items()}
 
-    def runs(self) -> tuple[dict[int, Decimal], dict[int, str]]:
-        """Cost per run id, and each run's owner."""
-        micro: dict[int, int] = {}
-        owner: dict[int, str] = {}
-        for r in self.part.rolled:
-            if r.run_id:
-                micro[r.run_id] = micro.get(r.run_id, 0) + r.micro_usd
-                owner[r.run_id] = r.user
-        out = {k: Decimal(m).scaleb(-6) for k, m in micro.items()}
-        runs = [u for u in self.raw_usages if u.kind == "run"]
-        for (_, run_id), usd in cost_by_ref(runs, self.window, self.now).items():
-            out[run_id] = out.get(run_id, Decimal(0)) + usd
-        owner.update({u.ref_id: u.user for u in runs})
-        return out, owner
-
     def idle(self, periods: list[MeteredPeriod]) -> Decimal:
         """The idle overhead: the instances' bill less the GPU time held on it (the raw
         part metered by `bot.domain.metering.idle_overhead`, the rolled-up part as kept)."""
@@ -255,7 +240,7 @@ class WindowCosts:
 
     def savings(self, catalog: Catalog) -> dict[str, Decimal]:
         """`spot_savings` over the raw part, plus the rolled-up spot hours at the on-demand
-        share (to the micro-dollar per user, host and run: a display figure)."""
+        share (to the micro-dollar per user and instance type: a display figure)."""
         out = spot_savings(self.raw, self.window, self.now, catalog)
         for r in self.part.rolled:
             if r.market != "spot" or r.instance_type is None:
@@ -273,6 +258,19 @@ def window_costs(
     s: Session, window: Window, now: datetime, user_id: int | None = None
 ) -> WindowCosts:
     return WindowCosts(window, now, window_usage(s, window, user_id))
+
+
+def dearest_runs(s: Session, costs: WindowCosts, n: int) -> list[tuple[int, Decimal]]:
+    """The `n` runs that cost most in the window (run id, cost), dearest first, then by
+    id: the runs' own rollups for the window's whole hours (summed in the database, not
+    from the team's rows) plus the raw part (open intervals, edges off the hour). A run
+    with no raw part that is not among the n + (runs with one) dearest rolled-up runs
+    cannot be among the n dearest in all."""
+    runs = [u for u in costs.raw_usages if u.kind == "run"]
+    total = {run_id: usd for (_, run_id), usd in cost_by_ref(runs, costs.window, costs.now).items()}
+    for run_id, micro in rolled_run_costs(s, costs.window, top=n + len(total), runs=set(total)):
+        total[run_id] = total.get(run_id, Decimal(0)) + Decimal(micro).scaleb(-6)
+    return sorted(total.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
 def spot_savings(

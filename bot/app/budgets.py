@@ -19,18 +19,21 @@ locks the one user row and nothing after it, so no cycle can form.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from sqlalchemy import and_, bindparam, case, cast, literal, null, union_all
 from sqlmodel import Session, col, func, select
 
 from bot.app.access import audit
 from bot.app.billing import window_costs
 from bot.app.config import Settings
-from bot.app.held import held_intervals
 from bot.app.outbox import enqueue
+from bot.app.rollups import closed_in
 from bot.domain import timefmt, views
 from bot.domain.commands import Budget
 from bot.domain.errors import UserError
@@ -44,9 +47,11 @@ from db.models import (
     Host,
     Reservation,
     TrainingRun,
+    UsageInterval,
     User,
 )
 from db.session import retrying, transaction
+from db.types import UTCDateTime
 from provisioning.costs import gpu_share
 
 if TYPE_CHECKING:
@@ -85,26 +90,26 @@ def _hours(seconds: float) -> Decimal:
 def gpu_rate(s: Session, model: str | None) -> Decimal:
     """The per-GPU price a request for `model` may be charged: the dearest share among
     the hosts that carry it (a waiting request does not know yet where it will land, so
-    it is counted at the most it could cost)."""
-    counts = s.exec(
-        select(Host, func.count(col(Gpu.id)))
+    it is counted at the most it could cost). One grouped query, built once: it read every
+    host as an object, and asked each one in turn whether it had the model."""
+    best = Decimal(0)
+    for hourly, n, has in s.connection().execute(_rates_stmt(), {"b_model": model}):
+        if (model is None or has) and n:
+            best = max(best, gpu_share(_usd(hourly), int(n)))
+    return best
+
+
+@functools.cache
+def _rates_stmt() -> Any:
+    """Each host's price, present GPUs, and how many of them are the model `b_model`."""
+    carries = func.sum(case((col(Gpu.model) == bindparam("b_model"), 1), else_=0))
+    columns: tuple[Any, ...] = (Host.hourly_usd, func.count(col(Gpu.id)), carries)
+    return (
+        select(*columns)
         .join(Gpu, col(Gpu.host_id) == col(Host.id))
         .where(Host.state != "terminated", col(Gpu.present).is_(True))
-        .group_by(col(Host.id))
-    ).all()
-    best = Decimal(0)
-    for host, n in counts:
-        if model is not None:
-            has = s.exec(
-                select(Gpu.id).where(
-                    Gpu.host_id == host.id, Gpu.model == model, col(Gpu.present).is_(True)
-                )
-            ).first()
-            if has is None:
-                continue
-        if n:
-            best = max(best, gpu_share(_usd(host.hourly_usd), int(n)))
-    return best
+        .group_by(col(Host.id), col(Host.hourly_usd))
+    )
 
 
 def reservation_estimate(s: Session, model: str | None, count: int, duration_s: int) -> Decimal:
@@ -112,15 +117,12 @@ def reservation_estimate(s: Session, model: str | None, count: int, duration_s: 
 
 
 def run_estimate(s: Session, model: str | None, gpus: int, max_seconds: int | None) -> Decimal:
+    return _run_estimate(gpu_rate(s, model), gpus, max_seconds)
+
+
+def _run_estimate(rate: Decimal, gpus: int, max_seconds: int | None) -> Decimal:
     seconds = max_seconds if max_seconds else RUN_WITHOUT_MAX.total_seconds()
-    return gpu_rate(s, model) * gpus * _hours(seconds)
-
-
-def _open_rate(
-    s: Session, *, reservation_id: int | None = None, run_id: int | None = None
-) -> Decimal:
-    held = held_intervals(s, reservation_id=reservation_id, run_id=run_id)
-    return sum((_usd(iv.usd_per_hour) for iv in held), Decimal(0))
+    return rate * gpus * _hours(seconds)
 
 
 def committed_usd(
@@ -131,43 +133,141 @@ def committed_usd(
     skip_reservation: int | None = None,
     skip_run: int | None = None,
 ) -> Decimal:
-    """What this person's open reservations and runs will still cost from `now` on."""
+    """What this person's open reservations and runs will still cost from `now` on.
+
+    One query for both, each with the rates of what it holds now (`_open_holdings`), and
+    one per GPU model something waits for: it was a query per reservation and per run,
+    and one per waiting one."""
+    rates: dict[str | None, Decimal] = {}
+
+    def rate_of(model: str | None) -> Decimal:
+        if model not in rates:
+            rates[model] = gpu_rate(s, model)
+        return rates[model]
+
     total = Decimal(0)
-    for res in s.exec(
-        select(Reservation).where(
-            Reservation.user_id == user_id, col(Reservation.state).in_((RES_ACTIVE, RES_WAITING))
-        )
-    ).all():
-        if res.id == skip_reservation:
+    for (kind, ref), (row, rate) in _open_holdings(s, user_id).items():
+        if kind == "res":
+            if ref == skip_reservation:
+                continue
+            if row.state == RES_ACTIVE and row.ends_at is not None:
+                total += rate * _hours((row.ends_at - now).total_seconds())
+            elif row.state == RES_WAITING:
+                total += rate_of(row.gpu_model) * row.gpu_count * _hours(row.seconds)
             continue
-        if res.state == RES_ACTIVE and res.ends_at is not None:
-            rate = _open_rate(s, reservation_id=res.id)
-            total += rate * _hours((res.ends_at - now).total_seconds())
-        elif res.state == RES_WAITING:
-            total += reservation_estimate(s, res.gpu_model, res.gpu_count, res.duration_s)
-    for run in s.exec(
-        select(TrainingRun).where(
-            TrainingRun.user_id == user_id,
-            col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED)),
-        )
-    ).all():
-        if run.id == skip_run:
+        if ref == skip_run:
             continue
-        if run.state == RUN_QUEUED:
-            total += run_estimate(s, run.gpu_model, run.gpu_count, run.max_seconds)
+        if row.state == RUN_QUEUED:
+            total += _run_estimate(rate_of(row.gpu_model), row.gpu_count, row.seconds)
             continue
-        rate = _open_rate(s, run_id=run.id)
-        if run.max_seconds and run.started_at is not None:
-            left = (run.started_at + timedelta(seconds=run.max_seconds) - now).total_seconds()
+        if row.seconds and row.started_at is not None:
+            left = (row.started_at + timedelta(seconds=row.seconds) - now).total_seconds()
         else:
             left = RUN_WITHOUT_MAX.total_seconds()
         total += rate * _hours(left)
     return total
 
 
+def _open_holdings(s: Session, user_id: int) -> dict[tuple[str, int], tuple[Any, Decimal]]:
+    """The person's open reservations ("res", id) and runs ("run", id), each with the
+    summed rate of the GPUs it holds now (its open intervals), in one statement built once
+    (`_holdings_stmt`): a row of (kind, id, state, ends_at, started_at, model, count,
+    seconds: a reservation's length or a run's --max) per interval held, or one with no
+    rate."""
+    out: dict[tuple[str, int], tuple[Any, Decimal]] = {}
+    for row in s.connection().execute(_holdings_stmt(), {"b_user": user_id}):
+        key = (row.kind, row.ref)
+        _, rate = out.setdefault(key, (row, Decimal(0)))
+        if row.usd_per_hour is not None:
+            out[key] = (row, rate + _usd(row.usd_per_hour))
+    return out
+
+
+@functools.cache
+def _holdings_stmt() -> Any:
+    """The open reservations and runs of one person (bound as `b_user`) with their rates.
+    The person is matched as `user_id + 0`, which no index answers, so that the open
+    states' index does: SQLite, which keeps no statistics, otherwise read every run the
+    person ever had through the user's index (20 ms of a reserve with a year of runs)."""
+    held = col(UsageInterval.ended_at).is_(None)
+    user: Any = bindparam("b_user")
+    res_cols: tuple[Any, ...] = (
+        literal("res").label("kind"),
+        col(Reservation.id).label("ref"),
+        col(Reservation.state).label("state"),
+        col(Reservation.ends_at).label("ends_at"),
+        cast(null(), UTCDateTime).label("started_at"),
+        col(Reservation.gpu_model).label("gpu_model"),
+        col(Reservation.gpu_count).label("gpu_count"),
+        col(Reservation.duration_s).label("seconds"),
+        col(UsageInterval.usd_per_hour).label("usd_per_hour"),
+    )
+    run_cols: tuple[Any, ...] = (
+        literal("run"),
+        TrainingRun.id,
+        TrainingRun.state,
+        cast(null(), UTCDateTime),
+        TrainingRun.started_at,
+        TrainingRun.gpu_model,
+        TrainingRun.gpu_count,
+        TrainingRun.max_seconds,
+        UsageInterval.usd_per_hour,
+    )
+    reservations = (
+        select(*res_cols)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.reservation_id) == col(Reservation.id), held),
+            isouter=True,
+        )
+        .where(
+            col(Reservation.state).in_((RES_ACTIVE, RES_WAITING)),
+            col(Reservation.user_id) + 0 == user,
+        )
+    )
+    runs = (
+        select(*run_cols)
+        .join(
+            UsageInterval,
+            and_(col(UsageInterval.run_id) == col(TrainingRun.id), held),
+            isouter=True,
+        )
+        .where(
+            col(TrainingRun.state).in_((*RUN_ON_HOST, RUN_QUEUED)),
+            col(TrainingRun.user_id) + 0 == user,
+        )
+    )
+    return union_all(reservations, runs)
+
+
 def spent_usd(s: Session, user: User, window: Window, now: datetime) -> Decimal:
+    """What the person spent in the window up to `now`, from their own rollup rows and
+    what they hold now. Kept in the transaction for the same window and instant while no
+    interval closes in it (bot.app.rollups.closed_in): a reserve checks the budget, then
+    its grant checks it again, and the spend cannot have changed in between (what is
+    opened at `now` has cost nothing yet)."""
     assert user.id is not None
-    return window_costs(s, window, now, user.id).users().get(user.key, Decimal(0))
+    key = (user.id, window.start, window.end, now, closed_in(s))
+    spent: dict[Any, Decimal] = _this_transaction(s, _SPENT, dict)
+    if key not in spent:
+        spent[key] = window_costs(s, window, now, user.id).users().get(user.key, Decimal(0))
+    return spent[key]
+
+
+_SPENT = "gpubot.budget_spent"  # Session.info: spend by (user, window, now, closed)
+_LOCKED = "gpubot.budget_locked"  # Session.info: the users whose rows this one holds
+T = TypeVar("T")
+
+
+def _this_transaction(s: Session, key: str, make: Callable[[], T]) -> T:
+    """What the session keeps under `key` for its current transaction only (a session
+    used for several transactions starts each afresh: a lock ends with its transaction)."""
+    now = s.get_transaction()
+    kept = s.info.get(key)
+    if kept is None or kept[0] is not now:
+        kept = s.info[key] = (now, make())
+    value: T = kept[1]
+    return value
 
 
 def budget_status(
@@ -194,16 +294,18 @@ def budget_status(
 
 
 def lock_user(s: Session, user: User) -> None:
-    """Holds the person's row until the transaction ends, and re-reads their limit.
+    """Holds the person's row until the transaction ends, and re-reads their limit, in
+    one statement (once per transaction: a grant checks again after the reserve did).
 
     On SQLite the write transaction (`BEGIN IMMEDIATE`, db.session) is the lock already.
     """
-    bind = s.get_bind()
-    if bind.dialect.name == "postgresql":
-        # NO KEY UPDATE: serializes budget checks without blocking inserts that merely
-        # point at the user (a reservation, a usage interval, a GPU sample).
-        s.exec(select(User.id).where(User.id == user.id).with_for_update(key_share=True)).one()
-    s.refresh(user)
+    locked: set[int | None] = _this_transaction(s, _LOCKED, set)
+    if user.id in locked:
+        return
+    # NO KEY UPDATE on PostgreSQL: serializes budget checks without blocking inserts that
+    # merely point at the user (a reservation, a usage interval, a GPU sample).
+    s.refresh(user, with_for_update={"key_share": True})
+    locked.add(user.id)
 
 
 def _resets(window: Window, tz: str) -> str:
@@ -267,14 +369,28 @@ def grant_refusal(
 ) -> str | None:
     """At grant time: why granting `res` at this rate (all its GPUs together) would go
     over its holder's budget, or None when it fits. The waiting estimate of `res` is
-    replaced by its real cost."""
-    user = s.get(User, res.user_id)
+    replaced by its real cost.
+
+    A request checked when it was made, in this transaction (`checked_request`), fits:
+    nothing closed since (so the same spend), it was counted at the dearest price its
+    GPUs have anywhere (at least this rate), and what else its holder has committed can
+    only have gone down (a waiting one granted is counted at its own price, at most the
+    dearest; one cancelled not at all). The check is not run twice for one reserve."""
+    add = usd_per_hour * _hours(res.duration_s)
+    checked = _checked(s).get(id(res))
+    if checked is not None and checked[:3] == (res, now, closed_in(s)) and add <= checked[3]:
+        return None
+    user = s.get(User, res.user_id)  # loaded already: no query
     assert user is not None
+    if user.budget_usd is None:
+        return None
+    if res.id is None:
+        s.flush()  # the check names it and leaves it out of what is committed
     try:
         check_budget(
             s,
             user,
-            usd_per_hour * _hours(res.duration_s),
+            add,
             now,
             settings,
             what=f"Granting reservation #{res.id}",
@@ -283,6 +399,23 @@ def grant_refusal(
     except UserError as exc:
         return exc.reason
     return None
+
+
+def checked_request(s: Session, res: Reservation, estimate: Decimal, now: datetime) -> None:
+    """Notes that the request `res` was checked against its holder's budget at `now`,
+    counted at `estimate` (`reservation_estimate`), before it was added: its grant in this
+    transaction need not check again (`grant_refusal`)."""
+    _checked(s)[id(res)] = (res, now, closed_in(s), estimate)
+
+
+_CHECKED = "gpubot.budget_checked"  # Session.info: requests checked when made
+
+
+def _checked(s: Session) -> dict[int, tuple[Reservation, datetime, int, Decimal]]:
+    made: dict[int, tuple[Reservation, datetime, int, Decimal]] = _this_transaction(
+        s, _CHECKED, dict
+    )
+    return made
 
 
 def run_refusal(

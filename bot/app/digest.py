@@ -28,13 +28,13 @@ from dataclasses import dataclass, replace
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, select
 
 from bot.app.advice import WeekReport, report_blocks, report_csv, report_for
-from bot.app.billing import WindowCosts, shown_cents, window_costs
+from bot.app.billing import WindowCosts, dearest_runs, shown_cents, window_costs
 from bot.app.billing import host_periods as load_periods
 from bot.app.config import Settings, parse_weekly_time
 from bot.domain import timefmt, views
@@ -247,18 +247,25 @@ def _samples(
 
 
 def _top_runs(s: Session, spend: WindowCosts, users: dict[str, User]) -> tuple[TopRun, ...]:
-    by_run, owner = spend.runs()
-    top = sorted(by_run.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_RUNS]
+    top = dearest_runs(s, spend, TOP_RUNS)
+    columns: tuple[Any, ...] = (
+        TrainingRun.id,
+        TrainingRun.user_id,
+        TrainingRun.recipe,
+        TrainingRun.command,
+    )
+    known = {
+        run_id: (user_id, (recipe and f"recipe {recipe}") or views.command_phrase(command))
+        for run_id, user_id, recipe, command in s.exec(
+            select(*columns).where(col(TrainingRun.id).in_([run_id for run_id, _ in top]))
+        )
+    }
+    by_id = {u.id: u for u in users.values()}
     out = []
     for run_id, usd in top:
-        run = s.get(TrainingRun, run_id)
-        what = (
-            "?"
-            if run is None
-            else (run.recipe and f"recipe {run.recipe}") or views.command_phrase(run.command)
-        )
-        key = owner.get(run_id, "")
-        name = users[key].display_name if key in users else key
+        user_id, what = known.get(run_id, (None, "?"))
+        owner = by_id.get(user_id)
+        name = owner.display_name if owner is not None else "?"
         out.append(TopRun(run_id=run_id, user=name, what=_clip(what, 40), usd=usd))
     return tuple(out)
 

@@ -28,6 +28,7 @@ from sqlalchemy.orm.util import identity_key
 from sqlmodel import Session, col, func, select
 
 from bot.app.rollups import on_closed
+from bot.app.runtimes import attained_s as attained_s  # re-exported: the runs read it here
 from bot.domain.readmodels import FleetCounts
 from db.models import (
     HOST_CHECKING,
@@ -369,14 +370,6 @@ class SchedulerHold:
     run_interrupted: bool
     # Seconds its earlier segments ran (attained_s).
     run_attained_s: float = 0.0
-
-
-def attained_s(metrics: Any) -> float:
-    """Seconds a run ran in its earlier segments, as `RunRecords.requeue` sums them into
-    its metrics: what the scheduler's reclaim rules read (a resumed run queues behind ones
-    that never ran and is not moved again before it has run that long once more)."""
-    value = metrics.get("attained_s") if isinstance(metrics, dict) else None
-    return float(value) if isinstance(value, int | float) and value > 0 else 0.0
 
 
 def held_for_scheduler(s: Session) -> list[SchedulerHold]:

@@ -1,9 +1,11 @@
 """Closed usage kept summed, so costs and the scheduler read history in a few rows.
 
 A usage interval is rolled up in the transaction that closes it (`bot.app.held.end_held`):
-it is cut at UTC hours and each piece is added to its (hour, user, host, market, run)
+it is cut at UTC hours and each piece is added to its (hour, user, market, instance type)
 row in whole micro-dollars, by the same meter as `bot.domain.metering`, and the same sums are
-kept per UTC day (without the host) so that a month reads a row per person and day.
+kept per UTC day so that a month reads a row per person and day. A run's pieces are also
+added to its own (hour, run) and (day, run) rows (`RunRollup`, `RunRollupDay`), which the
+views of runs read: the team's rows stay a row per person however many runs it has.
 Meter readings telescope, so the pieces of an interval add up exactly to what the whole
 interval costs, and a window made of whole hours costs exactly the sum of its rows. The
 hour rows also make any whole-hour time zone's days and weeks exact. What a window
@@ -24,19 +26,20 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any, NamedTuple, Protocol
 
-from sqlalchemy import and_, bindparam, case, delete, func
+from sqlalchemy import and_, bindparam, case, delete, func, literal, union_all
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from bot.app.runtimes import backfill_run_times, rebuild_run_times
 from bot.domain.metering import Usage, Window, epoch_us, reading
 from bot.domain.scheduling.model import SchedulerConfig
 from db.decay import decay, decayed
@@ -44,6 +47,8 @@ from db.models import (
     FairShareUsage,
     Host,
     HostPeriod,
+    RunRollup,
+    RunRollupDay,
     UsageInterval,
     UsageRollup,
     UsageRollupDay,
@@ -59,8 +64,13 @@ DAY = timedelta(days=1)
 # default config); a reader with another half-life recomputes from the intervals.
 FAIR_SHARE_HALF_LIFE_S = SchedulerConfig().half_life_s
 
-RollupKey = tuple[datetime, int, int, str, int]  # hour, user, host, market, run (0: none)
-DayKey = tuple[datetime, int, str, str, int]  # UTC day, user, market, instance type, run
+# A piece of closed usage, as it is cut and metered: hour, user, host, market, run (0: a
+# reservation's). The tables keep it summed three ways (`Rolled`).
+RollupKey = tuple[datetime, int, int, str, int]
+HourKey = tuple[datetime, int, str, str]  # hour, user, market, instance type: UsageRollup
+DayKey = tuple[datetime, int, str, str]  # UTC day, user, market, instance type: UsageRollupDay
+RunKey = tuple[datetime, int]  # hour, run: RunRollup
+RunDayKey = tuple[datetime, int]  # UTC day, run: RunRollupDay
 
 
 @dataclass
@@ -291,17 +301,70 @@ def _periods_stmt() -> Any:
     )
 
 
-# The key columns of each rollup table, in the order of RollupKey and DayKey.
-_HOUR_KEY = ("hour", "user_id", "host_id", "market", "run_id")
-_DAY_KEY = ("day", "user_id", "market", "instance_type", "run_id")
-Rollup = UsageRollup | UsageRollupDay
+# The key columns of each rollup table, in the order of HourKey, DayKey and RunKey, and
+# the sums each keeps.
+_HOUR_KEY = ("hour", "user_id", "market", "instance_type")
+_DAY_KEY = ("day", "user_id", "market", "instance_type")
+_RUN_KEY = ("hour", "run_id")
+_RUN_DAY_KEY = ("day", "run_id")
+Rollup = UsageRollup | UsageRollupDay | RunRollup | RunRollupDay
+_KEYS: dict[type[Rollup], tuple[str, ...]] = {
+    UsageRollup: _HOUR_KEY,
+    UsageRollupDay: _DAY_KEY,
+    RunRollup: _RUN_KEY,
+    RunRollupDay: _RUN_DAY_KEY,
+}
 
 
 _SUMMED = ("micro_usd", "held_us", "covered_micro")
+_RUN_SUMMED = ("micro_usd", "held_us")
+
+
+@dataclass
+class Rolled:
+    """Pieces of closed usage summed as the four tables keep them: per person (hours and
+    days, each per market and instance type) and per run (hours and days)."""
+
+    hours: dict[HourKey, Sums] = field(default_factory=dict)
+    days: dict[DayKey, Sums] = field(default_factory=dict)
+    runs: dict[RunKey, Sums] = field(default_factory=dict)
+    run_days: dict[RunDayKey, Sums] = field(default_factory=dict)
+
+    def add(self, itype: Mapping[int, str], pieces: Iterable[tuple[RollupKey, Sums]]) -> None:
+        """Adds pieces, each host read as its instance type (`instance_types`)."""
+        hours, days = self.hours, self.days
+        for (hour, user, host, market, run), v in pieces:
+            kind = itype.get(host, "")
+            day = floor_day(hour)
+            _add(hours, (hour, user, market, kind), v)
+            _add(days, (day, user, market, kind), v)
+            if run:
+                _add_run(self.runs, (hour, run), v)
+                _add_run(self.run_days, (day, run), v)
+
+
+def _add_run(into: dict[Any, Sums], key: Any, v: Sums) -> None:
+    """A run's rows keep the money and the time, not what the idle overhead reads."""
+    got = into.get(key)
+    if got is None:
+        into[key] = Sums(v.micro_usd, v.held_us)
+    else:
+        got.micro_usd += v.micro_usd
+        got.held_us += v.held_us
+
+
+def _add(into: dict[Any, Sums], key: Any, v: Sums) -> None:
+    got = into.get(key)
+    if got is None:
+        into[key] = Sums(v.micro_usd, v.held_us, v.covered_micro)
+    else:
+        got.add(v)
 
 
 @functools.cache
-def _upsert(dialect: str, table: type[Rollup], fields: tuple[str, ...]) -> Any:
+def _upsert(
+    dialect: str, table: type[Rollup], fields: tuple[str, ...], summed: tuple[str, ...]
+) -> Any:
     """INSERT ... ON CONFLICT (the key) DO UPDATE adding the sums, built once per dialect
     and table: building it was most of a release's time in rollups."""
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
@@ -309,41 +372,43 @@ def _upsert(dialect: str, table: type[Rollup], fields: tuple[str, ...]) -> Any:
     c = stmt.table.c
     return stmt.on_conflict_do_update(
         index_elements=list(fields),
-        set_={name: c[name] + getattr(stmt.excluded, name) for name in _SUMMED},
+        set_={name: c[name] + getattr(stmt.excluded, name) for name in summed},
     )
 
 
 def _add_rows(
-    s: Session, table: type[Rollup], fields: tuple[str, ...], sums: Mapping[tuple[Any, ...], Sums]
+    s: Session,
+    table: type[Rollup],
+    fields: tuple[str, ...],
+    sums: Mapping[tuple[Any, ...], Sums],
+    summed: tuple[str, ...] = _SUMMED,
 ) -> None:
-    """Adds to existing rows or makes new ones, hourly or daily alike: `fields` name the
-    key's columns in order (the table's unique key). One upsert (INSERT ... ON CONFLICT DO
-    UPDATE, on SQLite as on PostgreSQL) instead of reading the rows and writing each back:
-    closing a reservation ran four statements more for the two tables. The caller holds
-    the pool (db.session.lock_pool), so nobody else adds to the same rows meanwhile."""
+    """Adds to existing rows or makes new ones, of any rollup table: `fields` name the
+    key's columns in order (the table's unique key), `summed` the sums it keeps. One
+    upsert (INSERT ... ON CONFLICT DO UPDATE, on SQLite as on PostgreSQL) instead of
+    reading the rows and writing each back: closing a reservation ran four statements
+    more for two tables. The caller holds the pool (db.session.lock_pool), so nobody else
+    adds to the same rows meanwhile."""
     if not sums:
         return
     rows = [
         {
             **dict(zip(fields, key, strict=True)),
-            "micro_usd": add.micro_usd,
-            "held_us": add.held_us,
-            "covered_micro": add.covered_micro,
+            **{name: getattr(add, name) for name in summed},
         }
         for key, add in sums.items()
     ]
     # Through the connection (Core): the Session would run it through the ORM's bulk
     # insert path, about as much CPU again as the statement itself.
     conn = s.connection()
-    conn.execute(_upsert(conn.dialect.name, table, fields), rows)
+    conn.execute(_upsert(conn.dialect.name, table, fields, summed), rows)
 
 
-def day_sums(s: Session, hourly: dict[RollupKey, Sums]) -> dict[DayKey, Sums]:
-    """The hourly sums gathered by UTC day, user, market, instance type and run."""
-    hosts = {k[2] for k in hourly}
+def day_sums(hours: Mapping[HourKey, Sums]) -> dict[DayKey, Sums]:
+    """Hourly rows gathered by UTC day (what the day rows must hold)."""
     days: dict[DayKey, Sums] = {}
-    if hosts:
-        add_day_sums(days, instance_types(s, hosts), hourly.items())
+    for (hour, user, market, kind), v in hours.items():
+        _add(days, (floor_day(hour), user, market, kind), v)
     return days
 
 
@@ -408,13 +473,24 @@ def on_closed(s: Session, ivs: Sequence[ClosedInterval]) -> None:
     closed = [iv for iv in ivs if iv.ended_at is not None]
     if not closed:
         return
+    s.info[_CLOSED] = closed_in(s) + len(closed)
     periods, itype = _periods_for(s, closed)
-    hourly = _sums(closed, periods)
-    _add_rows(s, UsageRollup, _HOUR_KEY, hourly)
-    days: dict[DayKey, Sums] = {}
-    add_day_sums(days, itype, hourly.items())
-    _add_rows(s, UsageRollupDay, _DAY_KEY, days)
+    rolled = Rolled()
+    rolled.add(itype, _sums(closed, periods).items())
+    _add_rows(s, UsageRollup, _HOUR_KEY, rolled.hours)
+    _add_rows(s, UsageRollupDay, _DAY_KEY, rolled.days)
+    _add_rows(s, RunRollup, _RUN_KEY, rolled.runs, _RUN_SUMMED)
+    _add_rows(s, RunRollupDay, _RUN_DAY_KEY, rolled.run_days, _RUN_SUMMED)
     _add_fair_share(s, closed)
+
+
+_CLOSED = "gpubot.closed"  # Session.info: how many intervals this transaction closed
+
+
+def closed_in(s: Session) -> int:
+    """How many intervals this session's transaction has closed so far: a reader that
+    keeps a figure for the transaction keys it by this (bot.app.budgets)."""
+    return int(s.info.get(_CLOSED, 0))
 
 
 # --- rebuild and compare ------------------------------------------------------------------
@@ -557,14 +633,16 @@ class FairShareCounters:
             )
 
 
-def computed_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
+def computed_rollups(s: Session) -> tuple[Rolled, dict[int, tuple[float, datetime]]]:
     """Every rollup row and fair-share counter as the raw closed intervals say they should
     be (what the tests compare with what was kept)."""
-    return dict(iter_computed_rollups(s)), computed_fair_share(s)
+    rolled = Rolled()
+    rolled.add(instance_types(s), iter_computed_rollups(s))
+    return rolled, computed_fair_share(s)
 
 
 def instance_types(s: Session, host_ids: Iterable[int] | None = None) -> dict[int, str]:
-    """Each host's instance type ("" for machines without one), as the day rows key it."""
+    """Each host's instance type ("" for machines without one), as the rows key it."""
     columns: tuple[Any, ...] = (Host.id, Host.instance_type)
     stmt: Any = select(*columns)
     if host_ids is not None:
@@ -572,49 +650,44 @@ def instance_types(s: Session, host_ids: Iterable[int] | None = None) -> dict[in
     return {host_id: instance_type or "" for host_id, instance_type in s.exec(stmt)}
 
 
-def add_day_sums(
-    days: dict[DayKey, Sums], itype: Mapping[int, str], hourly: Iterable[tuple[RollupKey, Sums]]
-) -> None:
-    """Adds hourly rows into their (UTC day, user, market, instance type, run) sums."""
-    for (hour, user_id, host_id, market, run_id), v in hourly:
-        key = (floor_day(hour), user_id, market, itype.get(host_id, ""), run_id)
-        got = days.get(key)
-        if got is None:
-            days[key] = Sums(v.micro_usd, v.held_us, v.covered_micro)
-        else:
-            got.add(v)
-
-
-def stored_rollups(s: Session) -> tuple[dict[RollupKey, Sums], dict[int, tuple[float, datetime]]]:
+def stored_rollups(s: Session) -> tuple[Rolled, dict[int, tuple[float, datetime]]]:
     """The rollup rows and counters as kept, in the shape `computed_rollups` returns."""
-    sums = {
-        (r.hour, r.user_id, r.host_id, r.market, r.run_id): Sums(
-            r.micro_usd, r.held_us, r.covered_micro
-        )
-        for r in s.exec(select(UsageRollup)).all()
-    }
+    rolled = Rolled(
+        hours={
+            (r.hour, r.user_id, r.market, r.instance_type): Sums(
+                r.micro_usd, r.held_us, r.covered_micro
+            )
+            for r in s.exec(select(UsageRollup)).all()
+        },
+        days={
+            (r.day, r.user_id, r.market, r.instance_type): Sums(
+                r.micro_usd, r.held_us, r.covered_micro
+            )
+            for r in s.exec(select(UsageRollupDay)).all()
+        },
+        runs={(r.hour, r.run_id): Sums(r.micro_usd, r.held_us) for r in s.exec(select(RunRollup))},
+        run_days={
+            (r.day, r.run_id): Sums(r.micro_usd, r.held_us) for r in s.exec(select(RunRollupDay))
+        },
+    )
     fair = {r.user_id: (r.decayed_s, r.as_of) for r in s.exec(select(FairShareUsage)).all()}
-    return sums, fair
-
-
-def stored_day_rollups(s: Session) -> dict[DayKey, Sums]:
-    return {
-        (r.day, r.user_id, r.market, r.instance_type, r.run_id): Sums(
-            r.micro_usd, r.held_us, r.covered_micro
-        )
-        for r in s.exec(select(UsageRollupDay)).all()
-    }
+    return rolled, fair
 
 
 def rebuild_rollups(s: Session) -> int:
     """Throws the rollups and counters away and recomputes them from the intervals (after
-    an upgrade from before rollups, or a repair). Returns how many rollup rows it wrote.
-    Run it with the pool held or the bot stopped, so nothing closes meanwhile. Streamed
-    (`iter_computed_rollups`): the hourly rows are written in batches as they are final."""
+    an upgrade from before rollups, or a repair), and the finished runs' times with them
+    (bot.app.runtimes). Returns how many hourly rollup rows it wrote. Run it with the
+    pool held or the bot stopped, so nothing closes meanwhile. Streamed
+    (`iter_computed_rollups`): the rows are written in batches as they are final."""
     s.execute(delete(UsageRollup))
     s.execute(delete(UsageRollupDay))
+    s.execute(delete(RunRollup))
+    s.execute(delete(RunRollupDay))
     s.execute(delete(FairShareUsage))
-    return write_rollups(s, iter_computed_rollups(s), computed_fair_share(s))
+    written = write_rollups(s, iter_computed_rollups(s), computed_fair_share(s))
+    rebuild_run_times(s)
+    return written
 
 
 # What writes many rows (db.session.insert_rows, or the history bench's loader, which
@@ -624,31 +697,59 @@ Inserter = Callable[[Session, Any, Sequence[str], Sequence[Sequence[Any]]], None
 
 def write_rollups(
     s: Session,
-    hourly: Iterable[tuple[RollupKey, Sums]],
+    pieces: Iterable[tuple[RollupKey, Sums]],
     fair: Mapping[int, tuple[float, datetime]],
     insert: Inserter = insert_rows,
 ) -> int:
-    """Inserts hourly rows (in batches, as they come), their day rows and the counters
-    into empty tables, each batch through `insert`; returns how many hourly rows. The
-    rebuild's and the bench's."""
+    """Inserts the rows of pieces given an hour at a time, in hour order (as
+    `HourlyRollups` hands them out), into empty tables, a UTC day at a time as each is
+    complete (memory stays a day's rows, not a year's runs), in batches through `insert`;
+    then the counters. Returns how many hourly rows. The rebuild's and the bench's."""
     itype = instance_types(s)
-    days: dict[DayKey, Sums] = {}
+    batches: dict[type[Rollup], list[tuple[Any, ...]]] = {
+        UsageRollup: [],
+        UsageRollupDay: [],
+        RunRollup: [],
+        RunRollupDay: [],
+    }
     written = 0
-    batch: list[tuple[RollupKey, Sums]] = []
+    day: Rolled | None = None
+    today: datetime | None = None
 
-    def flush() -> None:
-        _insert_rows(s, UsageRollup, _HOUR_KEY, [(*k, *_values(v)) for k, v in batch], insert)
-        add_day_sums(days, itype, batch)
-        batch.clear()
+    def send(table: type[Rollup], force: bool = False) -> None:
+        # A batch is handed over whole (`insert` may write it on another thread, as the
+        # history bench's does): the next rows go into a new list.
+        rows = batches[table]
+        if rows and (force or len(rows) >= _BATCH):
+            person = table in (UsageRollup, UsageRollupDay)
+            _insert_rows(s, table, _KEYS[table], rows, insert, _SUMMED if person else _RUN_SUMMED)
+            batches[table] = []
 
-    for item in hourly:
-        batch.append(item)
-        written += 1
-        if len(batch) >= _BATCH:
-            flush()
-    if batch:
-        flush()
-    _insert_rows(s, UsageRollupDay, _DAY_KEY, [(*k, *_values(v)) for k, v in days.items()], insert)
+    def done(rolled: Rolled) -> None:
+        nonlocal written
+        written += len(rolled.hours)
+        for table, rows in (
+            (UsageRollup, rolled.hours),
+            (UsageRollupDay, rolled.days),
+            (RunRollup, rolled.runs),
+            (RunRollupDay, rolled.run_days),
+        ):
+            if table in (UsageRollup, UsageRollupDay):
+                batches[table].extend((*k, *_values(v)) for k, v in rows.items())
+            else:
+                batches[table].extend((*k, v.micro_usd, v.held_us) for k, v in rows.items())
+            send(table)
+
+    for key, v in pieces:
+        if day is None or floor_day(key[0]) != today:
+            if day is not None:
+                done(day)
+            day, today = Rolled(), floor_day(key[0])
+        day.add(itype, ((key, v),))
+    if day is not None:
+        done(day)
+    for table in batches:
+        send(table, force=True)
     if fair:
         insert(
             s,
@@ -665,11 +766,12 @@ def _insert_rows(
     key: tuple[str, ...],
     rows: list[tuple[Any, ...]],
     insert: Inserter,
+    summed: tuple[str, ...] = _SUMMED,
 ) -> None:
-    """Many rows, (*key, *_SUMMED) each, into a rollup table (db.session.insert_rows:
+    """Many rows, (*key, *summed) each, into a rollup table (db.session.insert_rows:
     the driver's executemany on SQLite, COPY on PostgreSQL)."""
     if rows:
-        insert(s, table.__table__, (*key, *_SUMMED), rows)  # type: ignore[union-attr]
+        insert(s, table.__table__, (*key, *summed), rows)  # type: ignore[union-attr]
 
 
 def _values(v: Sums) -> tuple[int, int, int]:
@@ -681,13 +783,14 @@ def backfill_rollups(engine: Engine) -> int | None:
     rollups, and its costs would miss that history; rebuild once, under the pool.
     Returns the rows written, or None when nothing needed doing (one cheap query)."""
     with transaction(engine) as s:
-        if s.exec(select(UsageRollup.id).limit(1)).first() is not None:
-            return None
-        closed = select(UsageInterval.id).where(col(UsageInterval.ended_at).is_not(None))
-        if s.exec(closed.limit(1)).first() is None:
-            return None
-        lock_pool(s)
-        return rebuild_rollups(s)
+        if s.exec(select(UsageRollup.id).limit(1)).first() is None:
+            closed = select(UsageInterval.id).where(col(UsageInterval.ended_at).is_not(None))
+            if s.exec(closed.limit(1)).first() is not None:
+                lock_pool(s)
+                return rebuild_rollups(s)
+        # Upgraded from before the run times were kept (migration 0011): once, from the runs.
+        backfill_run_times(s)
+        return None
 
 
 # --- reading a window ---------------------------------------------------------------------
@@ -704,12 +807,11 @@ class RawUsage:
 
 @dataclass(frozen=True)
 class RolledRow:
-    """The rolled-up part of a window, summed per user, market, instance type and run."""
+    """The rolled-up part of a window, summed per user, market and instance type."""
 
     user: str
     market: str
     instance_type: str | None
-    run_id: int  # 0: a reservation's time
     micro_usd: int
     held_us: int
     covered_micro: int
@@ -748,103 +850,118 @@ def _spans(window: Window) -> tuple[list[Window], list[Window], list[Window]]:
     return [Window(days_start, days_end)], hours, raw
 
 
-def _rolled_days(s: Session, w: Window, user_id: int | None) -> list[RolledRow]:
-    # Seven columns: past sqlmodel's typed `select` overloads, so typed by RolledRow.
+def whole_hours(window: Window) -> Window | None:
+    """The part of the window made of whole UTC hours (what the hourly and daily rows
+    answer), None when it has none: the rest is read raw."""
+    start, end = ceil_hour(window.start), floor_hour(window.end)
+    return Window(start, end) if end > start else None
+
+
+def _rolled(table: type[UsageRollup] | type[UsageRollupDay], i: int, by_user: bool) -> Any:
+    """The i-th span's rows (`b_start{i}` to `b_end{i}`) summed per user, market and
+    instance type; one person's (`b_user`) when `by_user`."""
+    at = col(UsageRollupDay.day) if table is UsageRollupDay else col(UsageRollup.hour)
+    t: Any = table
     columns: tuple[Any, ...] = (
         User.key,
-        UsageRollupDay.market,
-        UsageRollupDay.instance_type,
-        UsageRollupDay.run_id,
-        func.sum(UsageRollupDay.micro_usd),
-        func.sum(UsageRollupDay.held_us),
-        func.sum(UsageRollupDay.covered_micro),
+        t.market,
+        t.instance_type,
+        func.sum(t.micro_usd),
+        func.sum(t.held_us),
+        func.sum(t.covered_micro),
     )
     q: Any = (
         select(*columns)
-        .join(User, col(User.id) == col(UsageRollupDay.user_id))
-        .where(col(UsageRollupDay.day) >= w.start, col(UsageRollupDay.day) < w.end)
-        .group_by(
-            User.key, UsageRollupDay.market, UsageRollupDay.instance_type, UsageRollupDay.run_id
+        .join(User, col(User.id) == t.user_id)
+        .where(
+            at >= bindparam(f"b_start{i}", type_=UTCDateTime),
+            at < bindparam(f"b_end{i}", type_=UTCDateTime),
         )
+        .group_by(User.key, t.market, t.instance_type)
     )
-    if user_id is not None:
-        q = q.where(UsageRollupDay.user_id == user_id)
-    return [
-        RolledRow(key, market, itype or None, run, int(m), int(us), int(c))
-        for key, market, itype, run, m, us, c in s.exec(q).all()
-    ]
+    return q.where(t.user_id == bindparam("b_user")) if by_user else q
 
 
-def _rolled_hours(s: Session, w: Window, user_id: int | None) -> list[RolledRow]:
-    columns: tuple[Any, ...] = (
-        User.key,
-        UsageRollup.market,
-        Host.instance_type,
-        UsageRollup.run_id,
-        func.sum(UsageRollup.micro_usd),
-        func.sum(UsageRollup.held_us),
-        func.sum(UsageRollup.covered_micro),
+# The statements of a window, built once per shape (bound parameters): a budget check, App
+# Home and every cost view read one, and building them was a good part of their CPU.
+
+
+@functools.cache
+def _rolled_stmt(days: int, hours: int, by_user: bool) -> Any:
+    """The whole days' and the other whole hours' rows of a window, in one statement."""
+    parts = [_rolled(UsageRollupDay, i, by_user) for i in range(days)]
+    parts += [_rolled(UsageRollup, days + i, by_user) for i in range(hours)]
+    return parts[0] if len(parts) == 1 else union_all(*parts)
+
+
+@functools.cache
+def _raw_stmt(edge: bool, by_user: bool) -> Any:
+    """Intervals read raw (`_RAW_COLUMNS`): the open ones that started before `b_end`, or
+    (`edge`) the closed ones that overlap [`b_start`, `b_end`)."""
+    where: list[Any] = [col(UsageInterval.started_at) < bindparam("b_end", type_=UTCDateTime)]
+    if edge:
+        where.append(col(UsageInterval.ended_at) > bindparam("b_start", type_=UTCDateTime))
+    else:
+        where.append(col(UsageInterval.ended_at).is_(None))
+    if by_user:
+        where.append(col(UsageInterval.user_id) == bindparam("b_user"))
+    return (
+        select(*_RAW_COLUMNS)
+        .join(User, col(User.id) == col(UsageInterval.user_id))
+        .join(Host, col(Host.id) == col(UsageInterval.host_id))
+        .where(*where)
     )
-    q: Any = (
-        select(*columns)
-        .join(User, col(User.id) == col(UsageRollup.user_id))
-        .join(Host, col(Host.id) == col(UsageRollup.host_id))
-        .where(col(UsageRollup.hour) >= w.start, col(UsageRollup.hour) < w.end)
-        .group_by(User.key, UsageRollup.market, Host.instance_type, UsageRollup.run_id)
-    )
-    if user_id is not None:
-        q = q.where(UsageRollup.user_id == user_id)
-    return [
-        RolledRow(key, market, itype or None, run, int(m), int(us), int(c))
-        for key, market, itype, run, m, us, c in s.exec(q).all()
-    ]
+
+
+# An interval read raw, as plain columns (a window reads every open one: building them as
+# objects was a good part of a team month's time with a fleet busy with runs).
+_RAW_COLUMNS: tuple[Any, ...] = (
+    UsageInterval.gpu_id,
+    UsageInterval.host_id,
+    UsageInterval.started_at,
+    UsageInterval.ended_at,
+    UsageInterval.usd_per_hour,
+    UsageInterval.run_id,
+    UsageInterval.reservation_id,
+    UsageInterval.market,
+    User.key,
+    Host.instance_type,
+)
 
 
 def window_usage(s: Session, window: Window, user_id: int | None = None) -> WindowUsage:
     days, hours, edges = _spans(window)
+    by_user = user_id is not None
+    conn = s.connection()
     rolled: list[RolledRow] = []
-    for w in days:
-        rolled += _rolled_days(s, w, user_id)
-    for w in hours:
-        rolled += _rolled_hours(s, w, user_id)
-    raw: list[RawUsage] = []
-    open_q = (
-        select(UsageInterval, User.key, Host.instance_type)
-        .join(User, col(User.id) == col(UsageInterval.user_id))
-        .join(Host, col(Host.id) == col(UsageInterval.host_id))
-        .where(col(UsageInterval.ended_at).is_(None), col(UsageInterval.started_at) < window.end)
-    )
-    if user_id is not None:
-        open_q = open_q.where(UsageInterval.user_id == user_id)
-    for iv, key, itype in s.exec(open_q).all():
-        raw.append(_raw(iv, key, itype, iv.started_at, None))
+    if days or hours:  # the whole days and the other whole hours in one statement
+        params: dict[str, Any] = {"b_user": user_id} if by_user else {}
+        for i, w in enumerate(days + hours):
+            params[f"b_start{i}"], params[f"b_end{i}"] = w.start, w.end
+        rolled = [
+            RolledRow(key, market, itype or None, int(m), int(us), int(c))
+            for key, market, itype, m, us, c in conn.execute(
+                _rolled_stmt(len(days), len(hours), by_user), params
+            )
+        ]
+    who: dict[str, Any] = {"b_user": user_id} if by_user else {}
+    raw = [
+        _raw(iv, iv.started_at, None)
+        for iv in conn.execute(_raw_stmt(False, by_user), {"b_end": window.end, **who})
+    ]
     for edge in edges:
-        q2 = (
-            select(UsageInterval, User.key, Host.instance_type)
-            .join(User, col(User.id) == col(UsageInterval.user_id))
-            .join(Host, col(Host.id) == col(UsageInterval.host_id))
-            .where(
-                col(UsageInterval.ended_at) > edge.start,
-                col(UsageInterval.started_at) < edge.end,
-            )
-        )
-        if user_id is not None:
-            q2 = q2.where(UsageInterval.user_id == user_id)
-        for iv, key, itype in s.exec(q2).all():
-            assert iv.ended_at is not None
-            raw.append(
-                _raw(iv, key, itype, max(iv.started_at, edge.start), min(iv.ended_at, edge.end))
-            )
+        params = {"b_start": edge.start, "b_end": edge.end, **who}
+        for iv in conn.execute(_raw_stmt(True, by_user), params):
+            raw.append(_raw(iv, max(iv.started_at, edge.start), min(iv.ended_at, edge.end)))
     raw.sort(key=lambda r: (r.usage.start, r.usage.gpu_id))
     return WindowUsage(tuple(rolled), tuple(raw))
 
 
-def _raw(
-    iv: UsageInterval, key: str, itype: str | None, start: datetime, end: datetime | None
-) -> RawUsage:
+def _raw(iv: Any, start: datetime, end: datetime | None) -> RawUsage:
+    """An interval read by `_RAW_COLUMNS`, clipped to [start, end)."""
     return RawUsage(
         usage=Usage(
-            user=key,
+            user=iv.key,
             gpu_id=iv.gpu_id,
             host_id=iv.host_id,
             start=start,
@@ -854,30 +971,83 @@ def _raw(
             ref_id=iv.run_id or iv.reservation_id or 0,
         ),
         market=iv.market,
-        instance_type=itype,
+        instance_type=iv.instance_type,
     )
+
+
+def rolled_run_costs(
+    s: Session, window: Window, *, top: int, runs: Collection[int] = ()
+) -> list[tuple[int, int]]:
+    """(run, micro-dollars) of the window's whole UTC days and other whole UTC hours from
+    the runs' own rows: the runs named in `runs` (the caller's raw parts) whatever their
+    place, and the `top` dearest of the others (by cost, then run id). One statement, the
+    runs' rows summed in the database, the whole days' from an index that holds the cost
+    (a week of a busy team is 7,500 runs); the team's rows do not say which run held what."""
+    days, hours, _ = _spans(window)
+    if not days and not hours:
+        return []
+    parts: list[Any] = [
+        select(RunRollupDay.run_id, RunRollupDay.micro_usd).where(
+            col(RunRollupDay.day) >= w.start, col(RunRollupDay.day) < w.end
+        )
+        for w in days
+    ]
+    parts += [
+        select(RunRollup.run_id, RunRollup.micro_usd).where(
+            col(RunRollup.hour) >= w.start, col(RunRollup.hour) < w.end
+        )
+        for w in hours
+    ]
+    both: Any = parts[0] if len(parts) == 1 else union_all(*parts)
+    rows: Any = both.subquery()
+    named = sorted(set(runs))
+    cost = func.sum(rows.c.micro_usd)
+    first = rows.c.run_id.in_(named) if named else literal(False)
+    q = (
+        select(rows.c.run_id, cost)
+        .group_by(rows.c.run_id)
+        .order_by(case((first, 0), else_=1), cost.desc(), rows.c.run_id)
+        .limit(len(named) + top)
+    )
+    return [(run, int(m)) for run, m in s.connection().execute(q)]
 
 
 # --- fair share ---------------------------------------------------------------------------
 
 
-def fair_share_usage(s: Session, now: datetime, half_life_s: float) -> dict[str, float] | None:
+def fair_share_usage(
+    s: Session,
+    now: datetime,
+    half_life_s: float,
+    held: Iterable[tuple[str, datetime]] | None = None,
+) -> dict[str, float] | None:
     """Each user's decayed GPU-seconds at `now`: the kept counters decayed to now, plus
     what is held now at full weight. None when the counters were kept at another
     half-life (the caller then computes from the intervals). Unlike the old read of 56
     days of rows, nothing is cut off: usage older than eight half-lives still counts,
-    at under 1/256 of its weight."""
+    at under 1/256 of its weight. `held`: (user key, start) of every open interval, when
+    the caller read them already (the tick's dispatch does), sparing a query."""
     usage: dict[str, float] = {}
-    for row, key in s.exec(
-        select(FairShareUsage, User.key).join(User, col(User.id) == col(FairShareUsage.user_id))
-    ).all():
-        if row.half_life_s != half_life_s:
+    conn = s.connection()
+    columns: tuple[Any, ...] = (
+        User.key,
+        FairShareUsage.decayed_s,
+        FairShareUsage.as_of,
+        FairShareUsage.half_life_s,
+    )
+    for key, decayed_s, as_of, kept_half_life in conn.execute(
+        select(*columns).join(User, col(User.id) == col(FairShareUsage.user_id))
+    ):
+        if kept_half_life != half_life_s:
             return None
-        usage[key] = decay(row.decayed_s, (now - row.as_of).total_seconds(), half_life_s)
-    for started, key in s.exec(
-        select(UsageInterval.started_at, User.key)
-        .join(User, col(User.id) == col(UsageInterval.user_id))
-        .where(col(UsageInterval.ended_at).is_(None))
-    ).all():
+        usage[key] = decay(decayed_s, (now - as_of).total_seconds(), half_life_s)
+    if held is None:
+        open_columns: tuple[Any, ...] = (User.key, UsageInterval.started_at)
+        held = conn.execute(
+            select(*open_columns)
+            .join(User, col(User.id) == col(UsageInterval.user_id))
+            .where(col(UsageInterval.ended_at).is_(None))
+        ).all()
+    for key, started in held:
         usage[key] = usage.get(key, 0.0) + max(0.0, (now - started).total_seconds())
     return usage

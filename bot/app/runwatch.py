@@ -22,16 +22,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
 from typing import Any, Final
 
 from sqlmodel import Session, col, select
 
 from bot.app.outbox import enqueue, enqueue_edit
+from bot.app.runfigures import costs_so_far, gpus_now
 from bot.domain import charts, health, views
 from bot.domain.durations import format_duration
-from bot.domain.metering import metered_micro, to_cents
-from db.models import GpuSample, TrainingRun, UsageInterval, User
+from db.models import GpuSample, TrainingRun, User
 from training.exitcodes import EXIT_TIME_LIMIT, describe_exit
 from training.status import RunStatus
 
@@ -53,17 +52,9 @@ def _run_samples(s: Session, run_id: int) -> list[GpuSample]:
 
 
 def cost_so_far(s: Session, run_id: int, now: datetime) -> tuple[float, float]:
-    """(USD, GPU-hours) of the run's usage intervals up to `now`: the same intervals the
-    bill is made of, so the live figure and the final one agree."""
-    # Metered exactly as `/gpu cost` and the bill meter it, and rounded to the cent as
-    # they show it: a float sum rounded its own way could show a cent less in the DM.
-    micro, hours = 0, 0.0
-    for iv in s.exec(select(UsageInterval).where(UsageInterval.run_id == run_id)):
-        end = iv.ended_at or now
-        if end > iv.started_at:
-            micro += metered_micro(Decimal(str(iv.usd_per_hour)), iv.started_at, end)
-            hours += (end - iv.started_at).total_seconds() / 3600
-    return float(to_cents(Decimal(micro) / 1_000_000)), hours
+    """(USD, GPU-hours) of the run's usage intervals up to `now` (bot.app.runfigures, which
+    `/gpu queue` reads for all its runs at once)."""
+    return costs_so_far(s, (run_id,), now)[run_id]
 
 
 def observations(
@@ -182,22 +173,20 @@ def live_edit(
 
 
 def _gpu_now(s: Session, run_id: int) -> str:
-    """Utilization and memory of the run's GPUs at their latest sample."""
-    latest: dict[tuple[int, int], GpuSample] = {}
-    for x in _run_samples(s, run_id):
-        latest[(x.host_id, x.gpu_index)] = x
-    if not latest:
-        return ""
-    util = sum(x.util_pct for x in latest.values()) / len(latest)
-    used = sum(x.mem_used_mb for x in latest.values()) / 1024
-    total = sum(x.mem_total_mb for x in latest.values()) / 1024
-    return f"GPU {util:.0f}%, mem {used:.1f}/{total:.0f} GB"
+    """Utilization and memory of the run's GPUs at their latest sample (bot.app.runfigures)."""
+    return gpus_now(s, (run_id,)).get(run_id, "")
 
 
 def progress_line(
-    s: Session, run: TrainingRun, status: RunStatus | None, now: datetime, usd: float
+    s: Session,
+    run: TrainingRun,
+    status: RunStatus | None,
+    now: datetime,
+    usd: float,
+    gpu: str | None = None,
 ) -> str:
-    """One line of where a running run is: the live message, `/gpu queue` and App Home."""
+    """One line of where a running run is: the live message, `/gpu queue` and App Home.
+    `gpu`: its GPUs' line when the caller read it already (`bot.app.runfigures.gpus_now`)."""
     m = run.metrics
     step = status.step if status is not None else m.get("step")
     total = status.total_steps if status is not None else m.get("total_steps")
@@ -214,7 +203,8 @@ def progress_line(
     rate = status.samples_per_s if status is not None else m.get("samples_per_s")
     if isinstance(rate, int | float):
         parts.append(f"{rate:,.0f} samples/s")
-    gpu = _gpu_now(s, run.id or 0)
+    if gpu is None:
+        gpu = _gpu_now(s, run.id or 0)
     if gpu:
         parts.append(gpu)
     if run.started_at is not None:

@@ -3,8 +3,12 @@ hosts described as plain provisioning dataclasses (the same ones providers retur
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
+from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from bot.app.config import Settings
@@ -44,3 +48,18 @@ def actor(svc: GpuService, name: str) -> Actor:
 
 
 HOUR = timedelta(hours=1)
+
+
+@contextmanager
+def statements(engine: Engine) -> Iterator[list[tuple[str, Any]]]:
+    """Every statement (and its parameters) the engine runs inside the block."""
+    seen: list[tuple[str, Any]] = []
+
+    def note(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        seen.append((statement, params))
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", note)

@@ -280,3 +280,53 @@ def test_check_budget_is_callable_by_the_fleet(sqlite_engine: Engine) -> None:
         bob = s.exec(select(User).where(User.key == "bob")).one()
         check_budget(s, bob, Decimal("50.01"), clock.now(), svc.settings, what="Launching")
     assert len(dms(sqlite_engine, "budget-80:%")) == 1
+
+
+def test_what_is_committed_is_everything_the_person_holds_waits_for_or_queued(
+    engine: Engine,
+) -> None:
+    """Hand-computed at $2 an A100 and $4 an H100 per GPU-hour: 2 A100 held for 3 more
+    hours ($12), 4 A100 waiting for an hour at the dearest A100 price ($8), 2 H100 running
+    with a --max of 2 h after 30 minutes ($12), one running with no --max (an hour more:
+    $4), 2 H100 queued with a --max of an hour ($8): $44. Bob's run is not Alice's."""
+    from datetime import timedelta
+
+    from bot.app.budgets import committed_usd
+    from db.models import Gpu, Host
+
+    svc, clock = make_service(
+        engine, [host("a", "A100", 4, hourly=8.0), host("h", "H100", 4, hourly=16.0)]
+    )
+    alice = actor(svc, "alice")
+    actor(svc, "bob")
+    svc.reserve(alice, Reserve(count=2, model="A100", duration=3 * HOUR))
+    svc.reserve(alice, Reserve(count=4, model="A100", duration=HOUR))  # waits
+    now = clock.now()
+    began = now - timedelta(minutes=30)
+    with transaction(engine) as s:
+        h100 = s.exec(select(Host).where(Host.name == "h")).one()
+        gpus = list(s.exec(select(Gpu).where(Gpu.host_id == h100.id).order_by(col(Gpu.index))))
+        ids = {u.key: u.id for u in s.exec(select(User)).all()}
+        for who, taken, max_s, state in (
+            ("alice", gpus[:2], 7200, "running"),
+            ("alice", gpus[2:3], None, "running"),
+            ("bob", gpus[3:4], None, "running"),
+            ("alice", [], 3600, "queued"),
+        ):
+            run = TrainingRun(
+                user_id=ids[who],  # type: ignore[arg-type]
+                command="python train.py",
+                gpu_count=len(taken) or 2,
+                gpu_model="H100",
+                max_seconds=max_s,
+                state=state,
+                submitted_at=began,
+                started_at=began if taken else None,
+            )
+            s.add(run)
+            s.flush()
+            if taken:
+                svc.open_usage(s, h100, taken, run.user_id, began, run_id=run.id)
+    with transaction(engine, write=False) as s:
+        assert committed_usd(s, ids["alice"], now) == Decimal("44")  # type: ignore[arg-type]
+        assert committed_usd(s, ids["bob"], now) == Decimal("4")  # type: ignore[arg-type]

@@ -8,16 +8,14 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, SQLModel, select
+from sqlmodel import Session, SQLModel, col, select
 
 from bot.app.digest import digest_for
 from bot.app.rollups import (
@@ -27,16 +25,27 @@ from bot.app.rollups import (
     stored_rollups,
 )
 from bot.app.runs import LocalAccess, RunService
+from bot.app.runtimes import keep_estimates, note_run_ended
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Queue, Release, Reserve, Run, Status
 from bot.domain.errors import UserError
 from bot.faces.slack.home import home_view
-from db.models import FairShareUsage, GpuSample, UsageInterval, UsageRollup, User
-from db.session import transaction
+from bot.faces.worker import tick_job
+from db.models import (
+    FairShareUsage,
+    Gpu,
+    GpuSample,
+    Host,
+    TrainingRun,
+    UsageInterval,
+    UsageRollup,
+    User,
+)
+from db.session import lock_pool, transaction
 from provisioning.catalog import Catalog
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import HOUR, actor, host, make_service
+from tests.core.helpers import HOUR, actor, host, make_service, statements
 
 
 def _history(svc: GpuService, clock: VirtualClock) -> None:
@@ -88,21 +97,9 @@ def test_fair_share_counters_equal_the_decayed_intervals(engine: Engine) -> None
 _WATCHED = ("usageinterval", "usagerollup", "hostperiod", "notification", "gpusample")
 
 
-@contextmanager
-def _statements(engine: Engine) -> Iterator[list[tuple[str, Any]]]:
-    seen: list[tuple[str, Any]] = []
-
-    def note(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
-        seen.append((statement, params))
-
-    event.listen(engine, "before_cursor_execute", note)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", note)
-
-
-def _full_scans(engine: Engine, statement: str, params: Any) -> list[str]:
+def _full_scans(
+    engine: Engine, statement: str, params: Any, watched: tuple[str, ...] = _WATCHED
+) -> list[str]:
     """The watched tables the plan reads without an index."""
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
@@ -115,7 +112,7 @@ def _full_scans(engine: Engine, statement: str, params: Any) -> list[str]:
         bad = []
         for line in plan:
             m = pattern.search(line.strip())
-            if m and m.group(1) in _WATCHED:
+            if m and m.group(1) in watched:
                 bad.append(line.strip())
         return bad
 
@@ -161,18 +158,24 @@ def test_every_window_and_queue_query_uses_an_index(engine: Engine, tmp_path: Pa
         lambda: svc.runs.queue(actor(svc, "alice"), Queue()) if svc.runs else None,
     ]
     svc.runs.submit(actor(svc, "carol"), Run(command=("true",), model="A100", gpus=4))
+    assert _indexed(engine, asks, _WATCHED) > 10
+
+
+def _indexed(engine: Engine, asks: list[Callable[[], object]], watched: tuple[str, ...]) -> int:
+    """Runs each ask; every SELECT it issues on a watched table must read it through an
+    index. Returns how many were checked."""
     checked = 0
     for ask in asks:
-        with _statements(engine) as seen:
+        with statements(engine) as seen:
             ask()
         for statement, params in seen:
             if not statement.lstrip().upper().startswith("SELECT"):
                 continue
-            if not any(re.search(rf"\b{t}\b", statement) for t in _WATCHED):
+            if not any(re.search(rf"\b{t}\b", statement) for t in watched):
                 continue
             checked += 1
-            assert _full_scans(engine, statement, params) == [], statement
-    assert checked > 10
+            assert _full_scans(engine, statement, params, watched) == [], statement
+    return checked
 
 
 def _plan(engine: Engine, statement: str, params: Any) -> list[str]:
@@ -204,7 +207,7 @@ def test_an_idle_hosts_last_use_is_read_from_the_host_ended_index(
     # Something to decide (a queued run that cannot start here), so dispatch reads the
     # fleet, both hosts idle.
     runs.submit(bob, Run(command=("true",), model="A100", gpus=1))
-    with _statements(engine) as seen:
+    with statements(engine) as seen:
         runs.dispatch()
     asked = [
         (statement, params)
@@ -221,7 +224,7 @@ def test_an_idle_hosts_last_use_is_read_from_the_host_ended_index(
 
 
 def _count(engine: Engine, ask: Callable[[], object]) -> int:
-    with _statements(engine) as seen:
+    with statements(engine) as seen:
         ask()
     return len(seen)
 
@@ -278,7 +281,109 @@ def test_start_up_backfills_rollups_once_after_the_upgrade(engine: Engine) -> No
     with engine.begin() as conn:  # as a database upgraded from before rollups has it
         conn.execute(UsageRollup.__table__.delete())  # type: ignore[attr-defined]
         conn.execute(FairShareUsage.__table__.delete())  # type: ignore[attr-defined]
-    assert backfill_rollups(engine) == len(kept[0]) > 0
+    assert backfill_rollups(engine) == len(kept[0].hours) > 0
     with Session(engine) as s:
         assert stored_rollups(s)[0] == kept[0]
     assert backfill_rollups(engine) is None  # rollups there: nothing to do
+
+
+def _busy_with_runs(engine: Engine, tmp_path: Path, n: int) -> tuple[GpuService, VirtualClock]:
+    """`n` hosts of 4 GPUs, each held whole by a running recipe (movable: the tick weighs
+    it) with a few minutes of GPU samples, after 10 * n finished runs."""
+    svc, clock = make_service(engine, [host(f"h{i:02d}", "A100", 4, hourly=8.0) for i in range(n)])
+    svc.runs = RunService(
+        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
+    )
+    for who in ("alice", "bob"):
+        actor(svc, who)
+    now = clock.now()
+    with transaction(engine) as s:
+        lock_pool(s)
+        users = list(s.exec(select(User).order_by(col(User.id))))
+        for i in range(10 * n):
+            ended = TrainingRun(
+                user_id=users[i % 2].id,  # type: ignore[arg-type]
+                command="python train.py",
+                gpu_count=4,
+                state="succeeded",
+                submitted_at=now - timedelta(hours=i + 2),
+                started_at=now - timedelta(hours=i + 2),
+                finished_at=now - timedelta(hours=i + 1),
+                metrics={"loss": 0.1},
+            )
+            s.add(ended)
+            s.flush()
+            note_run_ended(s, ended)
+        for i, h in enumerate(s.exec(select(Host).order_by(col(Host.id))).all()):
+            gpus = list(s.exec(select(Gpu).where(Gpu.host_id == h.id)))
+            run = TrainingRun(
+                user_id=users[i % 2].id,  # type: ignore[arg-type]
+                recipe="digits",
+                gpu_count=4,
+                state="running",
+                host_id=h.id,
+                placement={"host": h.name, "pgid": 1000 + i},
+                submitted_at=now - timedelta(minutes=30),
+                started_at=now - timedelta(minutes=20),
+                metrics={"step": 10, "total_steps": 100, "loss": 0.5},
+            )
+            s.add(run)
+            s.flush()
+            svc.open_usage(s, h, gpus, run.user_id, now - timedelta(minutes=20), run_id=run.id)
+            for minute in range(5):
+                for g in gpus:
+                    s.add(
+                        GpuSample(
+                            host_id=h.id,  # type: ignore[arg-type]
+                            gpu_index=g.index,
+                            at=now - timedelta(minutes=minute),
+                            util_pct=90.0,
+                            mem_used_mb=1000.0,
+                            mem_total_mb=40_000.0,
+                            user_id=run.user_id,
+                            run_id=run.id,
+                        )
+                    )
+    clock.advance(timedelta(minutes=1))
+    return svc, clock
+
+
+def _run_counts(engine: Engine, tmp_path: Path, n: int) -> dict[str, int]:
+    svc, _ = _busy_with_runs(engine, tmp_path, n)
+    alice = actor(svc, "alice")
+    assert svc.runs is not None
+    runs = svc.runs
+    tick_job(svc, None)  # the run-time estimates made once (bot.app.runtimes)
+    return {
+        "status": _count(engine, lambda: svc.status(alice, Status())),
+        "queue": _count(engine, lambda: runs.queue(alice, Queue())),
+        "home": _count(engine, lambda: home_view(svc, alice)),
+        "tick": _count(engine, lambda: tick_job(svc, None)),
+    }
+
+
+def test_views_and_the_tick_do_not_grow_with_running_runs(engine: Engine, tmp_path: Path) -> None:
+    """The queue, the status, App Home and an idle tick issue as many statements with two
+    runs going (after 20 finished) as with twelve (after 120) on six times the hosts:
+    each running run's cost, GPU line and predicted end is read with the others'."""
+    two = _run_counts(engine, tmp_path / "two", 2)
+    _empty(engine)
+    twelve = _run_counts(engine, tmp_path / "twelve", 12)
+    assert twelve == two
+
+
+def test_every_query_of_runs_uses_an_index(engine: Engine, tmp_path: Path) -> None:
+    """With runs going and finished: the queue (each run's cost and GPU line), the
+    digest (the dearest runs), the tick (the kept run-time estimates) and a remaking of
+    the estimates read the growing tables through their indexes."""
+    svc, clock = _busy_with_runs(engine, tmp_path, 3)
+    clock.advance(timedelta(days=8))  # the runs' week is the digest's last full week
+    alice = actor(svc, "alice")
+    asks: list[Callable[[], object]] = [
+        lambda: svc.runs.queue(alice, Queue()) if svc.runs else None,
+        lambda: digest_for(svc),
+        lambda: tick_job(svc, None),
+        lambda: keep_estimates(engine, clock.now()),
+        lambda: tick_job(svc, None),
+    ]
+    assert _indexed(engine, asks, (*_WATCHED, "runrollup", "runtime", "trainingrun")) > 5

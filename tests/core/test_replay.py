@@ -35,7 +35,8 @@ from bot.app.fleet import CatalogSupply, Fleet, attach, fleet_job
 from bot.app.history_trace import history_trace
 from bot.app.remote import PreparedHost, RemoteAccess
 from bot.app.runs import RunService, scheduler_config
-from bot.app.runs.inputs import run_history, scheduler_inputs
+from bot.app.runs.inputs import scheduler_inputs
+from bot.app.runtimes import history_of_kept
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock
 from bot.domain.scheduling import Action, FleetInstance, Preempt
@@ -378,7 +379,8 @@ def test_a_resumed_runs_history_is_all_its_segments(sqlite_engine: Engine, tmp_p
     """After the worker preempted and resumed alice's 8-GPU run, what the team's history
     says it ran is every segment, as the simulator's schedule has them: `gpubot simulate
     --history` (`history_trace`, from the usage intervals) and the run-time predictor the
-    scheduler reads (`run_history`, which learnt only the last segment before)."""
+    scheduler reads (the run times kept as runs end, bot.app.runtimes, which learnt only
+    the last segment before)."""
     scenario = SCENARIOS["preemption"]
     res, expected, got = replay(sqlite_engine, tmp_path / "home", scenario.trace, 1)
     assert got == expected
@@ -394,7 +396,7 @@ def test_a_resumed_runs_history_is_all_its_segments(sqlite_engine: Engine, tmp_p
         last = (resumed.finished_at - resumed.started_at).total_seconds()
         assert last < ran
         # a2 is the trace's longest run: only its whole length outlives ran - 1 s
-        learnt = run_history(s, end)
+        learnt, _, _ = history_of_kept(s, end)
         assert learnt.expected_remaining("alice", 8, ran - 1.0) == pytest.approx(1.0)
     text, _ = history_trace(sqlite_engine, datetime(2026, 1, 1, tzinfo=UTC), end)
     jobs = parse_trace(text.splitlines(), Catalog.load(), "A100")

@@ -12,6 +12,7 @@ from bot.app import runwatch
 from bot.app.access import audit
 from bot.app.held import who_holds
 from bot.app.ports import Actor
+from bot.app.runfigures import costs_so_far, gpus_now
 from bot.app.runs.context import FleetHost, RunContext, read_fleet
 from bot.domain import estimates, views
 from bot.domain.commands import Logs, Queue
@@ -72,6 +73,12 @@ class RunBoard:
                 else {}
             )
             down, ready_models = self._down_hosts(fleet)
+            # The running runs' figures, all at once (bot.app.runfigures): two statements,
+            # not two per run.
+            going = {r.id for r in shown if r.state == RUN_RUNNING and r.id is not None}
+            going -= {r.id for r in shown if r.placement.get("stage")}
+            spent = costs_so_far(s, going, now)
+            gpus = gpus_now(s, going)
             table = []
             waiting = 0  # the line position: counts everyone's queued runs
             shown_waiting = 0  # the summary counts only the rows shown (`queue me`)
@@ -111,8 +118,8 @@ class RunBoard:
                     progress = str(run.placement["stage"])  # "uploading code" (dispatch)
                 elif run.state == RUN_RUNNING and run.id is not None:
                     # The live message's line (bot.app.runwatch), from the last poll's figures.
-                    usd, _ = runwatch.cost_so_far(s, run.id, now)
-                    progress = runwatch.progress_line(s, run, None, now, usd)
+                    usd, _ = spent[run.id]
+                    progress = runwatch.progress_line(s, run, None, now, usd, gpus.get(run.id, ""))
                 table.append(
                     (
                         f"#{run.id}",

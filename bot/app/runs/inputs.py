@@ -16,7 +16,8 @@ from sqlmodel import Session, col, select
 from bot.app.held import attained_s, held_for_scheduler
 from bot.app.rollups import fair_share_usage
 from bot.app.runs.context import RunContext, host_view
-from bot.domain.scheduling import Allocation, FleetInstance, QueuedRun, RunHistory
+from bot.app.runtimes import estimates
+from bot.domain.scheduling import Allocation, FleetInstance, QueuedRun
 from db.models import (
     HOST_PENDING,
     HOST_READY,
@@ -24,10 +25,8 @@ from db.models import (
     MARKET_CLUSTER,
     RES_WAITING,
     RUN_CANCELLING,
-    RUN_FAILED,
     RUN_QUEUED,
     RUN_RUNNING,
-    RUN_SUCCEEDED,
     Gpu,
     Host,
     HostPeriod,
@@ -65,7 +64,6 @@ def scheduler_inputs(
     waiting_models = set(
         s.exec(select(Reservation.gpu_model).where(Reservation.state == RES_WAITING).distinct())
     )
-    history = run_history(s, now)
     queue = []
     run_cols: tuple[Any, ...] = (
         TrainingRun.id,
@@ -86,12 +84,22 @@ def scheduler_inputs(
         .where(TrainingRun.state == RUN_QUEUED)
         .order_by(col(TrainingRun.id))
     )
-    for row in s.exec(queued):
+    # Someone waiting for a reservation of this model goes first: people at a keyboard
+    # before batch work.
+    placeable = [
+        row for row in s.exec(queued) if row[3] not in waiting_models and None not in waiting_models
+    ]
+    holds = held_for_scheduler(s)
+    # What the team's finished runs predict (bot.app.runtimes: kept as runs end), for the
+    # runs with no --max: those queued, and those holding GPUs.
+    asked = {(row[1], row[2]) for row in placeable if not row[5]} | {
+        (h.user_key, h.run_gpu_count)
+        for h in holds
+        if h.run_state is not None and not h.run_max_seconds
+    }
+    history = estimates(ctx.engine, s, now, asked) if asked else None
+    for row in placeable:
         run_id, user_key, gpus, model, submitted, max_s, priority, spot, recipe, ckpt = row[:10]
-        # Someone waiting for a reservation of this model goes first: people at a
-        # keyboard before batch work.
-        if model in waiting_models or None in waiting_models:
-            continue
         queue.append(
             QueuedRun(
                 run_id=str(run_id),
@@ -100,7 +108,9 @@ def scheduler_inputs(
                 gpu_model=model or "",
                 submit_s=submitted.timestamp(),
                 # the user's --max, else what the team's finished runs predict
-                est_duration_s=float(max_s) if max_s else history.predict_duration(user_key, gpus),
+                est_duration_s=float(max_s)
+                if max_s or history is None
+                else history.predict_duration(user_key, gpus),
                 priority=priority,
                 spot=spot,
                 preemptible=recipe is not None or spot or ckpt,
@@ -157,7 +167,7 @@ def scheduler_inputs(
     # flags Allocation takes (preemptible, stopping, started_s, attained_s).
     by_host: dict[int, dict[str, tuple[str, int, float | None]]] = {}
     flags: dict[str, tuple[bool, bool, float | None, float]] = {}
-    for h in held_for_scheduler(s):
+    for h in holds:
         if h.reservation_id is not None:
             key = f"res:{h.reservation_id}"
             end = h.reservation_ends_at.timestamp() if h.reservation_ends_at else None
@@ -166,7 +176,7 @@ def scheduler_inputs(
             limit = h.run_max_seconds
             key, end = f"{h.run_id}", (started.timestamp() + limit) if limit else None
             if h.run_state is not None:
-                if end is None:
+                if end is None and history is not None:
                     end = history.predict_end(
                         h.user_key, h.run_gpu_count, started.timestamp(), now_s
                     )
@@ -264,48 +274,18 @@ def scheduler_inputs(
                 else _ts_or(last_use.get(host_id), created).timestamp(),
             )
         )
-    return queue, fleet, names, fair_usage(ctx, s, now)
+    held = [(h.user_key, h.started_at) for h in holds]
+    return queue, fleet, names, fair_usage(ctx, s, now, held)
 
 
-def run_history(s: Session, now: datetime) -> RunHistory:
-    """The run times of the runs that finished in the last 30 days, per user and
-    size: the same predictions the simulator makes under --estimates none.
-
-    A run's time is all it ran: its last segment (started_at is that segment's start)
-    plus what its earlier ones ran (`attained_s`, kept when it was requeued), as the
-    simulator learns a preempted job's whole duration, not its last stretch."""
-    history = RunHistory()
-    since = now - timedelta(days=30)
-    cols: tuple[Any, ...] = (
-        User.key,
-        TrainingRun.gpu_count,
-        TrainingRun.started_at,
-        TrainingRun.finished_at,
-        TrainingRun.metrics,
-    )
-    stmt: Any = (
-        select(*cols)
-        .join(User, col(User.id) == col(TrainingRun.user_id))
-        .where(
-            col(TrainingRun.state).in_((RUN_SUCCEEDED, RUN_FAILED)),
-            col(TrainingRun.finished_at).is_not(None),
-            col(TrainingRun.started_at).is_not(None),
-            col(TrainingRun.finished_at) > since,
-        )
-        .order_by(col(TrainingRun.finished_at), col(TrainingRun.id))
-    )
-    for user_key, gpus, started, finished, metrics in s.exec(stmt):
-        if started is not None and finished is not None:
-            ran = (finished - started).total_seconds() + attained_s(metrics)
-            history.add(user_key, gpus, ran)
-    return history
-
-
-def fair_usage(ctx: RunContext, s: Session, now: datetime) -> dict[str, float]:
+def fair_usage(
+    ctx: RunContext, s: Session, now: datetime, held: list[tuple[str, datetime]] | None = None
+) -> dict[str, float]:
     """Each user's GPU-seconds, decayed with the scheduler's half-life (Slurm's fair
-    share): the counters kept as intervals close (bot.app.rollups), plus what is held now.
-    Only a half-life other than the counters' reads the intervals themselves."""
-    kept = fair_share_usage(s, now, ctx.config.half_life_s)
+    share): the counters kept as intervals close (bot.app.rollups), plus what is held now
+    (`held`, when read already). Only a half-life other than the counters' reads the
+    intervals themselves."""
+    kept = fair_share_usage(s, now, ctx.config.half_life_s, held)
     if kept is not None:
         return kept
     horizon = now - timedelta(seconds=ctx.config.half_life_s * 8)

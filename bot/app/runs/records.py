@@ -16,6 +16,7 @@ from bot.app.held import attained_s, end_held
 from bot.app.outbox import enqueue
 from bot.app.ports import Core, HostAccess
 from bot.app.runs.context import RunContext
+from bot.app.runtimes import note_run_ended
 from bot.domain import views
 from db.models import (
     RUN_OPEN_STATES,
@@ -266,6 +267,7 @@ class RunRecords:
             run.finished_at = end
             run.exit_code = exit_code
             run.metrics = {**run.metrics, "summary": summary, "cost_usd": round(cost, 4)}
+            note_run_ended(s, run)  # its time, for the run-time estimates (bot.app.runtimes)
             owner = s.get(User, run.user_id)
             assert owner is not None
             # bot.app.runwatch: metrics, precision and batch and why, GPU-hours, cost, the

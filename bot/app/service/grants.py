@@ -36,7 +36,6 @@ from db.models import (
     Gpu,
     Reservation,
     UsageInterval,
-    User,
 )
 from db.session import core, lock_pool, locked_rows
 from provisioning.costs import gpu_share
@@ -122,8 +121,6 @@ class Grants:
                 # pass granted already is flushed, so not among them).
                 host, free_here = free_gpus(s, host_id, gpu_model)
                 assert host is not None, "the counts and the GPUs disagree"
-                if res.id is None and _has_budget(s, res):
-                    s.flush()  # the budget check names it and leaves it out of what is committed
                 # Budget (bot.app.budgets): a grant that would go over is cancelled, with a DM.
                 rate = Decimal(str(gpu_share(host.hourly_usd, present[host_id])))
                 refusal = budgets.grant_refusal(
@@ -248,8 +245,3 @@ class Grants:
             .where(Gpu.host_id == host_id, col(Gpu.present).is_(True))
         ).one()
         return int(n)
-
-
-def _has_budget(s: Session, res: Reservation) -> bool:
-    holder = s.get(User, res.user_id)  # loaded already: no query
-    return holder is not None and holder.budget_usd is not None

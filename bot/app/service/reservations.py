@@ -99,13 +99,15 @@ class Reservations:
                 now = self.core.clock.now()
                 # Budget (bot.app.budgets): refused here, before it waits or is granted. No
                 # estimate (a query, under the pool lock) for the many without a budget.
+                estimate = None
                 if user.budget_usd is not None:
+                    estimate = budgets.reservation_estimate(
+                        s, model, cmd.count, int(duration.total_seconds())
+                    )
                     budgets.check_budget(
                         s,
                         user,
-                        budgets.reservation_estimate(
-                            s, model, cmd.count, int(duration.total_seconds())
-                        ),
+                        estimate,
                         now,
                         self.core.settings,
                         what=f"Reserving {views.gpu_phrase(cmd.count, model)} for {format_duration(duration)}",
@@ -120,6 +122,8 @@ class Reservations:
                     request_key=request_key,
                 )
                 s.add(res)  # written by the grant pass, granted or still waiting
+                if estimate is not None:  # its grant below need not check again
+                    budgets.checked_request(s, res, estimate, now)
                 self.grants.grant_pass(s, now, new=res, counts=counts)
                 s.flush()
                 info = reservation_info(s, res)
