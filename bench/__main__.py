@@ -22,6 +22,7 @@ BENCHES: list[str] = [
     "simulate",
     "slack_latency",
     "history",
+    "digest_advice",
     "host_bootstrap",
     "multinode",
     "run_end",

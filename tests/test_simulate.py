@@ -22,6 +22,7 @@ from bot.sim.simulate import (
     SimInputError,
     SimResult,
     TraceJob,
+    load_trace,
     parse_trace,
     run_simulation,
 )
@@ -514,6 +515,33 @@ def test_only_checkpointable_jobs_are_preempted_by_the_hash_rule(tmp_path: Path)
     assert moved and moved <= eligible
     none = run_simulation(trace, policy="fair", max_gpus=8)
     assert none.preemptions == 0
+
+
+def test_a_replayed_runs_own_checkpoints_and_spot_override_the_contracts_stand_ins(
+    tmp_path: Path,
+) -> None:
+    """A replay of the team's history says per run whether it checkpoints (TraceJob
+    .checkpoints, instead of the hash rule) and whether it ran on spot."""
+    catalog = Catalog.load(None)
+    jobs = load_trace(_hog_trace(tmp_path), catalog, "A100")
+    mine = {"hog-0", "hog-3"}  # the only ones that checkpoint, whatever their hash says
+    marked = [replace(j, checkpoints=j.job_id in mine) for j in jobs]
+    res = run_simulation(marked, policy="fair", max_gpus=8, checkpointable_fraction=1.0)
+    moved = {s.job_id for s in res.schedule if s.job_id.startswith("hog-")}
+    moved = {j for j in moved if sum(1 for s in res.schedule if s.job_id == j) > 1}
+    assert moved and moved <= mine
+    # A run that ran on spot runs on spot capacity, at its price.
+    one = [replace(jobs[0], submit_s=0.0)]
+    od = run_simulation(one, policy="fair", max_gpus=8)
+    sp = run_simulation([replace(one[0], spot=True)], policy="fair", max_gpus=8)
+    assert [r.market for r in od.instances] == ["ondemand"]
+    assert [r.market for r in sp.instances] == ["spot"]
+    t = catalog.get(sp.instances[0].instance_type)
+    assert t is not None and t.spot_usd_hr is not None
+    assert sp.total_cost_usd < od.total_cost_usd
+    assert sp.total_cost_usd / od.total_cost_usd == pytest.approx(
+        t.spot_usd_hr / t.ondemand_usd_hr, rel=1e-3
+    )
 
 
 # ---------------------------------------------------------------- no oracle

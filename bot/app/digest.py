@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -33,6 +33,7 @@ from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, select
 
+from bot.app.advice import WeekReport, report_blocks, report_csv, report_for
 from bot.app.billing import WindowCosts, dearest_runs, shown_cents, window_costs
 from bot.app.billing import host_periods as load_periods
 from bot.app.config import Settings, parse_weekly_time
@@ -45,6 +46,7 @@ from db.session import transaction
 from provisioning.catalog import Catalog
 
 if TYPE_CHECKING:
+    from bot.app.ports import Replayer
     from bot.app.service import GpuService
 
 TOP_RUNS = 5
@@ -99,6 +101,18 @@ class Digest:
     idle_overhead_usd: Decimal
     instances_usd: Decimal
     last_week_held_usd: Decimal
+    # The week's largest wastes and the replay's advice (bot.app.advice); None: not asked.
+    report: WeekReport | None = None
+
+    @property
+    def used(self) -> tuple[UserLine, ...]:
+        """The people who held a GPU this week: one row each."""
+        return tuple(u for u in self.users if u.usd or u.gpu_hours)
+
+    @property
+    def unused(self) -> tuple[UserLine, ...]:
+        """People in the table only for last week: one line for all of them."""
+        return tuple(u for u in self.users if not (u.usd or u.gpu_hours))
 
 
 # --- weeks ---------------------------------------------------------------------------------
@@ -294,7 +308,7 @@ def digest_view(d: Digest) -> views.View:
     shown, total = shown_cents(parts, d.instances_usd, absorb="idle")
     gpu_h = sum((u.gpu_hours for u in d.users), _ZERO)
     held = sum((shown[f"user:{u.key}"] for u in d.users), _ZERO)
-    people = sum(1 for u in d.users if u.usd or u.gpu_hours)
+    people = len(d.used)
     text = (
         f"GPU digest {d.week} ({_span(d)}): the instances cost ${total:,.2f}; "
         f"${held:,.2f} held by {people} {'person' if people == 1 else 'people'} over "
@@ -311,7 +325,7 @@ def digest_view(d: Digest) -> views.View:
             _money(u.idle_waste_usd),
             _money(u.spot_savings_usd) if u.spot_savings_usd else "",
         )
-        for u in d.users
+        for u in d.used
     )
     blocks: list[views.Block] = [views.Header(f"GPU digest {d.week}"), views.Text(text)]
     if rows:
@@ -322,6 +336,8 @@ def digest_view(d: Digest) -> views.View:
         )
     else:
         blocks.append(views.Text("Nobody held a GPU this week."))
+    if d.unused:
+        blocks.append(views.Text(_unused_line(d.unused)))
     blocks.append(
         views.Fields(
             (
@@ -332,6 +348,8 @@ def digest_view(d: Digest) -> views.View:
             )
         )
     )
+    if d.report is not None:
+        blocks.extend(report_blocks(d.report))
     if d.top_runs:
         blocks.append(views.Text("*Top runs by cost*"))
         blocks.append(
@@ -350,14 +368,25 @@ def digest_view(d: Digest) -> views.View:
     return views.View(text=text, blocks=tuple(blocks))
 
 
+def _unused_line(unused: tuple[UserLine, ...]) -> str:
+    """ "13 people used nothing (they held $412.10 last week)": one line, not a row each."""
+    n = len(unused)
+    last = sum((u.last_week_usd for u in unused), _ZERO)
+    who = "1 person" if n == 1 else f"{n} people"
+    return f"{who} used nothing this week ({_money(last)} held last week)."
+
+
 def digest_chart(d: Digest) -> bytes:
     """The digest's PNG (drawn by `bot.domain.charts.cost_chart`): each person's dollars with
     their idle waste on top, then the team's idle overhead."""
     # matplotlib takes most of a second to import: only code that draws loads it.
     from bot.domain.charts import CostBar, cost_chart
 
-    people = [CostBar(u.name, u.usd, u.idle_waste_usd) for u in d.users]
+    people = [CostBar(u.name, u.usd, u.idle_waste_usd) for u in d.used]
     title = f"GPU cost by person, {d.week} ({_money(d.instances_usd)} in all)"
+    if d.unused:
+        n = len(d.unused)
+        title += f"; {n} {'person' if n == 1 else 'people'} used nothing"
     return cost_chart(people, d.idle_overhead_usd, title)
 
 
@@ -365,7 +394,7 @@ def digest_csv(d: Digest) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(CSV_HEADER)
-    for u in d.users:
+    for u in d.used:
         w.writerow(
             (
                 d.week,
@@ -380,17 +409,37 @@ def digest_csv(d: Digest) -> str:
                 f"{to_cents(u.change_usd)}",
             )
         )
+    if d.unused:  # the text's one line, as one row: no user key, the count in the name
+        last = sum((u.last_week_usd for u in d.unused), _ZERO)
+        n = len(d.unused)
+        who = f"{n} {'person' if n == 1 else 'people'} used nothing"
+        was, change = f"{to_cents(last)}", f"{to_cents(-last)}"
+        w.writerow((d.week, "", who, "0.0000", "0.00", "", "0.00", "0.00", was, change))
     return out.getvalue()
+
+
+def digest_report_csv(d: Digest) -> str:
+    """The wastes and the advice (bot.app.advice.report_csv); empty when not asked."""
+    return "" if d.report is None else report_csv(d.week, d.report)
 
 
 # --- running it ----------------------------------------------------------------------------
 
 
-def digest_for(service: GpuService, week: str | None = None) -> Digest:
+def digest_for(
+    service: GpuService, week: str | None = None, replay: Replayer | None = None
+) -> Digest:
+    """The week's digest; with `replay` (the faces hand it the simulator) also its largest
+    wastes and what one setting would have saved (bot.app.advice)."""
     now = service.clock.now()
     year, wk = parse_week(week) if week else last_complete_week(now, service.settings.timezone)
+    catalog = Catalog.load()
     with transaction(service.engine, write=False) as s:
-        return build_digest(s, year, wk, now, service.settings, Catalog.load())
+        d = build_digest(s, year, wk, now, service.settings, catalog)
+    if replay is None:
+        return d
+    report = report_for(service.engine, service.settings, d.window, now, catalog, replay)
+    return replace(d, report=report)
 
 
 def post_digest(service: GpuService, d: Digest) -> bool:
@@ -406,9 +455,9 @@ def post_digest(service: GpuService, d: Digest) -> bool:
     return True
 
 
-def digest_job(service: GpuService) -> None:
+def digest_job(service: GpuService, replay: Replayer | None = None) -> None:
     """The worker's weekly firing: the previous ISO week's digest, to the channel."""
-    post_digest(service, digest_for(service))
+    post_digest(service, digest_for(service, replay=replay))
 
 
 def digest_trigger(settings: Settings) -> dict[str, object]:
@@ -423,5 +472,12 @@ def digest_trigger(settings: Settings) -> dict[str, object]:
     }
 
 
-def write_csv(d: Digest, path: Path) -> None:
+def write_csv(d: Digest, path: Path) -> Path | None:
+    """Writes the people's CSV to `path` and, when the digest has its report, the wastes
+    and advice beside it (`<stem>-advice.csv`); returns that second path."""
     path.write_text(digest_csv(d), encoding="utf-8")
+    if d.report is None:
+        return None
+    extra = path.with_name(f"{path.stem}-advice{path.suffix or '.csv'}")
+    extra.write_text(digest_report_csv(d), encoding="utf-8")
+    return extra

@@ -29,9 +29,11 @@ if TYPE_CHECKING:
     from sqlmodel import Session
 
     from bot.app.config import Settings
+    from bot.app.history_trace import HistoryRun
     from bot.domain import views
     from bot.domain.clock import Clock
     from bot.domain.readmodels import HostState
+    from bot.domain.scheduling import SchedulerConfig
     from db.models import Host, User
     from provisioning.ssh import SshRunner, SshTarget
 
@@ -313,3 +315,34 @@ class Core(Protocol):
     def nudge(self) -> None:
         """Asks this process's worker for a tick now (GpuService.nudge)."""
         ...
+
+
+# --- the week's replay (bot.app.advice) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """What one replay costs and how long its runs waited (the simulator's figures)."""
+
+    usd: float  # every simulated instance's bill
+    avg_queue_s: float
+    p95_queue_s: float
+    jobs: int  # runs that ran (a run the quota can never fit is left out)
+    rejected: int
+
+
+class Replayer(Protocol):
+    """Replays runs through the scheduler on a simulated cloud under `config`.
+
+    Why a port: the simulator (bot.sim) is a sibling of the app that only the faces may
+    import; the digest's advice asks it "what if" with one setting changed, and the
+    faces hand it the real one (bot.faces.replay)."""
+
+    def __call__(
+        self,
+        jobs: Sequence[HistoryRun],
+        config: SchedulerConfig,
+        *,
+        ebs_gb: float,
+        ebs_usd_gb_month: float,
+    ) -> ReplayOutcome: ...

@@ -439,7 +439,10 @@ def digest_command(
         False, "--post", help="Queue it for the team channel, chart attached (once per week)."
     ),
     csv_file: Path | None = typer.Option(
-        None, "--csv", help="Also write one row per person to this CSV file."
+        None,
+        "--csv",
+        help="Also write one row per person to this CSV file, and the wastes and advice "
+        "beside it (FILE-advice.csv).",
     ),
 ) -> None:
     """The weekly GPU cost digest: per person GPU-hours, dollars, utilization, idle waste,
@@ -449,6 +452,7 @@ def digest_command(
     `digest_at` in the team's time zone.
     """
     from bot.app.service import GpuService
+    from bot.faces.replay import SimReplayer
     from bot.faces.terminal import render
     from db.migrate import upgrade
     from db.session import make_engine
@@ -458,16 +462,18 @@ def digest_command(
     upgrade(engine)
     service = GpuService(engine, settings, SystemClock())
     try:
-        d = digest_for(service, week or None)
+        d = digest_for(service, week or None, replay=SimReplayer())
     except UserError as exc:
         typer.echo(f"gpubot: {exc.text}", err=True)
         raise typer.Exit(2) from None
     if csv_file is not None:
         try:
-            write_csv(d, csv_file)
+            extra = write_csv(d, csv_file)
         except OSError as exc:
             typer.echo(f"gpubot: cannot write {csv_file}: {exc.strerror or exc}", err=True)
             raise typer.Exit(2) from None
+        if extra is not None:
+            typer.echo(f"Wrote {csv_file} (people) and {extra} (wastes and advice).", err=True)
     if post:
         if post_digest(service, d):
             typer.echo(f"Digest {d.week} queued for #{settings.channel}; the worker posts it.")

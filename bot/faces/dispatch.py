@@ -161,8 +161,14 @@ def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
     note = service.display.cost_note()
     if cmd.scope == "team":
         bill = service.team_bill(cmd.period, _catalog())
-        reply = views.Reply(team_cost_view(bill, cmd.period, service.settings.timezone))
-        return reply.with_note(note)
+        view = team_cost_view(bill, cmd.period, service.settings.timezone)
+        if cmd.period == "week":  # the week so far's wastes and what a setting would save
+            from bot.faces.replay import team_week_blocks  # the simulator: only when asked
+
+            view = views.View(
+                view.text, view.blocks + team_week_blocks(service, bill.window, _catalog())
+            )
+        return views.Reply(view).with_note(note)
     who = actor.key if cmd.scope == "me" else (cmd.user.key if cmd.user else None)
     window, costs, names = service.costs(cmd.period, None if cmd.scope == "team" else who)
     if cmd.scope == "user" and who not in names and who is not None:

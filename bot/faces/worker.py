@@ -20,6 +20,7 @@ from bot.app import digest, fleet, hostcheck, idle, utilization
 from bot.app.delivery import Notifier, deliver
 from bot.app.service import GpuService
 from bot.domain.errors import new_ref
+from bot.faces.replay import weekly_digest_job
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def periodic_jobs(service: GpuService) -> list[PeriodicJob]:
     post_s = max(60.0, service.settings.util_post_interval.total_seconds())  # 0 = off: job skips
     jobs.append(PeriodicJob("util-post", utilization.snapshot_job, "interval", {"seconds": post_s}))
     jobs.append(
-        PeriodicJob("digest", digest.digest_job, "cron", digest.digest_trigger(service.settings))
+        PeriodicJob("digest", weekly_digest_job, "cron", digest.digest_trigger(service.settings))
     )
     jobs.append(
         PeriodicJob("fleet", fleet.fleet_job, "interval", fleet.fleet_trigger(service.settings))

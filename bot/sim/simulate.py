@@ -39,7 +39,10 @@ a hash of their id; a preempted segment keeps whole multiples of ``--checkpoint-
 of its work, holds its GPUs ``--stop-s`` after the signal (the worker's SIGTERM,
 checkpoint, exit, poll), and the job owes ``--resume-s`` more on each resume. Its
 schedule has one row per segment, in time order, each on the instances it used then.
-Spot runs are not in the trace format, so every simulated job is on-demand.
+Spot runs are not in the trace format, so every job of a trace file is on-demand; a
+replay of the team's own runs (`TraceJob.spot`) puts a run that ran on spot on spot
+capacity, at its spot price, and is never interrupted there (the simulated cloud has no
+spot market to take it back).
 """
 
 from __future__ import annotations
@@ -115,6 +118,11 @@ class TraceJob:
     duration_s: float
     gpus: int
     gpu_model: str  # canonical, the default filled in
+    # Whether the job checkpoints and may be preempted; None: the contract's hash rule
+    # (`--checkpointable F`). A replay of the team's own runs sets it from each run's
+    # `--checkpoints`, which is what the worker's scheduler is told.
+    checkpoints: bool | None = None
+    spot: bool = False  # runs on spot capacity, as a run submitted with --spot does
 
 
 @dataclass(frozen=True)
@@ -458,7 +466,13 @@ class _Loop:
         self.world = world or World()
         self.exact = self.world.estimates == "exact"
         self.eligible = {
-            j.job_id for j in jobs if checkpointable(j.job_id, self.world.checkpointable)
+            j.job_id
+            for j in jobs
+            if (
+                checkpointable(j.job_id, self.world.checkpointable)
+                if j.checkpoints is None
+                else j.checkpoints
+            )
         }
         self.on_decision = on_decision
         self.stopping: dict[str, float] = {}  # signalled job -> when its GPUs come back
@@ -543,6 +557,7 @@ class _Loop:
                     if self.exact
                     else self.history.predict_duration(j.user, j.gpus),
                     preemptible=j.job_id in self.eligible,
+                    spot=j.spot,
                 )
             )
             self.queued += 1
@@ -815,6 +830,7 @@ class _Loop:
                 ),
                 preemptible=True,
                 attained_s=j.duration_s - self.left[job_id],
+                spot=j.spot,
             ),
             key=lambda r: (r.submit_s, r.run_id),
         )

@@ -40,6 +40,7 @@ from bot.domain.commands import Reserve
 from bot.domain.errors import UserError
 from bot.domain.metering import to_cents
 from bot.faces.cli import app
+from bot.faces.replay import weekly_digest_job
 from bot.faces.slack.notifier import SlackNotifier
 from bot.faces.terminal import render
 from bot.faces.worker import periodic_jobs
@@ -349,6 +350,6 @@ def test_weeks_and_the_weekly_job_in_the_team_time_zone(sqlite_engine: Engine) -
     args = digest_trigger(svc.settings)
     assert args == {"day_of_week": "fri", "hour": 17, "minute": 30, "timezone": "Europe/Berlin"}
     [job] = [j for j in periodic_jobs(svc) if j.id == "digest"]
-    assert job.trigger == "cron" and job.run is digest_job and job.trigger_args == args
+    assert job.trigger == "cron" and job.run is weekly_digest_job and job.trigger_args == args
     fire = CronTrigger(**args).get_next_fire_time(None, datetime(2026, 7, 1, tzinfo=UTC))
     assert fire is not None and fire.astimezone(UTC) == datetime(2026, 7, 3, 15, 30, tzinfo=UTC)
