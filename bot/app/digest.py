@@ -376,18 +376,26 @@ def _unused_line(unused: tuple[UserLine, ...]) -> str:
     return f"{who} used nothing this week ({_money(last)} held last week)."
 
 
+def chart_bars(d: Digest) -> tuple[list[tuple[str, Decimal, Decimal]], str]:
+    """What the chart draws, as data (so a test can hold it to the text): a bar per person
+    who used something (name, dollars, idle waste) and the title, which counts the rest as
+    the text's one line does."""
+    people = [(u.name, u.usd, u.idle_waste_usd) for u in d.used]
+    title = f"GPU cost by person, {d.week} ({_money(d.instances_usd)} in all)"
+    if d.unused:
+        n = len(d.unused)
+        title += f"; {n} {'person' if n == 1 else 'people'} used nothing"
+    return people, title
+
+
 def digest_chart(d: Digest) -> bytes:
     """The digest's PNG (drawn by `bot.domain.charts.cost_chart`): each person's dollars with
     their idle waste on top, then the team's idle overhead."""
     # matplotlib takes most of a second to import: only code that draws loads it.
     from bot.domain.charts import CostBar, cost_chart
 
-    people = [CostBar(u.name, u.usd, u.idle_waste_usd) for u in d.used]
-    title = f"GPU cost by person, {d.week} ({_money(d.instances_usd)} in all)"
-    if d.unused:
-        n = len(d.unused)
-        title += f"; {n} {'person' if n == 1 else 'people'} used nothing"
-    return cost_chart(people, d.idle_overhead_usd, title)
+    people, title = chart_bars(d)
+    return cost_chart([CostBar(*bar) for bar in people], d.idle_overhead_usd, title)
 
 
 def digest_csv(d: Digest) -> str:

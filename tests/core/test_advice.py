@@ -20,7 +20,15 @@ from sqlmodel import Session, col, select
 
 from bot.app.advice import MIN_SAVING_USD, WeekReport
 from bot.app.config import Settings
-from bot.app.digest import digest_csv, digest_for, digest_report_csv, digest_view, write_csv
+from bot.app.digest import (
+    chart_bars,
+    digest_chart,
+    digest_csv,
+    digest_for,
+    digest_report_csv,
+    digest_view,
+    write_csv,
+)
 from bot.app.history_trace import history_trace
 from bot.app.rollups import rebuild_rollups
 from bot.app.runs.context import scheduler_config
@@ -316,6 +324,11 @@ def test_people_who_used_nothing_are_one_line(sqlite_engine: Engine) -> None:
     # The people's rows and the text's total agree.
     held = sum(Decimal(r["usd"]) for r in rows)
     assert f"${held:,.2f} held by {len(d.used)} people" in view.text
+    # And the chart: a bar per person in the text's table, the rest counted in its title.
+    bars, title = chart_bars(d)
+    assert [(name, usd) for name, usd, _ in bars] == [(u.name, u.usd) for u in d.used]
+    assert title.endswith("; 1 person used nothing")
+    assert digest_chart(d).startswith(b"\x89PNG")
 
 
 def quiet_week(engine: Engine) -> GpuService:
