@@ -624,10 +624,18 @@ class SshClient:
         limit = self.command_timeout if timeout is None else timeout
 
         def op(conn: Connection) -> RunResult:
+            started = time.monotonic()
             result = conn.run(line, hide=True, warn=True, timeout=limit, in_stream=False, pty=False)
-            if result.exited == -1 and not conn.is_connected:
-                # The channel closed without an exit status because the link died.
-                raise EOFError("connection closed during the command")
+            if result.exited == -1:
+                # The channel closed without an exit status.
+                if not conn.is_connected:
+                    raise EOFError("connection closed during the command")
+                if limit is not None and time.monotonic() - started >= limit:
+                    # invoke's timer closed the channel, but invoke asks whether its timer
+                    # thread is still alive to decide "timed out", and on a loaded machine
+                    # that thread may not have finished when the run returns: the same
+                    # timeout, seen one scheduling slice early.
+                    raise SshError(f"{what} on {target.label} did not finish within {limit:g}s")
             return RunResult(int(result.exited), str(result.stdout), str(result.stderr))
 
         return self._call(target, what, op, retry=retry)
