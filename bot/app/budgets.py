@@ -20,18 +20,20 @@ locks the one user row and nothing after it, so no cycle can form.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import and_, bindparam, case, cast, literal, null, union_all
-from sqlmodel import Session, col, func, select
+from sqlalchemy import and_, bindparam, cast, literal, null, union_all
+from sqlalchemy.orm.attributes import set_committed_value
+from sqlmodel import Session, col, select
 
 from bot.app.access import audit
 from bot.app.billing import window_costs
 from bot.app.config import Settings
+from bot.app.held import GpuCount, gpu_counts
 from bot.app.outbox import enqueue
 from bot.app.rollups import closed_in
 from bot.domain import timefmt, views
@@ -43,14 +45,12 @@ from db.models import (
     RES_WAITING,
     RUN_ON_HOST,
     RUN_QUEUED,
-    Gpu,
-    Host,
     Reservation,
     TrainingRun,
     UsageInterval,
     User,
 )
-from db.session import retrying, transaction
+from db.session import core, retrying, transaction
 from db.types import UTCDateTime
 from provisioning.costs import gpu_share
 
@@ -87,33 +87,29 @@ def _hours(seconds: float) -> Decimal:
     return Decimal(str(max(0.0, seconds))) / _HOUR_S
 
 
-def gpu_rate(s: Session, model: str | None) -> Decimal:
+def gpu_rate(s: Session, model: str | None, counts: Sequence[GpuCount] | None = None) -> Decimal:
     """The per-GPU price a request for `model` may be charged: the dearest share among
     the hosts that carry it (a waiting request does not know yet where it will land, so
-    it is counted at the most it could cost). One grouped query, built once: it read every
-    host as an object, and asked each one in turn whether it had the model."""
-    best = Decimal(0)
-    for hourly, n, has in s.connection().execute(_rates_stmt(), {"b_model": model}):
-        if (model is None or has) and n:
-            best = max(best, gpu_share(_usd(hourly), int(n)))
-    return best
+    it is counted at the most it could cost). From the fleet's counts per host and model
+    (`held.gpu_counts`, which carry each host's price): a reserve has read them already
+    under the pool, so its estimate costs no statement; otherwise they are read here."""
+    rows = counts if counts is not None else gpu_counts(s)
+    hosts: dict[int, tuple[float, int, bool]] = {}
+    for c in rows:
+        hourly, n, has = hosts.get(c.host_id, (c.hourly_usd, 0, False))
+        hosts[c.host_id] = (hourly, n + c.present, has or model is None or c.model == model)
+    shares = {(hourly, n) for hourly, n, has in hosts.values() if has and n}
+    return max((gpu_share(_usd(hourly), n) for hourly, n in shares), default=Decimal(0))
 
 
-@functools.cache
-def _rates_stmt() -> Any:
-    """Each host's price, present GPUs, and how many of them are the model `b_model`."""
-    carries = func.sum(case((col(Gpu.model) == bindparam("b_model"), 1), else_=0))
-    columns: tuple[Any, ...] = (Host.hourly_usd, func.count(col(Gpu.id)), carries)
-    return (
-        select(*columns)
-        .join(Gpu, col(Gpu.host_id) == col(Host.id))
-        .where(Host.state != "terminated", col(Gpu.present).is_(True))
-        .group_by(col(Host.id), col(Host.hourly_usd))
-    )
-
-
-def reservation_estimate(s: Session, model: str | None, count: int, duration_s: int) -> Decimal:
-    return gpu_rate(s, model) * count * _hours(duration_s)
+def reservation_estimate(
+    s: Session,
+    model: str | None,
+    count: int,
+    duration_s: int,
+    counts: Sequence[GpuCount] | None = None,
+) -> Decimal:
+    return gpu_rate(s, model, counts) * count * _hours(duration_s)
 
 
 def run_estimate(s: Session, model: str | None, gpus: int, max_seconds: int | None) -> Decimal:
@@ -136,13 +132,16 @@ def committed_usd(
     """What this person's open reservations and runs will still cost from `now` on.
 
     One query for both, each with the rates of what it holds now (`_open_holdings`), and
-    one per GPU model something waits for: it was a query per reservation and per run,
-    and one per waiting one."""
+    the fleet's counts once when something waits or is queued (its estimate): it was a
+    query per reservation and per run, and one per waiting one."""
     rates: dict[str | None, Decimal] = {}
+    counts: list[GpuCount] = []
 
     def rate_of(model: str | None) -> Decimal:
         if model not in rates:
-            rates[model] = gpu_rate(s, model)
+            if not counts:  # read once, and only when something waits or is queued
+                counts.extend(gpu_counts(s))
+            rates[model] = gpu_rate(s, model, counts)
         return rates[model]
 
     total = Decimal(0)
@@ -302,10 +301,23 @@ def lock_user(s: Session, user: User) -> None:
     locked: set[int | None] = _this_transaction(s, _LOCKED, set)
     if user.id in locked:
         return
-    # NO KEY UPDATE on PostgreSQL: serializes budget checks without blocking inserts that
-    # merely point at the user (a reservation, a usage interval, a GPU sample).
-    s.refresh(user, with_for_update={"key_share": True})
+    limit, period = core(s).execute(_lock_user_stmt(), {"b_user": user.id}).one()
+    # What another transaction committed before the lock was granted: the person's limit.
+    set_committed_value(user, "budget_usd", limit)
+    set_committed_value(user, "budget_period", period)
     locked.add(user.id)
+
+
+@functools.cache
+def _lock_user_stmt() -> Any:
+    """The person's limit, their row held until the transaction ends. NO KEY UPDATE on
+    PostgreSQL: serializes budget checks without blocking inserts that merely point at
+    the user (a reservation, a usage interval, a GPU sample). As Core, built once: the
+    ORM's refresh of the whole row cost more CPU than the statement."""
+    columns: tuple[Any, ...] = (User.budget_usd, User.budget_period)
+    return (
+        select(*columns).where(col(User.id) == bindparam("b_user")).with_for_update(key_share=True)
+    )
 
 
 def _resets(window: Window, tz: str) -> str:

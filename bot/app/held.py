@@ -84,6 +84,9 @@ class GpuCount:
     free: int
     # The host's market: a cluster's node ("cluster") is granted by its own scheduler.
     market: str = "owned"
+    # The host's price per hour, all of its GPUs together: a budget's estimate is the
+    # dearest share among the hosts that carry the model (bot.app.budgets.gpu_rate).
+    hourly_usd: float = 0.0
 
 
 def gpu_counts(s: Session) -> list[GpuCount]:
@@ -95,8 +98,8 @@ def gpu_counts(s: Session) -> list[GpuCount]:
     many are free where), a row per host and model instead of a row per GPU. It was the
     GPUs of a hundred hosts, read twice, in every reserve."""
     return [
-        GpuCount(host_id, state, model, int(n), int(n) - int(h), market)
-        for host_id, state, market, model, n, h in core(s).execute(_gpu_counts_stmt()).all()
+        GpuCount(host_id, state, model, int(n), int(n) - int(h), market, float(hourly))
+        for host_id, state, market, hourly, model, n, h in core(s).execute(_gpu_counts_stmt()).all()
     ]
 
 
@@ -113,6 +116,7 @@ def _gpu_counts_stmt() -> Any:
         Gpu.host_id,
         Host.state,
         Host.market,
+        Host.hourly_usd,
         Gpu.model,
         func.count(),
         held,
@@ -126,7 +130,13 @@ def _gpu_counts_stmt() -> Any:
             isouter=True,
         )
         .where(col(Host.state) != HOST_TERMINATED, col(Gpu.present).is_(True))
-        .group_by(col(Gpu.host_id), col(Host.state), col(Host.market), col(Gpu.model))
+        .group_by(
+            col(Gpu.host_id),
+            col(Host.state),
+            col(Host.market),
+            col(Host.hourly_usd),
+            col(Gpu.model),
+        )
         .order_by(col(Gpu.host_id), func.min(col(Gpu.index)))
     )
 

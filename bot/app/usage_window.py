@@ -14,7 +14,18 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, literal, union_all
+from sqlalchemy import (
+    BigInteger,
+    Float,
+    Integer,
+    bindparam,
+    case,
+    cast,
+    func,
+    literal,
+    null,
+    union_all,
+)
 from sqlmodel import Session, col, select
 
 from bot.app.rollups import ceil_day, ceil_hour, floor_day, floor_hour
@@ -92,18 +103,46 @@ def whole_hours(window: Window) -> Window | None:
     return Window(start, end) if end > start else None
 
 
+# A window is read in one statement: its rolled-up spans and its raw intervals as the
+# branches of one UNION ALL, each row saying which part it is (`part`: -1 a rolled-up sum,
+# 0 an open interval, i + 1 an interval closed within edge i). Every cost view, App Home
+# and each budget check reads a window; they were two to four statements each. A branch
+# fills the columns of its kind and leaves the others NULL, typed as the others are.
+_ROLLED, _OPEN = -1, 0
+
+
+# The raw columns: (label, type) of each, so that the rolled-up branches' NULLs carry the
+# same names and types.
+_RAW: tuple[tuple[str, Any], ...] = (
+    ("gpu_id", Integer),
+    ("host_id", Integer),
+    ("started_at", UTCDateTime),
+    ("ended_at", UTCDateTime),
+    ("usd_per_hour", Float),
+    ("run_id", Integer),
+    ("reservation_id", Integer),
+)
+_SUMS = ("micro_usd", "held_us", "covered_micro")
+
+
+def _null(label: str, type_: Any) -> Any:
+    return cast(null(), type_).label(label)
+
+
 def _rolled(table: type[UsageRollup] | type[UsageRollupDay], i: int, by_user: bool) -> Any:
     """The i-th span's rows (`b_start{i}` to `b_end{i}`) summed per user, market and
     instance type; one person's (`b_user`) when `by_user`."""
     at = col(UsageRollupDay.day) if table is UsageRollupDay else col(UsageRollup.hour)
     t: Any = table
     columns: tuple[Any, ...] = (
-        User.key,
-        t.market,
-        t.instance_type,
-        func.sum(t.micro_usd),
-        func.sum(t.held_us),
-        func.sum(t.covered_micro),
+        literal(_ROLLED, Integer).label("part"),
+        col(User.key).label("key"),
+        t.market.label("market"),
+        t.instance_type.label("instance_type"),
+        func.sum(t.micro_usd).label("micro_usd"),
+        func.sum(t.held_us).label("held_us"),
+        func.sum(t.covered_micro).label("covered_micro"),
+        *(_null(label, t) for label, t in _RAW),
     )
     q: Any = (
         select(*columns)
@@ -117,83 +156,88 @@ def _rolled(table: type[UsageRollup] | type[UsageRollupDay], i: int, by_user: bo
     return q.where(t.user_id == bindparam("b_user")) if by_user else q
 
 
-# The statements of a window, built once per shape (bound parameters): a budget check, App
-# Home and every cost view read one, and building them was a good part of their CPU.
-
-
-@functools.cache
-def _rolled_stmt(days: int, hours: int, by_user: bool) -> Any:
-    """The whole days' and the other whole hours' rows of a window, in one statement."""
-    parts = [_rolled(UsageRollupDay, i, by_user) for i in range(days)]
-    parts += [_rolled(UsageRollup, days + i, by_user) for i in range(hours)]
-    return parts[0] if len(parts) == 1 else union_all(*parts)
-
-
-@functools.cache
-def _raw_stmt(edge: bool, by_user: bool) -> Any:
-    """Intervals read raw (`_RAW_COLUMNS`): the open ones that started before `b_end`, or
-    (`edge`) the closed ones that overlap [`b_start`, `b_end`)."""
-    where: list[Any] = [col(UsageInterval.started_at) < bindparam("b_end", type_=UTCDateTime)]
-    if edge:
-        where.append(col(UsageInterval.ended_at) > bindparam("b_start", type_=UTCDateTime))
+def _raw_part(part: int, by_user: bool) -> Any:
+    """Intervals read raw: the open ones that started before `b_open_end` (`part` 0), or
+    the closed ones that overlap edge i, [`b_edge_start{i}`, `b_edge_end{i}`) (`part`
+    i + 1)."""
+    if part == _OPEN:
+        where: list[Any] = [
+            col(UsageInterval.started_at) < bindparam("b_open_end", type_=UTCDateTime),
+            col(UsageInterval.ended_at).is_(None),
+        ]
     else:
-        where.append(col(UsageInterval.ended_at).is_(None))
+        i = part - 1
+        where = [
+            col(UsageInterval.started_at) < bindparam(f"b_edge_end{i}", type_=UTCDateTime),
+            col(UsageInterval.ended_at) > bindparam(f"b_edge_start{i}", type_=UTCDateTime),
+        ]
     if by_user:
         where.append(col(UsageInterval.user_id) == bindparam("b_user"))
+    columns: tuple[Any, ...] = (
+        literal(part, Integer).label("part"),
+        col(User.key).label("key"),
+        col(UsageInterval.market).label("market"),
+        col(Host.instance_type).label("instance_type"),
+        *(_null(label, BigInteger) for label in _SUMS),
+        *(getattr(UsageInterval, label).label(label) for label, _ in _RAW),
+    )
     return (
-        select(*_RAW_COLUMNS)
+        select(*columns)
         .join(User, col(User.id) == col(UsageInterval.user_id))
         .join(Host, col(Host.id) == col(UsageInterval.host_id))
         .where(*where)
     )
 
 
-# An interval read raw, as plain columns (a window reads every open one: building them as
-# objects was a good part of a team month's time with a fleet busy with runs).
-_RAW_COLUMNS: tuple[Any, ...] = (
-    UsageInterval.gpu_id,
-    UsageInterval.host_id,
-    UsageInterval.started_at,
-    UsageInterval.ended_at,
-    UsageInterval.usd_per_hour,
-    UsageInterval.run_id,
-    UsageInterval.reservation_id,
-    UsageInterval.market,
-    User.key,
-    Host.instance_type,
-)
+@functools.cache
+def _window_stmt(days: int, hours: int, edges: int, by_user: bool) -> Any:
+    """A window of `days` whole-day spans, `hours` whole-hour spans and `edges` raw
+    edges, in one statement built once per shape (bound parameters): building them was a
+    good part of a budget check's and every cost view's CPU. The rolled-up branches come
+    first: a UNION's columns take their types from its first branch, and the raw
+    branches' typed NULLs match them."""
+    parts = [_rolled(UsageRollupDay, i, by_user) for i in range(days)]
+    parts += [_rolled(UsageRollup, days + i, by_user) for i in range(hours)]
+    parts += [_raw_part(part, by_user) for part in range(edges + 1)]
+    return parts[0] if len(parts) == 1 else union_all(*parts)
 
 
 def window_usage(s: Session, window: Window, user_id: int | None = None) -> WindowUsage:
     days, hours, edges = _spans(window)
     by_user = user_id is not None
-    conn = s.connection()
+    params: dict[str, Any] = {"b_open_end": window.end}
+    if by_user:
+        params["b_user"] = user_id
+    for i, w in enumerate(days + hours):
+        params[f"b_start{i}"], params[f"b_end{i}"] = w.start, w.end
+    for i, edge in enumerate(edges):
+        params[f"b_edge_start{i}"], params[f"b_edge_end{i}"] = edge.start, edge.end
     rolled: list[RolledRow] = []
-    if days or hours:  # the whole days and the other whole hours in one statement
-        params: dict[str, Any] = {"b_user": user_id} if by_user else {}
-        for i, w in enumerate(days + hours):
-            params[f"b_start{i}"], params[f"b_end{i}"] = w.start, w.end
-        rolled = [
-            RolledRow(key, market, itype or None, int(m), int(us), int(c))
-            for key, market, itype, m, us, c in conn.execute(
-                _rolled_stmt(len(days), len(hours), by_user), params
+    raw: list[RawUsage] = []
+    stmt = _window_stmt(len(days), len(hours), len(edges), by_user)
+    for row in s.connection().execute(stmt, params):
+        if row.part == _ROLLED:
+            rolled.append(
+                RolledRow(
+                    row.key,
+                    row.market,
+                    row.instance_type or None,
+                    int(row.micro_usd),
+                    int(row.held_us),
+                    int(row.covered_micro),
+                )
             )
-        ]
-    who: dict[str, Any] = {"b_user": user_id} if by_user else {}
-    raw = [
-        _raw(iv, iv.started_at, None)
-        for iv in conn.execute(_raw_stmt(False, by_user), {"b_end": window.end, **who})
-    ]
-    for edge in edges:
-        params = {"b_start": edge.start, "b_end": edge.end, **who}
-        for iv in conn.execute(_raw_stmt(True, by_user), params):
-            raw.append(_raw(iv, max(iv.started_at, edge.start), min(iv.ended_at, edge.end)))
+        elif row.part == _OPEN:
+            raw.append(_raw(row, row.started_at, None))
+        else:
+            edge = edges[row.part - 1]
+            raw.append(_raw(row, max(row.started_at, edge.start), min(row.ended_at, edge.end)))
     raw.sort(key=lambda r: (r.usage.start, r.usage.gpu_id))
     return WindowUsage(tuple(rolled), tuple(raw))
 
 
 def _raw(iv: Any, start: datetime, end: datetime | None) -> RawUsage:
-    """An interval read by `_RAW_COLUMNS`, clipped to [start, end)."""
+    """An interval read by `_raw_part`, clipped to [start, end)."""
     return RawUsage(
         usage=Usage(
             user=iv.key,

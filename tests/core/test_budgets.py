@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -107,6 +108,33 @@ def test_a_request_over_budget_is_refused_with_the_numbers(engine: Engine) -> No
         assert len(s.exec(select(Reservation)).all()) == 1
     # Someone without a budget is never refused.
     assert not handle_text(svc, actor(svc, "alice"), "/gpu reserve 6 a100 for 3d").error
+
+
+def test_a_request_is_counted_at_the_dearest_share_among_the_hosts_that_carry_its_model(
+    engine: Engine,
+) -> None:
+    # A100 shares: $2.00 (8 for $16), $3.00 (4 for $12), and $5.00 on a host of two A100s
+    # and two T4s for $20 (its price is split over all four GPUs, whatever their model).
+    # The T4 host's $10.00 share does not count: it has no A100.
+    mixed = host("mixed", "A100", 4, hourly=20.0)
+    mixed = replace(
+        mixed,
+        gpus=mixed.gpus[:2] + tuple(replace(g, model="T4") for g in mixed.gpus[2:]),
+    )
+    fleet = [
+        host("cheap", "A100", 8, hourly=16.0),
+        host("dear", "A100", 4, hourly=12.0),
+        mixed,
+        host("t4box", "T4", 1, hourly=10.0),
+    ]
+    svc, _ = make_service(engine, fleet)
+    bob = actor(svc, "bob")
+    set_budget(svc, "@bob 9/week")
+    reply = handle_text(svc, bob, "/gpu reserve 1 a100 for 2h")
+    assert reply.error
+    assert "this needs about $10.00." in reply.view.text
+    reply = handle_text(svc, bob, "/gpu reserve 1 t4 for 30m")  # $5.00 on the T4 box
+    assert not reply.error, reply.view.text
 
 
 def test_eighty_percent_warns_once_per_period(sqlite_engine: Engine) -> None:

@@ -97,12 +97,12 @@ class Reservations:
                 self._check_feasible(model, cmd.count, counts)
                 user = self.core.user_row(s, actor.key, actor.name)
                 now = self.core.clock.now()
-                # Budget (bot.app.budgets): refused here, before it waits or is granted. No
-                # estimate (a query, under the pool lock) for the many without a budget.
+                # Budget (bot.app.budgets): refused here, before it waits or is granted; its
+                # estimate from the counts just read (the dearest share of the model).
                 estimate = None
                 if user.budget_usd is not None:
                     estimate = budgets.reservation_estimate(
-                        s, model, cmd.count, int(duration.total_seconds())
+                        s, model, cmd.count, int(duration.total_seconds()), counts
                     )
                     budgets.check_budget(
                         s,
