@@ -10,7 +10,15 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 
-from bot.app.held import end_held, held_gpu_ids, held_host_ids, held_intervals, who_holds
+from bot.app.held import (
+    attained_s,
+    end_held,
+    held_for_scheduler,
+    held_gpu_ids,
+    held_host_ids,
+    held_intervals,
+    who_holds,
+)
 from db.models import Gpu, Host, Reservation, TrainingRun, UsageInterval, User
 from db.session import core, transaction
 
@@ -104,6 +112,39 @@ def test_who_holds_brings_the_holder_by_host_then_gpu_index(engine: Engine) -> N
         assert [h.gpu.index for h in mine] == [0, 1]
         assert [h.gpu.id for h in who_holds(s, host_ids=[ids["h1"]])] == [ids["h1g0"]]
         assert who_holds(s, host_ids=[]) == []
+
+
+@pytest.mark.parametrize(
+    ("placement", "metrics", "interrupted", "attained"),
+    [
+        ({}, {}, False, 0.0),
+        ({"host": "h1"}, {"step": 3, "attained_s": 120.5}, False, 120.5),
+        ({"interrupted": {"host": "h1", "reason": "spot"}}, {"attained_s": 60}, True, 60.0),
+        ({"interrupted": {}}, {"attained_s": -5.0}, True, 0.0),
+    ],
+)
+def test_the_scheduler_reads_a_runs_interruption_and_attained_time_from_the_database(
+    engine: Engine,
+    placement: dict[str, object],
+    metrics: dict[str, object],
+    interrupted: bool,
+    attained: float,
+) -> None:
+    # Taken out of the JSON documents in SQL (JSON_EXTRACT, ->>), not parsed per held GPU:
+    # the same answers as the runs' own readers give (`attained_s`, "interrupted" in it).
+    with transaction(engine) as s:
+        ids = _setup(s)
+        run = s.get(TrainingRun, ids["run"])
+        assert run is not None
+        run.placement, run.metrics = placement, metrics
+        s.add(run)
+    with transaction(engine, write=False) as s:
+        holds = {(h.reservation_id, h.run_id): h for h in held_for_scheduler(s)}
+        mine = holds[(None, ids["run"])]
+        assert (mine.run_interrupted, mine.run_attained_s) == (interrupted, attained)
+        assert mine.run_attained_s == attained_s(metrics)
+        theirs = holds[(ids["res"], None)]  # a reservation's GPUs: no run, nothing to read
+        assert (theirs.run_interrupted, theirs.run_attained_s) == (False, 0.0)
 
 
 def test_ending_a_run_lets_go_of_its_gpus_only_never_before_they_were_taken(
