@@ -14,20 +14,39 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-
-import matplotlib
-
-matplotlib.use("Agg")  # no display on a server; set before anything draws
-
-import matplotlib.dates as mdates
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from bot.domain import timefmt
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 WIDTH_PX = 1000
 HEIGHT_PX = 600
 _DPI = 100
+
+
+def _figure(width_px: int, height_px: int) -> Figure:
+    """A figure on the Agg canvas. matplotlib is imported here, on the first chart, not
+    with this module: it is some 60 MB of a process's memory, and most processes that
+    import the views (a `serve` replica answering commands, the history bench) never
+    draw one."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server; set before anything draws
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_px / _DPI, height_px / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _dates() -> ModuleType:
+    import matplotlib.dates
+
+    return matplotlib.dates
 
 
 @dataclass(frozen=True)
@@ -72,8 +91,7 @@ def utilization_chart(
     below, one line per GPU with its legend. Returns the PNG bytes (WIDTH_PX × HEIGHT_PX)."""
     if end <= start:
         raise ValueError("the chart's window must end after it starts")
-    fig = Figure(figsize=(WIDTH_PX / _DPI, HEIGHT_PX / _DPI), dpi=_DPI)
-    FigureCanvasAgg(fig)
+    fig = _figure(WIDTH_PX, HEIGHT_PX)
     ax_util, ax_mem = fig.subplots(2, 1, sharex=True)
     hours = (end - start).total_seconds() / 3600
     # The team's zone (bot.domain.timefmt), in the title and on the time axis alike.
@@ -94,9 +112,9 @@ def utilization_chart(
         ax.grid(True, alpha=0.3)
         ax.set_xlim(start, end)  # matplotlib takes datetimes
     ax_mem.set_xlabel(f"time ({tz})")
-    locator = mdates.AutoDateLocator(minticks=4, maxticks=10, tz=zone)  # type: ignore[no-untyped-call]
+    locator = _dates().AutoDateLocator(minticks=4, maxticks=10, tz=zone)
     ax_mem.xaxis.set_major_locator(locator)
-    ax_mem.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=zone))  # type: ignore[no-untyped-call]
+    ax_mem.xaxis.set_major_formatter(_dates().ConciseDateFormatter(locator, tz=zone))
     if series:
         ncol = 1 if len(series) <= 8 else 2
         for ax in (ax_util, ax_mem):
@@ -136,8 +154,7 @@ def cost_chart(people: Sequence[CostBar], idle_overhead_usd: Decimal, title: str
     """A PNG of dollars per person (the part lost to idle reserved GPUs stacked on top
     in a lighter shade) and the team's idle overhead as its own bar, last; fixed size
     (COST_WIDTH_PX × COST_HEIGHT_PX)."""
-    fig = Figure(figsize=(COST_WIDTH_PX / _DPI, COST_HEIGHT_PX / _DPI), dpi=_DPI)
-    FigureCanvasAgg(fig)
+    fig = _figure(COST_WIDTH_PX, COST_HEIGHT_PX)
     ax = fig.add_subplot()
     names = [p.name for p in people] + ["idle overhead"]
     waste = [float(min(p.idle_waste_usd, p.usd)) for p in people] + [0.0]
@@ -179,8 +196,7 @@ def run_curve_chart(history: Sequence[dict[str, float]], title: str) -> bytes | 
     acc = [(p["step"], p[acc_key]) for p in history if acc_key and acc_key in p]
     if len(steps) < 2 and len(acc) < 2:
         return None
-    fig = Figure(figsize=(RUN_WIDTH_PX / _DPI, RUN_HEIGHT_PX / _DPI), dpi=_DPI)
-    FigureCanvasAgg(fig)
+    fig = _figure(RUN_WIDTH_PX, RUN_HEIGHT_PX)
     ax = fig.add_subplot()
     ax.set_title(title, fontsize=11)
     ax.set_xlabel("step")
