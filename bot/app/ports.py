@@ -223,7 +223,8 @@ class HostDisplay(Protocol):
 
 class PlainDisplay:
     """Hosts read as their names, with no notes: a runtime with no provider's words
-    (tests of the use cases alone)."""
+    (tests of the use cases alone), and the words a provider does not change (each
+    provider inherits these and words only what is its own)."""
 
     def note(self, host: HostState) -> str | None:
         return None

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
-from bot.app.ports import FIXED_POOL, Supply
+from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
 from bot.domain.readmodels import HostState
 from bot.providers.aws import AwsProvider
 from bot.providers.base import Note, Parts, Probes, Provider, ProviderKind, guarded
@@ -92,7 +92,7 @@ def owners(settings: Settings) -> tuple[str, ...]:
     return tuple(n for n, kind in KINDS.items() if kind.owns_hosts)
 
 
-class _Listed:
+class _Listed(PlainDisplay):
     """A provider made from a compute a test handed the runtime, with no way to run
     anything: its hosts, reservations only."""
 
@@ -117,21 +117,6 @@ class _Listed:
 
     def connect(self, service: GpuService, parts: Parts) -> Fleet | None:
         service.sync_hosts(self._compute.list_instances())
-        return None
-
-    def note(self, host: HostState) -> str | None:
-        return None
-
-    def called(self, host_name: str, provider: str) -> str:
-        return host_name
-
-    def empty_pool(self) -> str:
-        return "No hosts are configured."
-
-    def status_lines(self) -> list[str]:
-        return []
-
-    def cost_note(self) -> str | None:
         return None
 
 

@@ -30,12 +30,11 @@ from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
 from bot.app.fleet import CatalogSupply, Fleet, attach
 from bot.app.hostcheck import HostChecker
-from bot.app.ports import Supply
+from bot.app.ports import PlainDisplay, Supply
 from bot.app.remote import RemoteAccess
 from bot.app.runs import RunService
 from bot.app.runs.processes import ProcessExecutor
 from bot.domain import views
-from bot.domain.readmodels import HostState
 from bot.providers.base import Parts, Probes, for_hosts
 from provisioning.aws import DLAMI_SSM_PARAMETER, Ec2Compute, Ec2Settings, make_session
 from provisioning.aws_doctor import Check, check_aws
@@ -68,7 +67,7 @@ _FIELD_WORDS = {
 }
 
 
-class AwsProvider:
+class AwsProvider(PlainDisplay):
     name: ClassVar[str] = "aws"
     label: ClassVar[str] = "AWS"
     owns_hosts: ClassVar[bool] = False
@@ -130,20 +129,8 @@ class AwsProvider:
         attach(service, fleet)
         return fleet
 
-    def note(self, host: HostState) -> str | None:
-        return None
-
-    def called(self, host_name: str, provider: str) -> str:
-        return host_name
-
     def empty_pool(self) -> str:
         return views.GROWS_ON_DEMAND
-
-    def status_lines(self) -> list[str]:
-        return []
-
-    def cost_note(self) -> str | None:
-        return None
 
     # --- gpubot doctor ------------------------------------------------------------------
 

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
-from bot.app.ports import FIXED_POOL, Supply
+from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
 from bot.app.runaccount import RunAccount, bot_pip_env, run_account_fix
 from bot.app.runs import LocalAccess, RunService
-from bot.domain.readmodels import HostState
 from bot.providers.base import Note, NvmlProbe, Parts, Probes, guarded
 from provisioning import shell
 from provisioning.aws_doctor import Check
@@ -52,7 +51,7 @@ _RUN_AS_FIX = (
 )
 
 
-class LocalProvider:
+class LocalProvider(PlainDisplay):
     name: ClassVar[str] = "local"
     label: ClassVar[str] = "This machine"
     owns_hosts: ClassVar[bool] = False
@@ -98,20 +97,8 @@ class LocalProvider:
         )
         return None
 
-    def note(self, host: HostState) -> str | None:
-        return None
-
     def called(self, host_name: str, provider: str) -> str:
         return "this machine"
-
-    def empty_pool(self) -> str:
-        return "No hosts are configured."
-
-    def status_lines(self) -> list[str]:
-        return []
-
-    def cost_note(self) -> str | None:
-        return None
 
     # --- gpubot doctor ------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from sqlmodel import select
 from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
 from bot.app.hostcheck import HostChecker
-from bot.app.ports import FIXED_POOL, Supply
+from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
 from bot.app.remote import RemoteAccess
 from bot.app.runs import RunService
 from bot.app.runs.processes import ProcessExecutor
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from bot.app.service import GpuService
 
 
-class SshProvider:
+class SshProvider(PlainDisplay):
     name: ClassVar[str] = "ssh"
     label: ClassVar[str] = "SSH"
     owns_hosts: ClassVar[bool] = True
@@ -92,18 +92,6 @@ class SshProvider:
     def note(self, host: HostState) -> str | None:
         if host.gpus and all(g.model == "cpu" for g in host.gpus):
             return "CPU only: no NVIDIA GPU found, runs use its CPUs"
-        return None
-
-    def called(self, host_name: str, provider: str) -> str:
-        return host_name
-
-    def empty_pool(self) -> str:
-        return "No hosts are configured."
-
-    def status_lines(self) -> list[str]:
-        return []
-
-    def cost_note(self) -> str | None:
         return None
 
     # --- gpubot doctor ------------------------------------------------------------------
