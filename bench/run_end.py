@@ -11,16 +11,14 @@ as the bot's own user, so no bootstrap is paid). Goal: about 2 s; median of RUNS
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
+from bench import environment
 from bot.app.config import load_settings
 from bot.app.remote import PreparedHost
 from bot.app.service.common import OutboxItem
@@ -52,20 +50,6 @@ class _Clock:
                 self.changed.notify_all()
 
 
-@contextmanager
-def _env(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _measure(rt: Runtime, tmp: Path) -> list[float]:
     notifier = _Clock()
     worker = Worker(rt.service, notifier, rt.settings.tick_seconds)
@@ -92,7 +76,9 @@ def _measure(rt: Runtime, tmp: Path) -> list[float]:
 
 
 def _local(tmp: Path) -> list[float]:
-    with _env(GPUBOT_PROVIDER="local", GPUBOT_HOME=str(tmp / "home"), GPUBOT_LOCAL_SLOTS="1"):
+    with environment(
+        GPUBOT_PROVIDER="local", GPUBOT_HOME=str(tmp / "home"), GPUBOT_LOCAL_SLOTS="1"
+    ):
         rt = build_runtime(load_settings())
     try:
         return _measure(rt, tmp)
@@ -110,7 +96,7 @@ def _ssh(tmp: Path) -> list[float]:
 
     try:
         entry = f"gpu-a={lab.user}@{host.address}:{host.port}/1xcpu"
-        with _env(
+        with environment(
             GPUBOT_PROVIDER="ssh",
             GPUBOT_HOME=str(tmp / "home-ssh"),
             GPUBOT_SSH_KEY=str(lab.client_key),

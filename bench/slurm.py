@@ -228,9 +228,9 @@ def _status_at_scale(status_cache_s: float) -> dict[str, object]:
 
 def _reserve_to_granted() -> dict[str, object]:
     """`/gpu reserve 1 a100` on the idle test cluster until its reply says Reserved."""
-    import os
     import sys
 
+    from bench import environment
     from bot.app.config import load_settings
     from bot.app.remote import PreparedHost
     from bot.domain.commands import Release, Reserve
@@ -248,19 +248,11 @@ def _reserve_to_granted() -> dict[str, object]:
             "SLURM_CONF": str(cluster.conf),
             "GPUBOT_SLURM_WORKDIR": tmp,
         }
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environment(**env):
             rt = build_runtime(
                 load_settings(),
                 prepare=lambda r, t: PreparedHost(root=tmp, python=sys.executable),
             )
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         svc = rt.service
         alice = svc.actor("alice")
         for _ in range(RUNS):
