@@ -48,7 +48,7 @@ from bot.app.runs.context import scheduler_config
 from bot.domain import views
 from bot.domain.durations import format_duration
 from bot.domain.metering import HostPeriod as MeteredPeriod
-from bot.domain.metering import Usage, Window, idle_overhead, metered_micro, to_cents
+from bot.domain.metering import Usage, Window, idle_overhead, metered_micro, money, to_cents
 from bot.domain.scheduling import SchedulerConfig
 from db.models import (
     RUN_CANCELLED,
@@ -402,10 +402,6 @@ def week_wastes(
 # --- the replay --------------------------------------------------------------------------
 
 
-def _short(d: timedelta) -> str:
-    return format_duration(d)
-
-
 def changes(settings: Settings, catalog: Catalog) -> list[tuple[str, str, SchedulerConfig]]:
     """(setting, label, config) for every one-at-a-time change the replay tries."""
     base = scheduler_config(settings, catalog)
@@ -417,7 +413,7 @@ def changes(settings: Settings, catalog: Catalog) -> list[tuple[str, str, Schedu
             out.append(
                 (
                     "GPUBOT_IDLE_STOP_AFTER",
-                    f"idle stop after {_short(d)} (now {_short(now_stop)})",
+                    f"idle stop after {format_duration(d)} (now {format_duration(now_stop)})",
                     replace(base, idle_stop_s=d.total_seconds()),
                 )
             )
@@ -467,10 +463,6 @@ def advise(
 # --- what it looks like ------------------------------------------------------------------
 
 
-def _money(x: Decimal | float) -> str:
-    return f"${to_cents(Decimal(str(x))):,.2f}"
-
-
 def _wait(seconds: float) -> str:
     if abs(seconds) < 30:
         return "no longer"
@@ -489,7 +481,7 @@ def report_blocks(r: WeekReport) -> tuple[views.Block, ...]:
             views.Table(
                 ("idle instance", "type", "empty h", "idle $"),
                 tuple(
-                    (h.name, h.instance_type or "-", f"{h.empty_hours:,.1f}", _money(h.usd))
+                    (h.name, h.instance_type or "-", f"{h.empty_hours:,.1f}", money(h.usd))
                     for h in w.idle_hosts
                 ),
             )
@@ -503,7 +495,7 @@ def report_blocks(r: WeekReport) -> tuple[views.Block, ...]:
                         f"reservation #{h.reservation_id}",
                         h.user,
                         f"{h.idle_gpu_hours:,.1f}",
-                        _money(h.usd),
+                        money(h.usd),
                     )
                     for h in w.idle_holds
                 ),
@@ -519,7 +511,7 @@ def report_blocks(r: WeekReport) -> tuple[views.Block, ...]:
                         x.user,
                         f"{x.state} after {x.ran_hours:,.1f} h",
                         f"{x.gpu_hours:,.1f}",
-                        _money(x.usd),
+                        money(x.usd),
                     )
                     for x in w.lost_runs
                 ),
@@ -530,7 +522,7 @@ def report_blocks(r: WeekReport) -> tuple[views.Block, ...]:
             views.Table(
                 ("spot missed", "who", "on-demand GPU-h", "spot would save"),
                 tuple(
-                    (f"run #{x.run_id}", x.user, f"{x.gpu_hours:,.1f}", _money(x.usd))
+                    (f"run #{x.run_id}", x.user, f"{x.gpu_hours:,.1f}", money(x.usd))
                     for x in w.missed_spot
                 ),
             )
@@ -545,8 +537,8 @@ def report_blocks(r: WeekReport) -> tuple[views.Block, ...]:
                 tuple(
                     (
                         c.label,
-                        _money(c.saved(base)),
-                        _money(c.outcome.usd),
+                        money(c.saved(base)),
+                        money(c.outcome.usd),
                         _wait(c.extra_wait_s(base)),
                     )
                     for c in a.best
@@ -577,17 +569,17 @@ def advice_text(a: Advice) -> str:
         return f"Nothing replayed: {a.why_not}."
     head = (
         f"Replaying the week's {a.runs} run{'s' if a.runs != 1 else ''} under today's settings "
-        f"costs {_money(a.base.usd)}."
+        f"costs {money(a.base.usd)}."
     )
     if not a.best:
         return (
             f"{head} Nothing would have helped: no single change saved "
-            f"{_money(max(MIN_SAVING_USD, MIN_SAVING_FRACTION * a.base.usd))} or more "
+            f"{money(max(MIN_SAVING_USD, MIN_SAVING_FRACTION * a.base.usd))} or more "
             f"(tried: {'; '.join(a.tried) or 'nothing to try'})."
         )
     top = a.best[0]
     return (
-        f"{head} The most: {top.label} saves {_money(top.saved(a.base))} "
+        f"{head} The most: {top.label} saves {money(top.saved(a.base))} "
         f"(the runs wait {_wait(top.extra_wait_s(a.base))})."
     )
 

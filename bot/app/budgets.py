@@ -39,7 +39,7 @@ from bot.app.rollups import closed_in
 from bot.domain import timefmt, views
 from bot.domain.commands import Budget
 from bot.domain.errors import UserError
-from bot.domain.metering import Window, period_window, to_cents
+from bot.domain.metering import Window, money, period_window
 from db.models import (
     RES_ACTIVE,
     RES_WAITING,
@@ -324,10 +324,6 @@ def _resets(window: Window, tz: str) -> str:
     return timefmt.stamp(window.end, tz)
 
 
-def _money(x: Decimal) -> str:
-    return f"${to_cents(x):,.2f}"
-
-
 def check_budget(
     s: Session,
     user: User,
@@ -354,9 +350,9 @@ def check_budget(
     after = st.used + add
     if after > st.limit:
         raise UserError(
-            f"{what} would take you over your {st.period}ly GPU budget of {_money(st.limit)}: "
-            f"you have spent {_money(st.spent)} this {st.period}, {_money(st.committed)} is "
-            f"committed to what you hold or queued, and this needs about {_money(add)}. "
+            f"{what} would take you over your {st.period}ly GPU budget of {money(st.limit)}: "
+            f"you have spent {money(st.spent)} this {st.period}, {money(st.committed)} is "
+            f"committed to what you hold or queued, and this needs about {money(add)}. "
             f"Your budget resets {_resets(st.window, settings.timezone)}. Release something, "
             "ask for less, or ask an admin to raise it."
         )
@@ -364,7 +360,7 @@ def check_budget(
         pct = int(after / st.limit * 100) if st.limit else 100
         text = (
             f"Heads-up: you are at {pct}% of your {st.period}ly GPU budget "
-            f"({_money(after)} of {_money(st.limit)}, counting what you hold and queued). "
+            f"({money(after)} of {money(st.limit)}, counting what you hold and queued). "
             f"It resets {_resets(st.window, settings.timezone)}; past 100% new requests are refused."
         )
         _dm(
@@ -463,22 +459,22 @@ def budget_view(name: str, st: BudgetStatus, tz: str, mine: bool) -> views.View:
     whose = "Your" if mine else f"{name}'s"
     if st.limit is None:
         text = (
-            f"{whose} GPU spend has no budget. This {st.period}: {_money(st.spent)} spent, "
-            f"{_money(st.committed)} committed."
+            f"{whose} GPU spend has no budget. This {st.period}: {money(st.spent)} spent, "
+            f"{money(st.committed)} committed."
         )
         return views.View(text=text, blocks=(views.Text(text),))
     left = st.limit - st.used
     text = (
-        f"{whose} GPU budget: {_money(st.limit)} per {st.period}. Spent {_money(st.spent)}, "
-        f"committed {_money(st.committed)}, "
-        + (f"{_money(left)} left" if left >= 0 else f"{_money(-left)} over")
+        f"{whose} GPU budget: {money(st.limit)} per {st.period}. Spent {money(st.spent)}, "
+        f"committed {money(st.committed)}, "
+        + (f"{money(left)} left" if left >= 0 else f"{money(-left)} over")
         + f"; it resets {_resets(st.window, tz)}."
     )
     items = (
-        ("limit", f"{_money(st.limit)} / {st.period}"),
-        ("spent", _money(st.spent)),
-        ("committed", _money(st.committed)),
-        ("left", _money(left)),
+        ("limit", f"{money(st.limit)} / {st.period}"),
+        ("spent", money(st.spent)),
+        ("committed", money(st.committed)),
+        ("left", money(left)),
         ("resets", _resets(st.window, tz)),
     )
     return views.View(
@@ -530,7 +526,7 @@ def budget_command(service: Core, actor: Actor, cmd: Budget) -> views.Reply:
         what = (
             f"Budget for {user.display_name} removed."
             if cmd.clear
-            else f"Budget for {user.display_name} set to {_money(_usd(cmd.amount_usd or 0))} per {cmd.period}."
+            else f"Budget for {user.display_name} set to {money(_usd(cmd.amount_usd or 0))} per {cmd.period}."
         )
         view = views.View(text=f"{what} {view.text}", blocks=(views.Text(what), *view.blocks))
     return views.Reply(view)

@@ -40,7 +40,7 @@ from bot.app.config import Settings, parse_weekly_time
 from bot.domain import timefmt, views
 from bot.domain.durations import ascii_digits
 from bot.domain.errors import UserError
-from bot.domain.metering import Window, host_cost, to_cents
+from bot.domain.metering import Window, host_cost, money, to_cents
 from db.models import Gpu, GpuSample, Notification, TrainingRun, UsageInterval, User
 from db.session import transaction
 from provisioning.catalog import Catalog
@@ -277,10 +277,6 @@ def _clip(text: str, n: int) -> str:
 # --- what it looks like ----------------------------------------------------------------
 
 
-def _money(x: Decimal) -> str:
-    return f"${to_cents(x):,.2f}"
-
-
 def _change(d: Decimal) -> str:
     c = to_cents(d)
     return f"+${c:,.2f}" if c > 0 else (f"−${-c:,.2f}" if c < 0 else "±$0.00")
@@ -322,8 +318,8 @@ def digest_view(d: Digest) -> views.View:
             f"${shown[f'user:{u.key}']:,.2f}",
             _change(u.change_usd),
             _eff(u.efficiency_pct),
-            _money(u.idle_waste_usd),
-            _money(u.spot_savings_usd) if u.spot_savings_usd else "",
+            money(u.idle_waste_usd),
+            money(u.spot_savings_usd) if u.spot_savings_usd else "",
         )
         for u in d.used
     )
@@ -344,7 +340,7 @@ def digest_view(d: Digest) -> views.View:
                 ("held by people", f"${held:,.2f}"),
                 ("idle overhead", f"${shown['idle']:,.2f}"),
                 ("instances", f"${total:,.2f}"),
-                ("spot saved", _money(sum((u.spot_savings_usd for u in d.users), _ZERO))),
+                ("spot saved", money(sum((u.spot_savings_usd for u in d.users), _ZERO))),
             )
         )
     )
@@ -355,7 +351,7 @@ def digest_view(d: Digest) -> views.View:
         blocks.append(
             views.Table(
                 ("run", "who", "what", "cost"),
-                tuple((f"#{r.run_id}", r.user, r.what, _money(r.usd)) for r in d.top_runs),
+                tuple((f"#{r.run_id}", r.user, r.what, money(r.usd)) for r in d.top_runs),
             )
         )
     blocks.append(
@@ -373,7 +369,7 @@ def _unused_line(unused: tuple[UserLine, ...]) -> str:
     n = len(unused)
     last = sum((u.last_week_usd for u in unused), _ZERO)
     who = "1 person" if n == 1 else f"{n} people"
-    return f"{who} used nothing this week ({_money(last)} held last week)."
+    return f"{who} used nothing this week ({money(last)} held last week)."
 
 
 def chart_bars(d: Digest) -> tuple[list[tuple[str, Decimal, Decimal]], str]:
@@ -381,7 +377,7 @@ def chart_bars(d: Digest) -> tuple[list[tuple[str, Decimal, Decimal]], str]:
     who used something (name, dollars, idle waste) and the title, which counts the rest as
     the text's one line does."""
     people = [(u.name, u.usd, u.idle_waste_usd) for u in d.used]
-    title = f"GPU cost by person, {d.week} ({_money(d.instances_usd)} in all)"
+    title = f"GPU cost by person, {d.week} ({money(d.instances_usd)} in all)"
     if d.unused:
         n = len(d.unused)
         title += f"; {n} {'person' if n == 1 else 'people'} used nothing"

@@ -309,6 +309,12 @@ def to_cents(usd: Decimal) -> Decimal:
     return usd.quantize(_CENT, rounding=ROUND_HALF_UP)
 
 
+def money(usd: Decimal | float) -> str:
+    """A sum as the replies show it: dollars to the cent (`to_cents`), thousands apart."""
+    exact = usd if isinstance(usd, Decimal) else Decimal(str(usd))
+    return f"${to_cents(exact):,.2f}"
+
+
 # --- calendar windows ---------------------------------------------------------------
 
 
