@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bot.domain import views
 from bot.faces.slack import blocks
-from tests.fakes.slack_api import FakeSlack, load_reference
+from tests.fakes.slack_api import FakeSlack, SlackReference, SlackSpecMissingError, load_reference
 
 # Text that stresses escaping and splitting: markup, Slack's control characters, newlines.
 _text = st.text(
@@ -43,10 +44,27 @@ _block = st.one_of(
 _view = st.builds(views.View, text=_text, blocks=st.lists(_block, max_size=70).map(tuple))
 
 
+@pytest.fixture(scope="module")
+def fake() -> FakeSlack:
+    """Only its checkers are used; nothing is started. Without Slack's reference data
+    (`../shared/slack`) the tests skip, as every test of the fake does."""
+    try:
+        return FakeSlack()
+    except SlackSpecMissingError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def ref() -> SlackReference:
+    try:
+        return load_reference()
+    except SlackSpecMissingError as exc:
+        pytest.skip(str(exc))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(view=_view)
-def test_any_view_renders_within_slack_limits(view: views.View) -> None:
-    fake = FakeSlack()  # only its checkers are used; nothing is started
+def test_any_view_renders_within_slack_limits(fake: FakeSlack, view: views.View) -> None:
     body = blocks.message(view)
     assert fake.message_problems(body) == []
     assert 1 <= len(body["blocks"]) <= blocks.BLOCKS_PER_MESSAGE
@@ -55,8 +73,7 @@ def test_any_view_renders_within_slack_limits(view: views.View) -> None:
     assert fake.view_problems(home) == []
 
 
-def test_limits_agree_with_limits_json() -> None:
-    ref = load_reference()
+def test_limits_agree_with_limits_json(ref: SlackReference) -> None:
     assert ref.limit("blocks_per_message") == blocks.BLOCKS_PER_MESSAGE
     assert ref.limit("blocks_per_modal_or_home") == blocks.BLOCKS_PER_VIEW
     assert ref.limit("section_text_chars") == blocks.SECTION_TEXT_CHARS
