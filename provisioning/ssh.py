@@ -806,7 +806,7 @@ class SshClient:
     def is_alive(self, target: SshTarget, pid: int) -> bool:
         """The process's state read from /proc over SFTP, as alive_command_line reads it:
         a read is a round trip where a command is a session and a shell on the host. A
-        host without /proc gets the command."""
+        host without /proc, or a read that failed as the process went, gets the command."""
         pid = check_pid(pid)
 
         def op(conn: Connection) -> bool | None:
@@ -820,6 +820,12 @@ class SshClient:
                 except FileNotFoundError:
                     return None  # no /proc here
                 return False
+            except OSError:
+                if not conn.is_connected:
+                    raise  # the link, not the file: _call says so
+                # Opened while the process was there, read after it was reaped: the kernel
+                # answers ESRCH, which SFTP reports only as "Failure". The command decides.
+                return None
             fields = raw.decode("ascii", "replace").rpartition(")")[2].split()
             return bool(fields) and fields[0] not in ("Z", "X")
 

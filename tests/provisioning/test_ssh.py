@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import paramiko
 import pytest
 
 from provisioning.base import Instance
@@ -106,6 +107,28 @@ def test_a_timeout_is_a_timeout_when_invokes_timer_thread_has_not_yet_finished(
     with pytest.raises(SshError, match="did not finish within"):
         ssh_client.run(ssh_targets["gpu-a"], "exec sleep 30", timeout=1)
     assert ssh_client.run(ssh_targets["gpu-a"], "echo still usable").stdout == "still usable\n"
+
+
+def test_a_process_check_whose_proc_read_fails_as_the_process_goes_asks_the_host(
+    ssh_client: SshClient, ssh_targets: dict[str, SshTarget], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # /proc/PID/stat opened while the process was there and read after it was reaped: the
+    # kernel answers ESRCH and SFTP says only "Failure" (CI saw it, right after a kill).
+    # The check then asks the host's shell, which knows whether the process is there.
+    target = ssh_targets["gpu-a"]
+    started = ssh_client.run(target, "sleep 30 >/dev/null 2>&1 & echo $!")
+    live = int(started.stdout.strip())
+
+    def failing_read(self: object, size: int | None = None) -> bytes:
+        raise OSError("Failure")
+
+    monkeypatch.setattr(paramiko.SFTPFile, "read", failing_read)
+    try:
+        assert ssh_client.is_alive(target, live) is True
+        ssh_client.run(target, f"kill {live}")
+        assert wait_for(lambda: not ssh_client.is_alive(target, live), timeout=10)
+    finally:
+        ssh_client.run(target, f"kill {live} 2>/dev/null; true")
 
 
 # --- files ------------------------------------------------------------------------------
