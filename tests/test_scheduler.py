@@ -814,6 +814,30 @@ def test_a_run_that_cannot_move_joins_one_that_cannot_either() -> None:
     ]
 
 
+def test_among_a_sweeps_equals_movable_runs_take_unpinned_room_first() -> None:
+    """A sweep of one user's runs, half that checkpoint and half that cannot, meets an
+    empty instance with room for half: the movable runs take it, whichever the user
+    queued first. The runs that cannot move, put there, would pin it for as long as they
+    run; waiting, they are bundled onto an instance of their own, and the movable runs
+    stay where consolidation can empty their instance."""
+    fleet = [inst("i0", idle_since=NOW - 1)]
+    fixed = [
+        QueuedRun(f"p{k}", "c", 1, "A100", NOW - 20 + k, 3600.0, preemptible=False)
+        for k in range(8)
+    ]
+    free = [
+        QueuedRun(f"q{k}", "c", 1, "A100", NOW - 10 + k, 3600.0, preemptible=True) for k in range(8)
+    ]
+
+    def on_i0(config: SchedulerConfig) -> set[str]:
+        got = decide([*fixed, *free], fleet, NOW, catalog=CAT, config=config)
+        return {a.run_id for a in got if isinstance(a, Place) and a.instance_ids == ("i0",)}
+
+    assert on_i0(cfg(max_gpus=16)) == {r.run_id for r in free}
+    # Without the pinning rule the user's order stands.
+    assert on_i0(cfg(max_gpus=16, pin_cost=0.0)) == {r.run_id for r in fixed}
+
+
 # ---------------------------------------------------------------- the worker's world
 
 

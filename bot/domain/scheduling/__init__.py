@@ -18,7 +18,10 @@ Policies (``SchedulerConfig.policy``):
     nothing starves. Among equals — one user's runs of one shape and priority, queued
     within ``peer_window()`` (one provisioning time) of each other, as a sweep is — the
     one that packs best goes first: their order is not the user's intent, and the fit
-    decides how long an instance stays paid for.
+    decides how long an instance stays paid for; at an equal fit, one that checkpoints
+    goes before one that would pin an instance no unmovable run holds yet, so a sweep's
+    unmovable runs end up together and its movable ones where consolidation can empty
+    their instances.
   * Placement on the warm fleet first (running, then booting instances), choosing the
     instance that adds the least paid instance-time (``gpus * max(0, run_end -
     instance_horizon)``) — short runs fill the gaps beside long ones, long runs share
