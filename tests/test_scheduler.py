@@ -829,13 +829,20 @@ def test_among_a_sweeps_equals_movable_runs_take_unpinned_room_first() -> None:
         QueuedRun(f"q{k}", "c", 1, "A100", NOW - 10 + k, 3600.0, preemptible=True) for k in range(8)
     ]
 
-    def on_i0(config: SchedulerConfig) -> set[str]:
+    def placed(config: SchedulerConfig) -> dict[tuple[str, ...], set[str]]:
         got = decide([*fixed, *free], fleet, NOW, catalog=CAT, config=config)
-        return {a.run_id for a in got if isinstance(a, Place) and a.instance_ids == ("i0",)}
+        out: dict[tuple[str, ...], set[str]] = {}
+        for a in got:
+            if isinstance(a, Place):
+                out.setdefault(a.instance_ids, set()).add(a.run_id)
+        return out
 
-    assert on_i0(cfg(max_gpus=16)) == {r.run_id for r in free}
+    got = placed(cfg(max_gpus=16))
+    assert got.pop(("i0",)) == {r.run_id for r in free}
+    # the ones that cannot move, together on the one instance bought for them
+    assert list(got.values()) == [{r.run_id for r in fixed}]
     # Without the pinning rule the user's order stands.
-    assert on_i0(cfg(max_gpus=16, pin_cost=0.0)) == {r.run_id for r in fixed}
+    assert placed(cfg(max_gpus=16, pin_cost=0.0))[("i0",)] == {r.run_id for r in fixed}
 
 
 # ---------------------------------------------------------------- the worker's world
