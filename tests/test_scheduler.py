@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 from pathlib import Path
 
@@ -843,6 +844,9 @@ def test_among_a_sweeps_equals_movable_runs_take_unpinned_room_first() -> None:
     assert list(got.values()) == [{r.run_id for r in fixed}]
     # Without the pinning rule the user's order stands.
     assert placed(cfg(max_gpus=16, pin_cost=0.0))[("i0",)] == {r.run_id for r in fixed}
+    # So it does on a host the team owns: never stopped, it costs nothing to pin.
+    fleet[0] = dataclasses.replace(fleet[0], usd_hr=0.0)
+    assert placed(cfg(max_gpus=16))[("i0",)] == {r.run_id for r in fixed}
 
 
 # ---------------------------------------------------------------- the worker's world

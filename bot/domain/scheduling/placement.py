@@ -220,14 +220,16 @@ def place_fair(
 _gpus_key = attrgetter("gpus")
 
 # A place's cost to the fleet: (the paid instance-time it adds, valued in USD per GPU;
-# whether it pins an instance that nothing pins yet). Compared in that order, so the
-# second decides only at an equal first: among a sweep's equals, where one empty
+# whether it pins a rented instance that nothing pins yet). Compared in that order, so
+# the second decides only at an equal first: among a sweep's equals, where one empty
 # instance has room for some of them, the movable ones take it and the ones that cannot
 # move wait, to be bundled onto an instance of their own (or join pinned room as it
 # frees). Mixed, they would pin every instance the sweep touches; apart, the movable
 # runs' instances can be emptied by consolidation as the fleet drains. Worth 0.910 ->
 # 0.927 of the packing bound on the dev trace and 0.929 -> 0.951 on the small team's
-# (issue 31's bench, honest world); nothing where every run or none checkpoints.
+# (issue 31's bench, honest world); nothing where every run or none checkpoints. A host
+# the team owns (no hourly price) is never stopped, so pinning it costs nothing and the
+# user's order stands there.
 Fit = tuple[float, bool]
 _FREE_FIT: Fit = (0.0, False)
 
@@ -361,7 +363,7 @@ def _best_fit(
         if not fits:
             return None
         one = min(fits, key=cost)
-        return [one], per, (cost(one)[0], pins and not one.pinned)
+        return [one], per, (cost(one)[0], pins and not one.pinned and one.usd_hr > 0)
     by_type: dict[str, list[Slot]] = {}
     for s in fits:
         if s.gpus >= per:
@@ -371,7 +373,10 @@ def _best_fit(
         if len(same) < k:
             continue
         pick = sorted(same, key=cost)[:k]
-        c = (sum(cost(s)[0] for s in pick), pins and not all(s.pinned for s in pick))
+        c = (
+            sum(cost(s)[0] for s in pick),
+            pins and any(not s.pinned and s.usd_hr > 0 for s in pick),
+        )
         if best is None or c < best[0]:
             best = (c, pick)
     return (best[1], per, best[0]) if best else None
