@@ -19,7 +19,7 @@ Policies (``SchedulerConfig.policy``):
     within ``peer_window()`` (one provisioning time) of each other, as a sweep is — the
     one that packs best goes first: their order is not the user's intent, and the fit
     decides how long an instance stays paid for; at an equal fit, one that checkpoints
-    goes before one that would pin an instance no unmovable run holds yet, so a sweep's
+    goes before one that would pin a rented instance no unmovable run holds yet, so a sweep's
     unmovable runs end up together and its movable ones where consolidation can empty
     their instances.
   * Placement on the warm fleet first (running, then booting instances), choosing the
