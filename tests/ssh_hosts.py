@@ -178,11 +178,22 @@ class SshHost:
                     "ClientAliveInterval 0",
                     "Subsystem sftp internal-sftp",
                     "LogLevel INFO",
+                    *self._home(),
                     "",
                 ]
             )
         )
         return config
+
+    def _home(self) -> list[str]:
+        """A host of the default lab logs in as the bot's own account, whose shell would
+        read that account's ~/.bashrc on every command (bash does under sshd): this
+        machine's startup files, not a fresh host's. Here root's runs `pyenv rehash`,
+        which waits forever on a lock that a command killed mid-login leaves behind, and
+        twenty tests then failed at once with every host "not reachable". The session's
+        HOME is the host's own directory instead, empty like a fresh image's home; an
+        isolated lab's account has its own home already."""
+        return [] if self.account is not None else [f"SetEnv HOME={self.root}"]
 
     def start(self, timeout: float = 10.0) -> None:
         if self.process is not None and self.process.poll() is None:
