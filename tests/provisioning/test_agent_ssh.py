@@ -237,7 +237,17 @@ def test_the_agent_daemon_started_as_the_bot_would_stops_a_forgotten_host(
     wait_for(lambda: (hb := heartbeat()) is not None and hb["seen"]["lease_renewed_at"] == T0)
     remote.set_now(T0 + 60)
     remote.renew(T0 + 60)
-    wait_for(lambda: (hb := heartbeat()) is not None and hb["time"] == T0 + 60)
+    # Until the agent has seen this renewal at T0 + 60: a loop that read the clock after
+    # set_now and the lease before renew also beats at T0 + 60, and if the renewal is
+    # first seen after the clock moves on below, the lease counts as fresh from then and
+    # nothing is ever stopped (CI's loaded fresh clone timed out so, once).
+    wait_for(
+        lambda: (
+            (hb := heartbeat()) is not None
+            and hb["time"] == T0 + 60
+            and hb["seen"]["lease_renewed_at"] == T0 + 60
+        )
+    )
     assert remote.stops() == 0
     remote.set_now(T0 + 60 + LEASE_S + 1)  # no more renewals
     wait_for(lambda: remote.stops() >= 1)
