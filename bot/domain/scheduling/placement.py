@@ -342,8 +342,12 @@ def _best_fit(
             return True
         return s.ready + dur <= head_t or head_extra[s.ref] >= per
 
-    pin = not run.preemptible
-    pins = pin and config.pin_cost > 0  # the Fit's second part (0: the rule is off)
+    pins = not run.preemptible and config.pin_cost > 0  # 0: the pinning rule is off
+
+    def fit_pins(s: Slot) -> bool:
+        """The Fit's second part: whether the run pins an instance nothing pins yet that
+        is rented (only those are stopped to save money; pinning an owned one is free)."""
+        return pins and not s.pinned and s.usd_hr > 0
 
     def cost(s: Slot) -> tuple[float, int, str]:
         # Paid instance-time the run adds, plus its wait valued like GPU time; then best
@@ -353,7 +357,7 @@ def _best_fit(
         # consolidation (priced as the instance-time pinned, as the run is predicted).
         end = s.ready + dur
         added = s.gpus * max(0.0, end - s.horizon)
-        if pin and not s.pinned and config.pin_cost:
+        if pins and not s.pinned:  # fit_pins without the price: inlined, it runs per slot
             added = max(added, s.gpus * (end - max(now, s.ready)) * config.pin_cost)
         delay = config.wait_value * per * (s.ready - now)
         return ((added + delay) * s.usd_hr / s.gpus, s.free - per, s.ref)
@@ -363,7 +367,7 @@ def _best_fit(
         if not fits:
             return None
         one = min(fits, key=cost)
-        return [one], per, (cost(one)[0], pins and not one.pinned and one.usd_hr > 0)
+        return [one], per, (cost(one)[0], fit_pins(one))
     by_type: dict[str, list[Slot]] = {}
     for s in fits:
         if s.gpus >= per:
@@ -373,10 +377,7 @@ def _best_fit(
         if len(same) < k:
             continue
         pick = sorted(same, key=cost)[:k]
-        c = (
-            sum(cost(s)[0] for s in pick),
-            pins and any(not s.pinned and s.usd_hr > 0 for s in pick),
-        )
+        c = (sum(cost(s)[0] for s in pick), any(fit_pins(s) for s in pick))
         if best is None or c < best[0]:
             best = (c, pick)
     return (best[1], per, best[0]) if best else None
