@@ -83,14 +83,15 @@ class SignedClient:
         *,
         trigger_id: str | None = None,
         response_url: str | None = None,
+        channel: str = "C0GPU0001",
         **kw: Any,
     ) -> HttpReply:
         form = {
             "token": "deprecated-verification-token",
             "team_id": "T111",
             "team_domain": "gpubot-test",
-            "channel_id": "C0GPU0001",
-            "channel_name": "gpu",
+            "channel_id": channel,
+            "channel_name": "gpu" if channel == "C0GPU0001" else "random",
             "user_id": user,
             "user_name": user.lower(),
             "command": "/gpu",

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
 
 import pytest
 from sqlalchemy.engine import Engine
@@ -37,32 +36,26 @@ class Stack:
     client: SignedClient
 
     def command(self, text: str, user: str, channel: str = RUN_CHANNEL) -> HttpReply:
-        """`/gpu TEXT` as Slack sends it from `channel`."""
-        form = {
-            "token": "deprecated-verification-token",
-            "team_id": "T111",
-            "team_domain": "gpubot-test",
-            "channel_id": channel,
-            "channel_name": "gpu" if channel == RUN_CHANNEL else "random",
-            "user_id": user,
-            "user_name": user.lower(),
-            "command": "/gpu",
-            "text": text,
-            "api_app_id": "A111",
-            "is_enterprise_install": "false",
-            "response_url": self.fake.response_url(),
-            "trigger_id": self.fake.trigger_id(),
-        }
-        return self.client.post(urlencode(form).encode(), "application/x-www-form-urlencoded")
+        """`/gpu TEXT` as Slack sends it from `channel`: the ack as it came."""
+        return self.client.command(text, user, channel=channel)
+
+    def answer(self, text: str, user: str, channel: str = RUN_CHANNEL) -> dict[str, Any]:
+        """What the user reads: the ack, or the post it promised when the bot was slow
+        (a loaded machine must not turn "Run #1 queued" into "Working on …")."""
+        return self.client.answer(text, user, channel=channel)
 
     def runs(self) -> list[TrainingRun]:
         with Session(self.engine) as s:
             return list(s.exec(select(TrainingRun)))
 
 
-@pytest.fixture
-def stack(fake_slack: FakeSlack, sqlite_engine: Engine, tmp_path: Path) -> Iterator[Stack]:
-    """`serve`'s wiring: the service has runs before the face is built (bot.faces.cli)."""
+@pytest.fixture(params=[8.0, 0.0], ids=["quick-ack", "late-answer"])
+def stack(
+    request: pytest.FixtureRequest, fake_slack: FakeSlack, sqlite_engine: Engine, tmp_path: Path
+) -> Iterator[Stack]:
+    """`serve`'s wiring: the service has runs before the face is built (bot.faces.cli).
+    Each test runs with an ack that has time for the answer and with one that has none
+    (every answer posted later), as a slow machine would see it."""
     secret = secrets.token_hex(16)
     service, _ = make_service(
         sqlite_engine,
@@ -78,7 +71,13 @@ def stack(fake_slack: FakeSlack, sqlite_engine: Engine, tmp_path: Path) -> Itera
     runs_for(service, tmp_path)
     fake_slack.add_usergroup(GROUP, [CAROL])
     notifier = SlackNotifier(make_client(service.settings), service.settings.channel)
-    face = build_face(service, service.settings, notifier=notifier, deliver_after_commands=True)
+    face = build_face(
+        service,
+        service.settings,
+        notifier=notifier,
+        deliver_after_commands=True,
+        ack_deadline_s=request.param,
+    )
     server = HttpServer(face, host="127.0.0.1", port=0, threads=8).start()
     try:
         yield Stack(
@@ -89,25 +88,23 @@ def stack(fake_slack: FakeSlack, sqlite_engine: Engine, tmp_path: Path) -> Itera
         face.shutdown()
 
 
-def _refused(reply: HttpReply) -> dict[str, Any]:
-    assert reply.status == 200
-    body: dict[str, Any] = reply.json()
+def _refused(body: dict[str, Any]) -> dict[str, Any]:
     assert body["response_type"] == "ephemeral"
     assert "Traceback" not in body["text"] and "ref " not in body["text"]
     return body
 
 
 def test_someone_outside_the_run_lists_is_refused_and_nothing_is_queued(stack: Stack) -> None:
-    body = _refused(stack.command("run --recipe digits", MALLORY))
+    body = _refused(stack.answer("run --recipe digits", MALLORY))
     assert "Starting runs is limited" in body["text"]
     assert stack.runs() == []
     assert [c.params["usergroup"] for c in stack.fake.calls_to("usergroups.users.list")] == [GROUP]
 
 
 def test_a_listed_user_and_an_admin_may_run(stack: Stack) -> None:
-    alice = stack.command("run --recipe digits", ALICE).json()
+    alice = stack.answer("run --recipe digits", ALICE)
     assert "Run #1 queued" in alice["text"]
-    admin = stack.command("run --recipe digits", ADMIN).json()
+    admin = stack.answer("run --recipe digits", ADMIN)
     assert "Run #2 queued" in admin["text"]
     assert stack.fake.calls_to("usergroups.users.list") == []  # neither needed a lookup
 
@@ -115,11 +112,11 @@ def test_a_listed_user_and_an_admin_may_run(stack: Stack) -> None:
 def test_a_member_of_an_allowed_user_group_may_run_and_the_group_is_read_once(
     stack: Stack,
 ) -> None:
-    first = stack.command("run --recipe digits", CAROL).json()
+    first = stack.answer("run --recipe digits", CAROL)
     assert "Run #1 queued" in first["text"]
-    second = stack.command("run --recipe digits", CAROL).json()
+    second = stack.answer("run --recipe digits", CAROL)
     assert "Run #2 queued" in second["text"]
-    _refused(stack.command("run --recipe digits", MALLORY))
+    _refused(stack.answer("run --recipe digits", MALLORY))
     # One Slack round trip for all three: the members are cached, not asked per request.
     assert len(stack.fake.calls_to("usergroups.users.list")) == 1
     assert len(stack.runs()) == 2
@@ -127,31 +124,31 @@ def test_a_member_of_an_allowed_user_group_may_run_and_the_group_is_read_once(
 
 def test_a_failed_group_lookup_is_a_plain_refusal(stack: Stack) -> None:
     stack.fake.fail_next("usergroups.users.list", kind="error", error="missing_scope")
-    body = _refused(stack.command("run --recipe digits", CAROL))
+    body = _refused(stack.answer("run --recipe digits", CAROL))
     assert "could not check with Slack" in body["text"]
     assert stack.runs() == []
     # Slack answers again: the same person may run (a failure was not remembered).
-    assert "Run #1 queued" in stack.command("run --recipe digits", CAROL).json()["text"]
+    assert "Run #1 queued" in stack.answer("run --recipe digits", CAROL)["text"]
 
 
 def test_a_channel_outside_the_run_channels_is_refused_even_for_allowed_people(
     stack: Stack,
 ) -> None:
     for who in (ALICE, ADMIN):
-        body = _refused(stack.command("run --recipe digits", who, channel=OTHER_CHANNEL))
+        body = _refused(stack.answer("run --recipe digits", who, channel=OTHER_CHANNEL))
         assert f"<#{RUN_CHANNEL}>" in body["text"]
     # The bare form is not opened there either.
-    _refused(stack.command("run", ALICE, channel=OTHER_CHANNEL))
+    _refused(stack.answer("run", ALICE, channel=OTHER_CHANNEL))
     assert stack.fake.calls_to("views.open") == []
     assert stack.runs() == []
     # Other verbs are not limited by channel.
     assert stack.command("status", MALLORY, channel=OTHER_CHANNEL).status == 200
-    assert "GPU status" in json.dumps(stack.command("status", BOB, channel=OTHER_CHANNEL).json())
+    assert "GPU status" in json.dumps(stack.answer("status", BOB, channel=OTHER_CHANNEL))
 
 
 def test_bob_cannot_read_alices_log_over_slack(stack: Stack) -> None:
-    assert "Run #1 queued" in stack.command("run --recipe digits", ALICE).json()["text"]
-    body = _refused(stack.command("logs 1", BOB))
+    assert "Run #1 queued" in stack.answer("run --recipe digits", ALICE)["text"]
+    body = _refused(stack.answer("logs 1", BOB))
     assert "Run #1 is not yours" in body["text"]
-    own = stack.command("logs 1", ALICE).json()
+    own = stack.answer("logs 1", ALICE)
     assert "has not started yet" in own["text"]  # the owner gets past the check
