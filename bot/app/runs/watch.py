@@ -135,7 +135,11 @@ class ExitWatchers:
         stop = watch.stop
         early_until = time.monotonic() + EARLY_S
         while not stop.is_set():
-            seat = self.access.runner_for(host)
+            try:
+                seat = self.access.runner_for(host)
+            except Exception:  # the database, say: the poll makes a new watcher next tick
+                log.exception("watching run %s: finding %s failed", run_id, host)
+                return
             if seat is None:
                 stop.wait(self.retry_s)
                 continue
