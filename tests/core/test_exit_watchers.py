@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,13 +16,7 @@ from bot.app.ports import HostSeat
 from bot.app.runs.watch import ExitWatchers
 from bot.domain.clock import VirtualClock
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-
-
-def until(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+from tests.core.helpers import wait_for
 
 
 class FlakyAccess:
@@ -55,9 +47,9 @@ def test_a_failed_host_lookup_ends_the_watcher_quietly_and_the_next_poll_watches
     try:
         with caplog.at_level(logging.ERROR, logger="bot.app.runs.watch"):
             watchers.ensure(7, "local", proc.pid)
-            until(lambda: access.lookups >= 1 and not watchers.watching())
+            wait_for(lambda: access.lookups >= 1 and not watchers.watching())
         assert crashed == []
-        assert any("finding local failed" in r.getMessage() for r in caplog.records)
+        assert any("watching run 7 on local failed" in r.getMessage() for r in caplog.records)
         assert watchers.exited_at(7, "local", proc.pid) is None  # nothing was seen
 
         access.healthy.set()

@@ -136,15 +136,11 @@ class ExitWatchers:
         early_until = time.monotonic() + EARLY_S
         while not stop.is_set():
             try:
-                seat = self.access.runner_for(host)
-            except Exception:  # the database, say: the poll makes a new watcher next tick
-                log.exception("watching run %s: finding %s failed", run_id, host)
-                return
-            if seat is None:
-                stop.wait(self.retry_s)
-                continue
-            early = watch.status is not None and time.monotonic() < early_until
-            try:
+                seat = self.access.runner_for(host)  # reads the database: it may fail too
+                if seat is None:
+                    stop.wait(self.retry_s)
+                    continue
+                early = watch.status is not None and time.monotonic() < early_until
                 gone = seat.runner.wait_gone(
                     seat.target, pgid, EARLY_WAIT_S if early else self.wait_s
                 )
@@ -159,7 +155,7 @@ class ExitWatchers:
                 log.info("watching run %s on %s: %s; looking again soon", run_id, host, exc)
                 stop.wait(self.retry_s)
                 continue
-            except Exception:  # a watcher must never die silently; the poll still works
+            except Exception:  # never die silently; the poll's ensure makes a new one next tick
                 log.exception("watching run %s on %s failed", run_id, host)
                 return
             if gone:
