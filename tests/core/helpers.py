@@ -3,7 +3,8 @@ hosts described as plain provisioning dataclasses (the same ones providers retur
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -63,3 +64,16 @@ def statements(engine: Engine) -> Iterator[list[tuple[str, Any]]]:
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", note)
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """Polls `check` until it is truthy. The timeout guards against a hang; it is not a
+    speed assertion, so it is long: a loaded machine must not fail a correct test."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)

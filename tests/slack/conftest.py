@@ -10,7 +10,7 @@ import http.client
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -24,10 +24,12 @@ from bot.faces.slack.app import SlackFace, build_face
 from bot.faces.slack.notifier import SlackNotifier, make_client
 from bot.faces.slack.server import HttpServer
 from provisioning.base import Instance
-from tests.core.helpers import host, make_service
+from tests.core.helpers import host, make_service, wait_for
 from tests.fakes.slack_api import FakeSlack
 
 ALICE, BOB, ADMIN = "U0ALICE01", "U0BOB0001", "U0ADMIN01"
+# The channel commands come from unless a test says otherwise: #gpu.
+GPU_CHANNEL = "C0GPU0001"
 
 
 @dataclass
@@ -83,7 +85,7 @@ class SignedClient:
         *,
         trigger_id: str | None = None,
         response_url: str | None = None,
-        channel: str = "C0GPU0001",
+        channel: str = GPU_CHANNEL,
         **kw: Any,
     ) -> HttpReply:
         form = {
@@ -91,7 +93,7 @@ class SignedClient:
             "team_id": "T111",
             "team_domain": "gpubot-test",
             "channel_id": channel,
-            "channel_name": "gpu" if channel == "C0GPU0001" else "random",
+            "channel_name": "gpu" if channel == GPU_CHANNEL else "random",
             "user_id": user,
             "user_name": user.lower(),
             "command": "/gpu",
@@ -172,29 +174,16 @@ def block_actions(
         payload["container"] = {
             "type": "message",
             "message_ts": "111.222",
-            "channel_id": "C0GPU0001",
+            "channel_id": GPU_CHANNEL,
             "is_ephemeral": True,
         }
-        payload["channel"] = {"id": "C0GPU0001", "name": "gpu"}
+        payload["channel"] = {"id": GPU_CHANNEL, "name": "gpu"}
         payload["response_url"] = response_url
     return payload
 
 
 def buttons_of(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [el for b in body.get("blocks", []) if b["type"] == "actions" for el in b["elements"]]
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    """Polls `check` until it is truthy. The timeout guards against a hang; it is not a
-    speed assertion, so it is long: a loaded machine must not fail a correct test."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 @dataclass

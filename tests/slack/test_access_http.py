@@ -23,9 +23,9 @@ from db.models import TrainingRun
 from tests.core.helpers import make_service
 from tests.core.test_runs import local_host, runs_for
 from tests.fakes.slack_api import FakeSlack
-from tests.slack.conftest import ADMIN, ALICE, BOB, HttpReply, SignedClient
+from tests.slack.conftest import ADMIN, ALICE, BOB, GPU_CHANNEL, HttpReply, SignedClient
 
-RUN_CHANNEL, OTHER_CHANNEL = "C0GPU0001", "C0RANDOM1"
+RUN_CHANNEL, OTHER_CHANNEL = GPU_CHANNEL, "C0RANDOM1"
 GROUP, CAROL, MALLORY = "S0GPUTEAM", "U0CAROL01", "U0MALLORY"
 
 

@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 
 from bot.app.delivery import deliver
 from bot.faces.slack.modal import GPUS, LIMIT, MODEL, PRECISION, WHAT
-from tests.core.helpers import host
+from tests.core.helpers import host, wait_for
 from tests.fakes.slack_api import FakeSlack
 from tests.slack.conftest import (
     ALICE,
@@ -23,7 +23,6 @@ from tests.slack.conftest import (
     block_actions,
     buttons_of,
     make_stack,
-    wait_for,
 )
 
 

@@ -15,9 +15,9 @@ from sqlalchemy.engine import Engine
 from websockets.sync.server import Server, ServerConnection, serve
 
 from bot.faces.slack.server import socket_mode
-from tests.core.helpers import host
+from tests.core.helpers import host, wait_for
 from tests.fakes.slack_api import FakeSlack, shared_slack_dir
-from tests.slack.conftest import ALICE, block_actions, buttons_of, make_stack, wait_for
+from tests.slack.conftest import ALICE, block_actions, buttons_of, make_stack
 
 
 def _payload(name: str) -> dict[str, Any]:
