@@ -27,9 +27,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import statistics
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,7 @@ def _on_cluster() -> dict[str, object]:
                 gpus=1,
                 gpu_type="A100",
                 output="/dev/null",
+                mem_per_gpu_mb=100,  # memory is counted: a job asking none takes the node's
             )
             t0 = time.perf_counter()
             job = slurm.submit(spec, nodes)
@@ -142,7 +145,15 @@ def _on_cluster() -> dict[str, object]:
         # The cluster's own jobs for the read: 2 running, 2 pending.
         for i in range(4):
             slurm.submit(
-                JobSpec(f"load-{i}", ("sleep", "300"), "/tmp", 600, gpus=2, output="/dev/null"),
+                JobSpec(
+                    f"load-{i}",
+                    ("sleep", "300"),
+                    "/tmp",
+                    600,
+                    gpus=2,
+                    output="/dev/null",
+                    mem_per_gpu_mb=100,
+                ),
                 nodes,
             )
         count = len(slurm.jobs())
@@ -227,37 +238,30 @@ def _status_at_scale(status_cache_s: float) -> dict[str, object]:
 
 
 def _reserve_to_granted() -> dict[str, object]:
-    """`/gpu reserve 1 a100` on the idle test cluster until its reply says Reserved."""
-    import sys
-
+    """`/gpu reserve 1 a100` on the idle test cluster until its reply says Reserved, by
+    the lab's bot account as alice (submitted through sudo, granted from the file the
+    holding job writes as it starts)."""
     from bench import environment
     from bot.app.config import load_settings
-    from bot.app.remote import PreparedHost
     from bot.domain.commands import Release, Reserve
     from bot.faces.runtime import build_runtime
+    from tests.slurm_lab import as_bot_account, lab_directory, lab_env
 
     took = []
     with (
         running_cluster() as cluster,
         cluster.lease(),
         tempfile.TemporaryDirectory(prefix="gpubot-bench-slurm-") as tmp,
+        lab_directory() as workdir,
+        as_bot_account(cluster.conf),
     ):
-        env = {
-            "GPUBOT_PROVIDER": "slurm",
-            "GPUBOT_HOME": str(Path(tmp) / "home"),
-            "SLURM_CONF": str(cluster.conf),
-            "GPUBOT_SLURM_WORKDIR": tmp,
-        }
-        with environment(**env):
-            rt = build_runtime(
-                load_settings(),
-                prepare=lambda r, t: PreparedHost(root=tmp, python=sys.executable),
-            )
+        with environment(**lab_env(cluster.conf, workdir, Path(tmp) / "home")):
+            rt = build_runtime(load_settings())
         svc = rt.service
         alice = svc.actor("alice")
         for _ in range(RUNS):
             t0 = time.perf_counter()
-            text = svc.reserve(alice, Reserve(1, "A100")).view.text
+            text = svc.reserve(alice, Reserve(1, "A100", timedelta(minutes=20))).view.text
             took.append(time.perf_counter() - t0)
             if not text.startswith("Reserved"):
                 raise RuntimeError(f"not granted at once on an idle cluster: {text}")
@@ -271,6 +275,117 @@ def _reserve_to_granted() -> dict[str, object]:
     }
 
 
+# What the bot costs the controller, read with sdiag: its info RPCs a minute while its
+# worker runs with 0, 10 and 100 of its jobs live (runs that wait: 4 run, the rest pend),
+# no Slack traffic. Goal: the same at each (the shared read, not a read per job), <= 20.
+LIVE = (0, 10, 100)
+RPC_WINDOW_S = 60.0
+RPC_GOAL_A_MINUTE = 20
+INFO_RPCS = (
+    "REQUEST_JOB_INFO",
+    "REQUEST_JOB_INFO_SINGLE",
+    "REQUEST_JOB_USER_INFO",
+    "REQUEST_NODE_INFO",
+    "REQUEST_NODE_INFO_SINGLE",
+    "REQUEST_PARTITION_INFO",
+    "REQUEST_JOB_ALLOCATION_INFO",
+    "REQUEST_JOB_STEP_INFO",
+    "REQUEST_RESOURCE_ALLOCATION",
+)
+
+
+def sdiag_counts(text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """`sdiag`'s RPC counts by message type and by user."""
+    types: dict[str, int] = {}
+    users: dict[str, int] = {}
+    section = ""
+    for line in text.splitlines():
+        if "by message type" in line:
+            section = "type"
+        elif "by user" in line:
+            section = "user"
+        elif "Pending RPC" in line or "by ave_time" in line:
+            section = ""
+        m = re.match(r"\s+(\S+)\s+\(\s*\d+\)\s+count:(\d+)", line)
+        if m and section:
+            (types if section == "type" else users)[m.group(1)] = int(m.group(2))
+    return types, users
+
+
+def _rpcs_a_minute() -> dict[str, object]:
+    """The bot's worker (the real one: tick, poll, dispatch, the providers' upkeep, the
+    utilization sample) as the lab's bot account, GPUBOT_SLURM_CACHE_S at its default."""
+    from bench import environment
+    from bot.app.config import load_settings
+    from bot.domain.commands import Run
+    from bot.faces.runtime import build_runtime
+    from bot.faces.worker import Worker
+    from tests.slurm_lab import as_bot_account, lab_directory, lab_env
+
+    levels: dict[str, object] = {}
+    with running_cluster() as cluster, cluster.lease():
+        for live in LIVE:
+            cluster.cancel_all()
+            with (
+                tempfile.TemporaryDirectory(prefix="gpubot-bench-slurm-") as tmp,
+                lab_directory() as workdir,
+                as_bot_account(cluster.conf),
+                environment(**lab_env(cluster.conf, workdir, Path(tmp) / "home")),
+            ):
+                rt = build_runtime(load_settings())
+                runs = rt.service.runs
+                assert runs is not None
+                for i in range(live):
+                    who = rt.service.actor("alice" if i % 2 else "bob")
+                    runs.submit(
+                        who,
+                        Run(
+                            command=("sleep", "900"),
+                            model="A100",
+                            max_duration=timedelta(minutes=20),
+                        ),
+                    )
+                deadline = time.monotonic() + 600
+                while runs.dispatch() or _unsubmitted(rt):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the bench's runs were not all handed to Slurm")
+                    time.sleep(0.2)
+                worker = Worker(rt.service, None, rt.settings.tick_seconds)
+                worker.start()
+                try:
+                    time.sleep(5)  # past the submissions' own reads
+                    cluster.command("sdiag", "-r")
+                    time.sleep(RPC_WINDOW_S)
+                    types, users = sdiag_counts(cluster.command("sdiag").stdout)
+                finally:
+                    worker.stop()
+                    rt.engine.dispose()
+            scale = 60.0 / RPC_WINDOW_S
+            info = {k: round(v * scale, 1) for k, v in types.items() if k in INFO_RPCS}
+            levels[str(live)] = {
+                "info_rpcs_a_minute": round(sum(info.values()), 1),
+                "by_type": info,
+                "all_rpcs_a_minute_by_user": {k: round(v * scale, 1) for k, v in users.items()},
+            }
+        log = (cluster.root / "log" / "slurmctld.log").read_text(errors="replace")
+    limited = [ln for ln in log.splitlines() if "rate limit" in ln.lower()]
+    return {
+        "window_s": RPC_WINDOW_S,
+        "goal_a_minute": RPC_GOAL_A_MINUTE,
+        "levels": levels,
+        "rate_limit_log_lines": len(limited),
+    }
+
+
+def _unsubmitted(rt: Any) -> bool:
+    from sqlmodel import Session, select
+
+    from db.models import TrainingRun
+
+    with Session(rt.engine) as s:
+        return any("job" not in r.placement for r in s.exec(select(TrainingRun)))
+
+
 def run() -> dict[str, object]:
     out: dict[str, object] = {"goal_s": GOAL_S, "poll_s": POLL_S, "parse": _parsing()}
     out["status_at_scale"] = _status_at_scale(1.0)
@@ -278,6 +393,7 @@ def run() -> dict[str, object]:
     try:
         out["cluster"] = _on_cluster()
         out["reserve_to_granted"] = _reserve_to_granted()
+        out["controller_rpcs"] = _rpcs_a_minute()
     except SlurmClusterUnavailable as exc:
         out["cluster"] = {"skipped": str(exc)}
     return out
@@ -307,6 +423,16 @@ def headline(figures: dict[str, object]) -> list[str]:
         lines.append(
             f"/gpu reserve -> granted median {granted['median_s']} s, max {granted['max_s']} s "
             f"(goal < {GOAL_S:g} s)"
+        )
+    rpcs = figures.get("controller_rpcs")
+    if isinstance(rpcs, dict):
+        levels = rpcs["levels"]
+        assert isinstance(levels, dict)
+        said = ", ".join(f"{n} live: {v['info_rpcs_a_minute']}" for n, v in levels.items())
+        lines.append(
+            f"slurmctld info RPCs a minute from the bot's worker ({said}; goal constant and "
+            f"<= {rpcs['goal_a_minute']}); rate-limit lines in slurmctld.log: "
+            f"{rpcs['rate_limit_log_lines']}"
         )
     for key, how in (("status_at_scale", "cached 1 s"), ("status_at_scale_uncached", "no cache")):
         scale = figures.get(key)

@@ -159,6 +159,12 @@ class Reservation(SQLModel, table=True):
     # Where a cluster holds it: its holding job (id, state, Slurm's reason and expected
     # start, node); empty where gpubot grants it itself.
     external: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    # Where a cluster is to hold it, as its owner asked (`--partition`, `--account`,
+    # `--qos`, `--constraint`; bot.providers.slurm checks them): name -> value.
+    place: dict[str, str] = Field(
+        default_factory=dict,
+        sa_column=Column(JSON, nullable=False, server_default=text("'{}'")),
+    )
 
 
 class TrainingRun(SQLModel, table=True):
@@ -198,6 +204,11 @@ class TrainingRun(SQLModel, table=True):
     )
     # The sweep this run is a variant of (`/gpu run --sweep`): one label for the group.
     sweep: str | None = Field(default=None, index=True, max_length=32)
+    # Where a cluster is to run it, as its owner asked (see Reservation.place).
+    place: dict[str, str] = Field(
+        default_factory=dict,
+        sa_column=Column(JSON, nullable=False, server_default=text("'{}'")),
+    )
 
 
 class UsageInterval(SQLModel, table=True):

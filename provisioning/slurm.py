@@ -26,6 +26,7 @@ import re
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from provisioning import shell
@@ -33,40 +34,58 @@ from provisioning.base import ProvisioningError
 from provisioning.slurm_parse import (
     FINISHED_STATES,
     NODE_STATES,
+    Associations,
     JobEnd,
     SlurmJob,
     SlurmNode,
+    SlurmPartition,
     format_duration,
     gres_type_for,
     load_json,
     model_of,
+    parse_associations,
+    parse_indexes,
     parse_job_gpu_indexes,
     parse_jobcomp,
     parse_jobs,
     parse_nodes,
+    parse_partitions,
     parse_sacct,
+    parse_time_s,
 )
 from provisioning.ssh import RunResult, SshError, SshRunner, SshTarget
 
 __all__ = [
     "FINISHED_STATES",
     "NODE_STATES",
+    "Associations",
     "JobEnd",
     "JobSpec",
     "SlurmClient",
     "SlurmError",
     "SlurmJob",
     "SlurmNode",
+    "SlurmPartition",
     "SlurmUnavailable",
+    "StartedLine",
 ]
 
 DEFAULT_TIMEOUT_S = 15.0
-SACCT_FIELDS = "JobID,JobName,User,Partition,State,ExitCode,Start,End,NodeList"
+SACCT_FIELDS = "JobID,JobName,User,Partition,State,ExitCode,Start,End,NodeList,AllocTRES"
+SUBMIT_MODES = ("sudo", "uid")
+# What Slurm's tools need of the bot's environment through sudo.
+_KEPT_THROUGH_SUDO = "SLURM_CONF,SLURM_TIME_FORMAT"
 # What client tools print when the controller does not answer.
 _UNREACHABLE = re.compile(
     r"Unable to contact slurm controller|Socket timed out|Zero Bytes were transmitted"
     r"|Communication connection failure|Connection refused",
     re.IGNORECASE,
+)
+
+
+# What sudo says when it will not run a command as someone (no rule, a password asked).
+_SUDO_REFUSED = re.compile(
+    r"^sudo: |is not allowed to execute|not in the sudoers|password is required", re.MULTILINE
 )
 
 
@@ -97,11 +116,28 @@ class JobSpec:
     error: str | None = None  # default: with the output
     requeue: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
-    # Run as this unix account (the bot must be root: sbatch --uid/--gid); None: the bot's.
+    # Run as this unix account: submitted through `sudo -n -u USER` (the client's
+    # "sudo" mode) or with --uid/--gid by a root bot ("uid" mode); None: the bot's own.
     user: str | None = None
-    group: str | None = None  # default: the user's primary group
+    group: str | None = None  # "uid" mode: default the user's primary group
     cpus: int | None = None
     memory_mb: int | None = None
+    # Per GPU, so jobs share a node: a job that asks no memory on a cluster that counts
+    # it (CR_*_Memory) with no DefMemPerGPU is given the whole node's.
+    cpus_per_gpu: int | None = None
+    mem_per_gpu_mb: int | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    # Who asked, for the cluster's admins (`--comment`; squeue/sacct show it).
+    comment: str = ""
+    # Slurm's warning before it ends the job ("B:TERM@120": SIGTERM to the batch
+    # script, which is the program itself, 120 s before the limit).
+    signal: str | None = None
+    # A file in the shared work directory the job appends "JOBID NODE GPUS RESTARTS" to
+    # as it starts: the bot learns a start from it without asking the controller.
+    started_file: str | None = None
+    hold: bool = False  # submitted held (the doctor's check submits one and cancels it)
 
 
 def _slurm_message(stderr: str) -> str:
@@ -178,9 +214,48 @@ _BASICS = (
 )
 
 
-def batch_line(argv: Sequence[str], env: Mapping[str, str]) -> str:
+# What a job appends to its started file: its id, node, GPU indexes (the node's, as
+# Slurm numbers them; "-" for none), how many times it was requeued before this start,
+# and when it started (epoch seconds, the node's clock).
+_STARTED = (
+    'printf \'%s %s %s %s %s\\n\' "$SLURM_JOB_ID" "${SLURMD_NODENAME:-}" '
+    '"${SLURM_JOB_GPUS:-${SLURM_STEP_GPUS:--}}" "${SLURM_RESTART_COUNT:-0}" "$(date +%s)" >> '
+)
+
+
+def batch_line(argv: Sequence[str], env: Mapping[str, str], started_file: str | None = None) -> str:
     """The body of the job's `#!/bin/sh` script (sbatch --wrap adds the #! line)."""
-    return _BASICS + "exec " + shell.env_prefix(dict(env)) + shell.join(argv)
+    started = _STARTED + shell.path(started_file) + "; " if started_file else ""
+    return _BASICS + started + "exec " + shell.env_prefix(dict(env)) + shell.join(argv)
+
+
+def parse_started(text: str) -> StartedLine | None:
+    """The last start a job's started file records (a requeued job appends one a start)."""
+    found: StartedLine | None = None
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) < 2 or not words[0].isdigit():
+            continue
+        gpus = words[2] if len(words) > 2 else ""
+        restarts = words[3] if len(words) > 3 else "0"
+        epoch = words[4] if len(words) > 4 else ""
+        found = StartedLine(
+            job_id=int(words[0]),
+            node=words[1],
+            gpu_indexes=parse_indexes(gpus),
+            restarts=int(restarts) if restarts.isdigit() else 0,
+            started_at=datetime.fromtimestamp(int(epoch), UTC) if epoch.isdigit() else None,
+        )
+    return found
+
+
+@dataclass(frozen=True)
+class StartedLine:
+    job_id: int
+    node: str
+    gpu_indexes: tuple[int, ...]
+    restarts: int
+    started_at: datetime | None = None
 
 
 # --- the client -----------------------------------------------------------------------
@@ -200,9 +275,16 @@ class SlurmClient:
         runner: SshRunner | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         normalize: Callable[[str], str | None] | None = None,
+        submit_as: str = "sudo",
     ) -> None:
         if (login is None) != (runner is None):
             raise ValueError("a login node needs both its SshTarget and an SshRunner")
+        if submit_as not in SUBMIT_MODES:
+            raise ValueError(f"submit_as must be one of {', '.join(SUBMIT_MODES)}")
+        # How a job becomes a person's: "sudo" (sudo -n -u PERSON sbatch/scancel/scontrol,
+        # restricted to those tools by the cluster's sudoers) or "uid" (the bot is root
+        # and passes --uid/--gid; newer Slurm deprecates it).
+        self.submit_as = submit_as
         self.conf = conf if conf is not None else os.environ.get("SLURM_CONF") or None
         self.login = login
         self.runner = runner
@@ -210,6 +292,7 @@ class SlurmClient:
         self.normalize = normalize
         self._gids: dict[str, str] = {}
         self._jobcomp: tuple[str, str] | None = None
+        self._users: dict[int, str] = {}
 
     @property
     def where(self) -> str:
@@ -231,7 +314,9 @@ class SlurmClient:
     ) -> RunResult:
         """One Slurm command; a non-zero exit is a result, a silent controller is not."""
         limit = self.timeout_s if timeout is None else timeout
-        what = argv[0]
+        # Through sudo (as_person): the tool is what follows `sudo … -u USER --`.
+        tool = str(argv[6]) if len(argv) > 6 and argv[0] == "sudo" else ""
+        what = tool or argv[0]
         if self.login is not None and self.runner is not None:
             try:
                 result = self.runner.run(self.login, shell.join(argv), limit, env=self._env(env))
@@ -260,6 +345,12 @@ class SlurmClient:
             except FileNotFoundError as exc:
                 raise SlurmError(f"Slurm's `{what}` is not installed {self.where}") from exc
             result = RunResult(done.returncode, done.stdout, done.stderr)
+        if tool and not result.ok and _SUDO_REFUSED.search(result.stderr):
+            said = _slurm_message(result.stderr)
+            raise SlurmError(
+                f"the bot's account may not run `{what}` as {argv[4]} {self.where} ({said}): "
+                "an admin adds the sudoers lines of docs/SLURM.md for that account"
+            )
         if not result.ok and "fetch config" in result.stderr:
             raise SlurmError(
                 f"Slurm's tools {self.where} find no configuration: set SLURM_CONF to the "
@@ -276,6 +367,17 @@ class SlurmClient:
         if not result.ok:
             raise SlurmError(f"Slurm could not {doing}: {_slurm_message(result.stderr)}")
         return result.stdout
+
+    def as_person(self, user: str | None, argv: Sequence[str]) -> list[str]:
+        """`argv` run as `user` in "sudo" mode (never as root: the sudoers lines name
+        the people, and this refuses uid 0 by name too); unchanged otherwise."""
+        if not user or self.submit_as != "sudo":
+            return list(argv)
+        if user == "root":
+            raise SlurmError("the bot never runs Slurm's tools as root for a person")
+        # SLURM_CONF must reach the tool: sudo's env_reset drops it unless kept, and the
+        # sudoers' env_keep names it for the bot's account (root needs it asked for).
+        return ["sudo", "-n", f"--preserve-env={_KEPT_THROUGH_SUDO}", "-u", user, "--", *argv]
 
     # reading
 
@@ -342,7 +444,8 @@ class SlurmClient:
         """A finished job's end from accounting (sacct, when slurmdbd runs), else from the
         jobcomp/filetxt file (readable only where the controller's file is); None when
         neither knows it."""
-        argv = ["sacct", "-X", "-n", "-P", "-j", str(int(job_id)), "-o", SACCT_FIELDS]
+        # -a: every user's (the bot's account reads its people's jobs).
+        argv = ["sacct", "-a", "-X", "-n", "-P", "-j", str(int(job_id)), "-o", SACCT_FIELDS]
         try:
             sacct = self.run(argv, env={"SLURM_TIME_FORMAT": "%s"})
         except SlurmUnavailable:
@@ -356,6 +459,55 @@ class SlurmClient:
             return None
         found = self.run(["grep", "-a", "-E", "--", f"^JobId={int(job_id)} ", path])
         return parse_jobcomp(found.stdout, job_id) if found.ok else None
+
+    def partitions(self) -> list[SlurmPartition]:
+        """Every partition with its limits and job defaults (one partition-info RPC)."""
+        out = self._checked(["scontrol", "show", "partition", "--oneliner"], "list its partitions")
+        return parse_partitions(out)
+
+    def associations(self, user: str) -> Associations | None:
+        """What Slurm's accounting lets `user` use (accounts, QOS, defaults); None where
+        the cluster keeps no accounting (sacctmgr talks to slurmdbd, not the controller)."""
+        argv = ["sacctmgr", "-n", "-P", "show", "assoc", "where", f"users={user}"]
+        try:
+            assoc = self.run([*argv, "format=Account,Partition,QOS,DefaultQOS"])
+            default = self.run(
+                ["sacctmgr", "-n", "-P", "show", "user", user, "format=DefaultAccount"]
+            )
+        except SlurmUnavailable:
+            raise
+        except SlurmError:
+            return None  # no sacctmgr here
+        if not assoc.ok or not default.ok:
+            if re.search(r"slurmdbd|Problem talking to the database", assoc.stderr, re.I):
+                return None
+            raise SlurmError(f"Slurm's accounting could not list {user}: {assoc.stderr.strip()}")
+        return parse_associations(assoc.stdout, default.stdout)
+
+    def qos_limits(self) -> dict[str, int | None]:
+        """Each QOS's MaxWall in seconds (None: none); empty without accounting."""
+        try:
+            result = self.run(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxWall"])
+        except SlurmUnavailable:
+            raise
+        except SlurmError:
+            return {}
+        if not result.ok:
+            return {}
+        found: dict[str, int | None] = {}
+        for line in result.stdout.splitlines():
+            name, _, wall = line.partition("|")
+            if name.strip():
+                found[name.strip()] = parse_time_s(wall.strip())
+        return found
+
+    def user_name(self, uid: int) -> str:
+        """A uid as its account's name where the commands run (sacct's "CANCELLED by 0")."""
+        if uid not in self._users:
+            result = self.run(["getent", "passwd", str(int(uid))])
+            name = result.stdout.split(":", 1)[0] if result.ok else ""
+            self._users[uid] = name or f"uid {uid}"
+        return self._users[uid]
 
     def jobcomp(self) -> tuple[str, str]:
         """(JobCompType, JobCompLoc) of the cluster, read once."""
@@ -377,8 +529,18 @@ class SlurmClient:
         # Not --export=NONE: that makes slurmd run the account's login scripts (`su -`)
         # before each job, which took 60 s here under load; /dev/null is a clean start.
         argv += ["--export-file=/dev/null", "--requeue" if spec.requeue else "--no-requeue"]
-        if spec.partition:
-            argv.append(f"--partition={spec.partition}")
+        for flag, value in (
+            ("partition", spec.partition),
+            ("account", spec.account),
+            ("qos", spec.qos),
+            ("constraint", spec.constraint),
+            ("signal", spec.signal),
+            ("comment", spec.comment),
+        ):
+            if value:
+                argv.append(f"--{flag}={value}")
+        if spec.hold:
+            argv.append("--hold")
         if spec.gpus:
             gres = "gpu"
             if spec.gpu_type:
@@ -388,16 +550,20 @@ class SlurmClient:
             argv.append(f"--gres={gres}:{int(spec.gpus)}")
         if spec.cpus:
             argv.append(f"--cpus-per-task={int(spec.cpus)}")
+        elif spec.cpus_per_gpu and spec.gpus:
+            argv.append(f"--cpus-per-gpu={int(spec.cpus_per_gpu)}")
         if spec.memory_mb:
             argv.append(f"--mem={int(spec.memory_mb)}M")
+        elif spec.mem_per_gpu_mb and spec.gpus:
+            argv.append(f"--mem-per-gpu={int(spec.mem_per_gpu_mb)}M")
         if spec.output:
             argv.append(f"--output={spec.output}")
         if spec.error:
             argv.append(f"--error={spec.error}")
-        if spec.user:
+        if spec.user and self.submit_as == "uid":
             argv += [f"--uid={spec.user}", f"--gid={spec.group or self._gid_of(spec.user)}"]
-        argv.append(f"--wrap={batch_line(spec.argv, spec.env)}")
-        result = self.run(argv)
+        argv.append(f"--wrap={batch_line(spec.argv, spec.env, spec.started_file)}")
+        result = self.run(self.as_person(spec.user, argv))
         if not result.ok:
             try:
                 known = list(nodes) if nodes is not None else self.nodes()
@@ -419,22 +585,29 @@ class SlurmClient:
             self._gids[user] = result.stdout.strip()
         return self._gids[user]
 
-    def cancel(self, job_id: int, signal: str | None = None) -> None:
-        """End the job (or, with `signal`, signal its batch script and steps). An id
-        Slurm has forgotten is already over: no error."""
+    def cancel(self, job_id: int, signal: str | None = None, *, user: str | None = None) -> None:
+        """End the job (or, with `signal`, signal its batch script and steps), as `user`
+        (its owner) where jobs are people's. An id Slurm has forgotten is already over:
+        no error."""
         argv = ["scancel"]
         if signal:
             argv += [f"--signal={signal}", "--full"]
-        result = self.run([*argv, str(int(job_id))])
+        result = self.run(self.as_person(user, [*argv, str(int(job_id))]))
         if not result.ok and "Invalid job id" not in result.stderr:
             raise SlurmError(
                 f"Slurm refused to cancel job {job_id}: {explain_denial(result.stderr)}"
             )
 
-    def set_time_limit(self, job_id: int, seconds: int) -> None:
-        """Raising a running job's limit needs a Slurm operator or admin (or root)."""
+    def set_time_limit(self, job_id: int, seconds: int, *, user: str | None = None) -> None:
+        """Raising a running job's limit needs a Slurm operator or admin (or root); a
+        pending one's its owner (`user`) may raise within the partition's MaxTime."""
         limit = f"TimeLimit={format_duration(seconds)}"
-        result = self.run(["scontrol", "update", f"JobId={int(job_id)}", limit])
+        argv = ["scontrol", "update", f"JobId={int(job_id)}", limit]
+        # The bot's own account first (a Slurm operator may raise any limit); else as the
+        # job's owner, who may raise a pending job's within the partition's MaxTime.
+        result = self.run(argv)
+        if not result.ok and user and self.submit_as == "sudo":
+            result = self.run(self.as_person(user, argv))
         if not result.ok:
             raise SlurmError(
                 f"Slurm refused to change job {job_id}'s time limit: {explain_denial(result.stderr)}"
@@ -447,14 +620,15 @@ class SlurmClient:
         *,
         node: str | None = None,
         timeout: float | None = None,
+        user: str | None = None,
     ) -> RunResult:
         """`argv` as a step inside a running job's allocation (`srun --overlap`): it
-        sees the job's GPUs (CUDA_VISIBLE_DEVICES), e.g. for telemetry. The bot must own
-        the job or be root; a non-zero exit is a result."""
+        sees the job's GPUs (CUDA_VISIBLE_DEVICES), e.g. for telemetry. As `user`, the
+        job's owner (only its owner or root may add a step); a non-zero exit is a result."""
         step = ["srun", f"--jobid={int(job_id)}", "--overlap", "--nodes=1", "--ntasks=1"]
         if node:
             step.append(f"--nodelist={node}")
-        return self.run([*step, *argv], timeout=timeout)
+        return self.run(self.as_person(user, [*step, *argv]), timeout=timeout)
 
     def requeue(self, job_id: int) -> None:
         """Back to pending (a running job submitted with requeue=True); it starts again

@@ -109,6 +109,38 @@ class JobEnd:
     partition: str = ""
     nodes: tuple[str, ...] = ()
     source: str = ""  # "sacct" or "jobcomp"
+    # Who ended it where Slurm says ("CANCELLED by 1001": the uid, as text).
+    by: str = ""
+    gpus: int = 0  # GPUs it was allocated (sacct's AllocTRES), 0 where not known
+
+
+@dataclass(frozen=True)
+class SlurmPartition:
+    """A partition's limits and job defaults (`scontrol show partition --oneliner`)."""
+
+    name: str
+    nodes: tuple[str, ...]
+    default: bool = False
+    up: bool = True
+    max_time_s: int | None = None  # None: no limit
+    default_time_s: int | None = None  # None: the partition's MaxTime
+    def_mem_per_gpu_mb: int | None = None
+    def_cpu_per_gpu: int | None = None
+    allow_accounts: tuple[str, ...] = ()  # empty: all
+    allow_qos: tuple[str, ...] = ()  # empty: all
+    qos: str = ""  # the partition's own QOS, whose limits apply too
+    priority_tier: int = 1
+    preempt_mode: str = ""
+
+
+@dataclass(frozen=True)
+class Associations:
+    """What Slurm's accounting lets one user submit under."""
+
+    accounts: tuple[str, ...]
+    default_account: str
+    qos: tuple[str, ...]
+    default_qos: str
 
 
 # --- pure parsing --------------------------------------------------------------------
@@ -480,17 +512,21 @@ def parse_jobcomp(text: str, job_id: int) -> JobEnd | None:
 
 
 def parse_sacct(text: str, job_id: int) -> JobEnd | None:
-    """`sacct -X -n -P -o JobID,JobName,User,Partition,State,ExitCode,Start,End,NodeList`
-    with SLURM_TIME_FORMAT=%s (epoch times)."""
+    """`sacct -X -n -P -o JobID,JobName,User,Partition,State,ExitCode,Start,End,NodeList
+    [,AllocTRES]` with SLURM_TIME_FORMAT=%s (epoch times)."""
     end: JobEnd | None = None
     for line in text.splitlines():
         cells = line.split("|")
         if len(cells) < 9 or cells[0] != str(job_id):
             continue
         code, signal = _code_pair(cells[5])
+        state, _, by = cells[4].partition(" by ")  # "CANCELLED by 0"
+        gpus = re.search(r"gres/gpu=(\d+)", cells[9]) if len(cells) > 9 else None
         end = JobEnd(
             job_id=job_id,
-            state=cells[4].split(" ")[0],  # "CANCELLED by 0"
+            state=state.split(" ")[0],
+            by=by.strip(),
+            gpus=int(gpus.group(1)) if gpus else 0,
             exit_code=code,
             signal=signal,
             start_time=_local_time(cells[6]),
@@ -502,6 +538,104 @@ def parse_sacct(text: str, job_id: int) -> JobEnd | None:
             source="sacct",
         )
     return end
+
+
+def parse_time_s(text: str) -> int | None:
+    """Slurm's "2-00:00:00", "1:00:00", "30:00" (MM:SS), "30" (minutes) in seconds;
+    None for UNLIMITED, INFINITE, NONE and empty."""
+    text = text.strip()
+    if not text or text.upper() in ("UNLIMITED", "INFINITE", "NONE", "(NULL)", "N/A"):
+        return None
+    days, _, rest = text.rpartition("-") if "-" in text else ("", "", text)
+    parts = rest.split(":")
+    if not all(p.isdigit() for p in parts) or (days and not days.isdigit()):
+        return None
+    nums = [int(p) for p in parts]
+    if len(nums) == 1:
+        seconds = nums[0] * 60 if not days else nums[0] * 3600
+    elif len(nums) == 2:
+        seconds = nums[0] * 60 + nums[1] if not days else nums[0] * 3600 + nums[1] * 60
+    else:
+        seconds = nums[0] * 3600 + nums[1] * 60 + nums[2]
+    return int(days or 0) * 86400 + seconds
+
+
+def _mb(text: str) -> int | None:
+    m = re.fullmatch(r"(\d+)([KMGT]?)", text.strip().upper())
+    if m is None:
+        return None
+    scale = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2)]
+    return max(1, int(int(m.group(1)) * scale))
+
+
+def _listed(text: str) -> tuple[str, ...]:
+    if text.upper() in ("ALL", "", "(NULL)"):
+        return ()
+    return tuple(w for w in text.split(",") if w)
+
+
+def parse_partitions(text: str) -> list[SlurmPartition]:
+    """`scontrol show partition --oneliner`: one partition a line of KEY=VALUE words."""
+    out = []
+    for line in text.splitlines():
+        fields: dict[str, str] = {}
+        for word in line.split():
+            key, eq, value = word.partition("=")
+            if eq:
+                fields[key] = value
+        name = fields.get("PartitionName")
+        if not name:
+            continue
+        # 22.05: "JobDefaults=DefMemPerGPU=100,DefCpuPerGPU=2" (or "(null)"); newer
+        # versions also print DefMemPerGPU as a word of its own.
+        pairs = fields.get("JobDefaults", "").split(",")
+        defaults = dict(p.split("=", 1) for p in pairs if "=" in p)
+        mem = fields.get("DefMemPerGPU") or defaults.get("DefMemPerGPU", "")
+        cpu = fields.get("DefCpuPerGPU") or defaults.get("DefCpuPerGPU", "")
+        tier = fields.get("PriorityTier", "1")
+        out.append(
+            SlurmPartition(
+                name=name,
+                nodes=expand_hostlist(fields.get("Nodes", "")),
+                default=fields.get("Default", "NO").upper() == "YES",
+                up=fields.get("State", "UP").upper() == "UP",
+                max_time_s=parse_time_s(fields.get("MaxTime", "")),
+                default_time_s=parse_time_s(fields.get("DefaultTime", "")),
+                def_mem_per_gpu_mb=_mb(mem) if mem and mem.upper() != "UNLIMITED" else None,
+                def_cpu_per_gpu=int(cpu) if cpu.isdigit() else None,
+                allow_accounts=_listed(fields.get("AllowAccounts", "ALL")),
+                allow_qos=_listed(fields.get("AllowQos", "ALL")),
+                qos="" if fields.get("QoS", "N/A") in ("N/A", "(null)") else fields.get("QoS", ""),
+                priority_tier=int(tier) if tier.isdigit() else 1,
+                preempt_mode=fields.get("PreemptMode", ""),
+            )
+        )
+    return out
+
+
+def parse_associations(assoc: str, default: str) -> Associations:
+    """`sacctmgr -n -P show assoc where users=U format=Account,Partition,QOS,DefaultQOS`
+    and `sacctmgr -n -P show user U format=DefaultAccount`."""
+    accounts: list[str] = []
+    qos: list[str] = []
+    default_qos = ""
+    for line in assoc.splitlines():
+        cells = line.split("|")
+        if len(cells) < 4 or not cells[0]:
+            continue
+        if cells[0] not in accounts:
+            accounts.append(cells[0])
+        for q in cells[2].split(","):
+            if q and q not in qos:
+                qos.append(q)
+        default_qos = default_qos or cells[3]
+    default_account = next((ln.strip() for ln in default.splitlines() if ln.strip()), "")
+    return Associations(
+        accounts=tuple(accounts),
+        default_account=default_account or (accounts[0] if accounts else ""),
+        qos=tuple(qos),
+        default_qos=default_qos or ("normal" if "normal" in qos else (qos[0] if qos else "")),
+    )
 
 
 def format_duration(seconds: int) -> str:

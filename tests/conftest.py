@@ -21,7 +21,11 @@ from tests.isolated_hosts import (  # noqa: F401  (hosts not this machine)
     isolated_lab,
     stranger_lab,
 )
-from tests.slurm_cluster import slurm_cluster, slurm_machine  # noqa: F401  (one per machine)
+from tests.slurm_cluster import (  # noqa: F401  (one per machine)
+    lab_workdir,
+    slurm_cluster,
+    slurm_machine,
+)
 
 
 def _cuda_available() -> bool:

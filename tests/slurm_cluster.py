@@ -1,10 +1,27 @@
-"""A real one-node Slurm cluster for tests: slurmctld, slurmd and munge from Debian.
+"""A real one-node Slurm cluster for tests, configured as a lab configures theirs:
+slurmctld, slurmd, slurmdbd on MariaDB, and munge, from Debian (Slurm 22.05).
+
+What a lab admin allows, and the bot must live with:
+- memory is a consumable (CR_Core_Memory, RealMemory=2000) with no default per GPU or
+  node: a job that asks for no memory holds the whole node (MEMORY_MB);
+- partitions `short` (default; 10 min by default, 30 at most), `long` (1 h, 2 days) and
+  `urgent` (1 h at most), which preempts (requeues) short and long jobs (GRACE_S);
+- accounting in slurmdbd, with associations, limits and QOS enforced: accounts `lab`
+  (everyone's default) and `vision` (alice's only), QOS `normal` and `high` (bob's
+  only); a unix account with no association cannot submit (ACCOUNTS, QOS);
+- unix accounts: two people, a shared account for people mapped to none, the bot's own
+  non-root account, which may run sbatch, scancel and scontrol as them through sudo and
+  nothing else (SUDOERS_TEXT), and the group of the shared work directory
+  (`lab_workdir`).
 
 `scripts/slurm_cluster.sh` installs the packages and prepares what needs root (munge
-key, state directories, four fake GPU device files); this module writes the config and
-runs the daemons. Slurm's ports (6817/6818) are fixed and munged serves the whole
-machine, so there is one cluster per machine, shared by every pytest-xdist worker and
-by every test session on the machine (two worktrees, a bench):
+key, state directories, four fake GPU device files, MariaDB's data directory, the unix
+accounts and the sudoers file); this module writes the config and runs the daemons
+(mariadbd on its own port and socket, then slurmdbd, slurmctld, slurmd: about 3.4 s
+here, most of it `sacctmgr`; stopped in the reverse order, about 2 s). Slurm's ports
+(6817/6818/6819) are fixed and munged serves the whole machine, so there is one cluster
+per machine, shared by every pytest-xdist worker and by every test session on the
+machine (two worktrees, a bench):
 
 - `CONTROL` (flock, exclusive, held briefly): whoever holds it may start, attach to or
   stop the cluster. The first process starts it and writes `MARKER` (pids, config);
@@ -30,12 +47,14 @@ import fcntl
 import hashlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
@@ -53,15 +72,97 @@ GPUS = 4
 GPU_TYPE = "a100"
 GPU_MODEL = "A100"
 CPUS = 8
-PARTITIONS = ("gpu", "short")  # gpu is the default; short has a 30-minute MaxTime
+# Memory is a consumable (CR_Core_Memory) and there is no DefMemPerGPU/DefMemPerNode: a
+# job that asks for none is given all of it and holds the node alone (the lab trap).
+MEMORY_MB = 2000
+# short is the default (10 min by default, 30 at most), long (1 h by default, 2 days at
+# most); both preemptible (requeued) by urgent (1 h at most, never preempted).
+PARTITIONS = ("short", "long", "urgent")
+DEFAULT_PARTITION = "short"
+PREEMPTIBLE = ("short", "long")
+URGENT = "urgent"
+# Preemption (partition GraceTime), as measured here with Slurm 22.05.8: an urgent job
+# that needs a running short/long job's GPUs makes the backfill pass (within ~0.5 s)
+# select it and start GRACE_S seconds of grace. At that moment only the job's steps get
+# SIGCONT+SIGTERM: a batch job with no srun step (the bot's: its script is the program)
+# gets nothing, unless it was submitted with --signal=B:SIG@T, which
+# preempt_send_user_signal sends to the batch script at once (+0.3 s). At the end of the
+# grace (checked by the full pass, so 10.6-14 s after the urgent job's submission) the
+# job is requeued: SIGCONT+SIGTERM to the batch script, SIGKILL KillWait (2 s) later;
+# the urgent job runs ~5 s after the requeue. The requeued job waits PENDING (BeginTime)
+# about cred_expire (10 s) and a pass before it starts again (SLURM_RESTART_COUNT=1).
+GRACE_S = 10
+CLUSTER_NAME = "gpubot-test"
+
+# The lab's unix accounts (scripts/slurm_cluster.sh creates them): people with their own
+# account, the shared account of people the bot maps to no account, the bot's own (not
+# root), and the group of the shared work directory (`lab_workdir`).
+PEOPLE = {"alice": "gpubot-alice", "bob": "gpubot-bob"}
+SHARED_ACCOUNT = "gpubot-lab"
+BOT_ACCOUNT = "gpubot-slurmbot"
+LAB_GROUP = "gpubot-labgroup"
+# Slurm's accounting entities (AccountingStorageEnforce=associations,limits,qos: a job
+# of a user with no association, or under an account or QOS not theirs, is refused).
+DEFAULT_ACCOUNT = "lab"  # every user's default account
+VISION_ACCOUNT = "vision"  # only alice's, besides lab
+ACCOUNTS = {
+    DEFAULT_ACCOUNT: (*PEOPLE.values(), SHARED_ACCOUNT, BOT_ACCOUNT, "root"),
+    VISION_ACCOUNT: (PEOPLE["alice"],),
+}
+DEFAULT_QOS = "normal"  # every association's default
+HIGH_QOS = "high"  # only bob's
+QOS = {DEFAULT_QOS: ACCOUNTS[DEFAULT_ACCOUNT], HIGH_QOS: (PEOPLE["bob"],)}
+
+# What lets the bot's account act as a person (scripts/slurm_cluster.sh installs it,
+# checked with `visudo -cf`; docs/SLURM.md copies it). Seen working here (sudo 1.9.13,
+# Debian 12), as root:
+#   runuser -u gpubot-slurmbot -- env SLURM_CONF=/var/lib/gpubot-test-slurm/conf/slurm.conf \
+#     sudo -n -u gpubot-alice sbatch --parsable --mem-per-gpu=100 --gres=gpu:a100:1 -A lab \
+#     --chdir=DIR --wrap 'id -un'
+# submits a job that runs as gpubot-alice (`sacct -a -X -P -o JobID,User,Account,State`:
+# `N|gpubot-alice|lab|COMPLETED`), while `sudo -n -u gpubot-alice /bin/sh` is refused
+# ("a password is required", exit 1): the bot's account may run these three tools as
+# the people, nothing else, and as nobody else (not root). The lines, exactly:
+#   Defaults:gpubot-slurmbot env_keep += "SLURM_CONF SLURM_TIME_FORMAT"
+#   gpubot-slurmbot ALL=(gpubot-alice,gpubot-bob,gpubot-lab) NOPASSWD: /usr/bin/sbatch, \
+#     /usr/bin/scancel, /usr/bin/scontrol
+# (one line in the file). env_keep is the bot account's only: root running
+# `sudo -n -u PERSON sbatch` loses SLURM_CONF to env_reset (sbatch then fails with
+# "resolve_ctls_from_dns_srv"); `sudo -n --preserve-env=SLURM_CONF,SLURM_TIME_FORMAT -u
+# PERSON -- TOOL` keeps it for both root and the bot's account, and any other variable
+# is refused ("not allowed to set the following environment variables").
+SUDOERS = Path("/etc/sudoers.d/gpubot-test")
+SUDO_TOOLS = ("/usr/bin/sbatch", "/usr/bin/scancel", "/usr/bin/scontrol", "/usr/bin/srun")
+SUDOERS_TEXT = (
+    "# gpubot's Slurm test cluster (scripts/slurm_cluster.sh)\n"
+    f'Defaults:{BOT_ACCOUNT} env_keep += "SLURM_CONF SLURM_TIME_FORMAT"\n'
+    f"{BOT_ACCOUNT} ALL=({','.join([*PEOPLE.values(), SHARED_ACCOUNT])}) "
+    f"NOPASSWD: {', '.join(SUDO_TOOLS)}\n"
+)
+
+# The accounting database: this module's own MariaDB (data under ROOT/mysql, made by
+# scripts/slurm_cluster.sh), on loopback, on its own port and socket: a MariaDB the
+# machine runs on 3306 is never touched. slurmdbd listens on Slurm's port 6819.
+DB_PORT = int(os.environ.get("GPUBOT_TEST_SLURM_DB_PORT", "6830"))
+DBD_PORT = 6819
+DB_NAME = "slurm_acct_db"
+DB_USER = "slurm"
+DB_PASSWORD = "gpubot-test-slurmdbd"  # loopback only, a throwaway test database
 # Seconds Slurm keeps a finished job in squeue (22.05 accepts 2; default 300): low, so
 # a test sees a job forgotten without waiting minutes.
 MIN_JOB_AGE = 3
 # How long a session waits for another session on this machine to let go.
 WAIT_S = float(os.environ.get("GPUBOT_TEST_LOCK_WAIT", "1800"))
 GUARD_S = 60.0  # a daemon that takes longer than this to come up is broken, not slow
-DAEMONS = {"slurmctld": "/usr/sbin/slurmctld", "slurmd": "/usr/sbin/slurmd"}
+# In the order they start (each needs the one before) and the reverse of their stop.
+DAEMONS = {
+    "mariadbd": "/usr/sbin/mariadbd",
+    "slurmdbd": "/usr/sbin/slurmdbd",
+    "slurmctld": "/usr/sbin/slurmctld",
+    "slurmd": "/usr/sbin/slurmd",
+}
 MUNGED = "/usr/sbin/munged"
+MARIADB = "/usr/bin/mariadb"
 
 
 class Marker(TypedDict):
@@ -82,9 +183,10 @@ def node_name() -> str:
 
 def slurm_conf(node: str, root: Path = ROOT) -> str:
     """The cluster's slurm.conf (NOTES.md in ../shared/slurm says why each line is there)."""
+    preemptible = f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_S} State=UP"
     return "\n".join(
         [
-            "ClusterName=gpubot-test",
+            f"ClusterName={CLUSTER_NAME}",
             f"SlurmctldHost={node}(127.0.0.1)",
             "AuthType=auth/munge",
             "CredType=cred/munge",
@@ -100,26 +202,117 @@ def slurm_conf(node: str, root: Path = ROOT) -> str:
             "TaskPlugin=task/none",
             "MpiDefault=none",
             "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
+            "SelectTypeParameters=CR_Core_Memory",  # and no DefMemPerGPU: see MEMORY_MB
             "SlurmdParameters=config_overrides",  # CPUs=8 on 2 real cores
+            # rl_enable: per-user RPC rate limiting, as a lab's controller has it (Slurm
+            # 23.02+; 22.05 accepts the word and does nothing: its slurmctld has no
+            # rate limiter). preempt_send_user_signal: a job's --signal (B:SIG@T) is
+            # sent to its batch script the moment it is preempted (see GRACE_S).
+            "SlurmctldParameters=rl_enable,preempt_send_user_signal",
             "GresTypes=gpu",
-            "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/filetxt",  # the history of finished jobs: no slurmdbd
+            "AccountingStorageType=accounting_storage/slurmdbd",
+            "AccountingStorageHost=127.0.0.1",
+            f"AccountingStoragePort={DBD_PORT}",
+            "AccountingStorageTRES=gres/gpu",
+            "AccountingStorageEnforce=associations,limits,qos",
+            "JobAcctGatherType=jobacct_gather/linux",
+            "JobCompType=jobcomp/filetxt",  # beside sacct: the file is the fallback
             f"JobCompLoc={root}/log/jobcomp.txt",
-            "SchedulerParameters=bf_interval=1",
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
+            # sched_interval: the full scheduling pass (default 60 s) is what ends a
+            # preempted job's GraceTime and starts a requeued job: 5 s keeps the
+            # preemption tests within their guards.
+            "SchedulerParameters=bf_interval=1,sched_interval=5",
             f"MinJobAge={MIN_JOB_AGE}",
             "KillWait=2",  # a cancelled job's processes get SIGKILL 2 s after SIGTERM
             "ReturnToService=2",
             "MailProg=/bin/true",
-            f"NodeName={node} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory=2000 "
+            f"NodeName={node} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory={MEMORY_MB} "
             f"Gres=gpu:{GPU_TYPE}:{GPUS} State=UNKNOWN",
-            f"PartitionName={PARTITIONS[0]} Nodes={node} Default=YES DefaultTime=01:00:00 "
-            "MaxTime=INFINITE State=UP",
-            f"PartitionName={PARTITIONS[1]} Nodes={node} DefaultTime=00:10:00 "
-            "MaxTime=00:30:00 State=UP",
+            f"PartitionName=short Nodes={node} Default=YES DefaultTime=00:10:00 "
+            f"MaxTime=00:30:00 {preemptible}",
+            f"PartitionName=long Nodes={node} DefaultTime=01:00:00 MaxTime=2-00:00:00 "
+            f"{preemptible}",
+            f"PartitionName={URGENT} Nodes={node} DefaultTime=00:10:00 MaxTime=01:00:00 "
+            "PriorityTier=10 PreemptMode=OFF State=UP",
             "",
         ]
     )
+
+
+def slurmdbd_conf(root: Path = ROOT) -> str:
+    """slurmdbd.conf, beside slurm.conf (slurmdbd finds it through SLURM_CONF's folder)."""
+    return "\n".join(
+        [
+            "AuthType=auth/munge",
+            "DbdAddr=127.0.0.1",
+            "DbdHost=localhost",
+            f"DbdPort={DBD_PORT}",
+            "SlurmUser=slurm",
+            f"LogFile={root}/log/slurmdbd.log",
+            f"PidFile={root}/state/slurmdbd.pid",
+            "StorageType=accounting_storage/mysql",
+            "StorageHost=127.0.0.1",  # TCP: "localhost" would be the machine's socket
+            f"StoragePort={DB_PORT}",
+            f"StorageUser={DB_USER}",
+            f"StoragePass={DB_PASSWORD}",
+            f"StorageLoc={DB_NAME}",
+            "",
+        ]
+    )
+
+
+def db_socket(root: Path = ROOT) -> Path:
+    return root / "mysql" / "mysqld.sock"
+
+
+def mariadbd_argv(root: Path = ROOT) -> list[str]:
+    """This module's MariaDB: its own data, socket and port, on loopback only, with no
+    option file of the machine's (--no-defaults), small (a test database)."""
+    db = root / "mysql"
+    return [
+        DAEMONS["mariadbd"],
+        "--no-defaults",
+        "--user=mysql",
+        f"--datadir={db}/data",
+        f"--socket={db_socket(root)}",
+        f"--pid-file={db}/mariadbd.pid",
+        f"--log-error={db}/error.log",
+        f"--port={DB_PORT}",
+        "--bind-address=127.0.0.1",
+        "--skip-name-resolve",
+        "--innodb-buffer-pool-size=64M",
+        "--innodb-lock-wait-timeout=900",  # what slurmdbd asks for
+        # No flush at each commit: each sacctmgr change took 0.4-0.8 s with it.
+        "--innodb-flush-log-at-trx-commit=0",
+        "--innodb-doublewrite=0",
+        "--skip-log-bin",
+    ]
+
+
+def accounting_file() -> str:
+    """The lab's accounts, users and their QOS as `sacctmgr load` reads them (the format
+    of `sacctmgr dump`): one command, where one sacctmgr call per change took 0.4-0.8 s.
+    The QOS it names must exist first (`sacctmgr add qos`)."""
+    lab, vision = DEFAULT_ACCOUNT, VISION_ACCOUNT
+    qos = f"DefaultQOS='{DEFAULT_QOS}':QOS='{DEFAULT_QOS}'"
+    lines = [
+        f"Cluster - '{CLUSTER_NAME}':QOS='{DEFAULT_QOS}'",
+        "Parent - 'root'",
+        f"User - 'root':DefaultAccount='{lab}':AdminLevel='Administrator'",
+        f"Account - '{lab}':Description='the lab':Organization='lab':{qos}",
+        f"Account - '{vision}':Description='vision':Organization='lab':{qos}",
+        f"Parent - '{lab}'",
+    ]
+    for user in ACCOUNTS[lab]:
+        extra = "".join(
+            f":QOS='+{q}'" for q, users in QOS.items() if q != DEFAULT_QOS and user in users
+        )
+        lines.append(f"User - '{user}':DefaultAccount='{lab}'{extra}")
+    lines.append(f"Parent - '{vision}'")
+    lines += [f"User - '{user}':DefaultAccount='{lab}'" for user in ACCOUNTS[vision]]
+    return "\n".join(lines) + "\n"
 
 
 def gres_conf(node: str, root: Path = ROOT) -> str:
@@ -134,12 +327,22 @@ def unavailable() -> str | None:
     """None when the cluster can run here; otherwise why not."""
     if os.geteuid() != 0:
         return "the Slurm test cluster needs root (slurmd runs jobs as their users)"
-    missing = [p for p in [*DAEMONS.values(), MUNGED] if not os.access(p, os.X_OK)]
-    if missing or shutil.which("sbatch") is None:
+    missing = [p for p in [*DAEMONS.values(), MUNGED, MARIADB] if not os.access(p, os.X_OK)]
+    if missing or shutil.which("sbatch") is None or shutil.which("sacctmgr") is None:
         return "Slurm is not installed (run `bash scripts/slurm_cluster.sh`)"
-    for sub in ("conf", "state", "spool", "log", "dev"):
+    for sub in ("conf", "state", "spool", "log", "dev", "work", "mysql/data/mysql"):
         if not (ROOT / sub).is_dir():
             return f"{ROOT}/{sub} is missing (run `bash scripts/slurm_cluster.sh`)"
+    for name in [*PEOPLE.values(), SHARED_ACCOUNT, BOT_ACCOUNT]:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            return f"there is no account {name} (run `bash scripts/slurm_cluster.sh`)"
+    try:
+        if SUDOERS.read_text() != SUDOERS_TEXT:
+            return f"{SUDOERS} is not this module's (run `bash scripts/slurm_cluster.sh`)"
+    except OSError:
+        return f"{SUDOERS} is missing (run `bash scripts/slurm_cluster.sh`)"
     return None
 
 
@@ -249,10 +452,11 @@ class SlurmCluster:
 
     def _spawn(self, name: str) -> int:
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 (the daemon's)
+        argv = mariadbd_argv(self.root) if name == "mariadbd" else [DAEMONS[name], "-D"]
         with log:
             # Not the test process's environment: nothing of it may reach a job.
             proc = subprocess.Popen(
-                [DAEMONS[name], "-D"],
+                argv,
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": str(self.conf)},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -296,6 +500,81 @@ class SlurmCluster:
             time.sleep(0.05)
         return proc.pid
 
+    def _sql(self, statements: str) -> subprocess.CompletedProcess[str]:
+        """SQL as MariaDB's root (unix-socket authentication: this process is root)."""
+        return subprocess.run(
+            [
+                MARIADB,
+                "--no-defaults",
+                f"--socket={db_socket(self.root)}",
+                "-u",
+                "root",
+                "--batch",
+                "-e",
+                statements,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    def _wait_for(self, name: str, ready: Callable[[], bool], log: Path) -> None:
+        """Until `ready()`; the daemon `name` exiting first, or a hang, is an error."""
+        deadline = time.monotonic() + GUARD_S
+        while not ready():
+            proc = self._children.get(name)
+            if proc is not None and proc.poll() is not None:
+                raise SlurmClusterUnavailable(f"{name} exited with {proc.returncode}: {_tail(log)}")
+            if time.monotonic() > deadline:
+                raise SlurmClusterUnavailable(f"{name} did not come up: {_tail(log)}")
+            time.sleep(0.05)
+
+    def _db_up(self) -> bool:
+        try:
+            return self._sql("SELECT 1").returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
+    def _dbd_up(self) -> bool:
+        try:
+            return (
+                self.command("sacctmgr", "-n", "-P", "list", "cluster", timeout=5).returncode == 0
+            )
+        except subprocess.TimeoutExpired:
+            return False
+
+    def _start_database(self, pids: dict[str, int], fresh: bool) -> None:
+        """mariadbd and slurmdbd; `fresh`: an empty accounting database (slurmctld's
+        state is new too, and job ids start again at 1), with the lab's entities."""
+        pids["mariadbd"] = self._spawn("mariadbd")
+        self._wait_for("mariadbd", self._db_up, self.root / "mysql" / "error.log")
+        if fresh:
+            user = f"'{DB_USER}'@'127.0.0.1'"
+            made = self._sql(
+                f"CREATE USER IF NOT EXISTS {user} IDENTIFIED BY '{DB_PASSWORD}'; "
+                f"ALTER USER {user} IDENTIFIED BY '{DB_PASSWORD}'; "
+                f"DROP DATABASE IF EXISTS {DB_NAME}; CREATE DATABASE {DB_NAME}; "
+                f"GRANT ALL ON {DB_NAME}.* TO {user};"
+            )
+            if made.returncode != 0:
+                raise SlurmClusterUnavailable(f"MariaDB refused the set-up: {made.stderr[-300:]}")
+        pids["slurmdbd"] = self._spawn("slurmdbd")
+        self._wait_for("slurmdbd", self._dbd_up, self.root / "log" / "slurmdbd.log")
+        if fresh:
+            self._add_accounting()
+
+    def _add_accounting(self) -> None:
+        """The lab's QOS, then its cluster, accounts and users (idempotent: a repeat adds
+        nothing)."""
+        flat = self.conf.parent / "accounting.cfg"
+        flat.write_text(accounting_file())
+        extra = [q for q in QOS if q != DEFAULT_QOS]  # normal comes with the database
+        for args in (["add", "qos", *extra], ["load", f"file={flat}"]):
+            done = self.command("sacctmgr", "-i", *args)
+            said = (done.stdout + done.stderr).strip()
+            if done.returncode != 0 and "Nothing new added" not in said:  # a repeat
+                raise SlurmClusterUnavailable(f"sacctmgr {' '.join(args)}: {said[-300:]}")
+
     def _wait_ready(self) -> None:
         """Until the controller answers and the node takes jobs (idle, not `idle*`)."""
         deadline = time.monotonic() + GUARD_S
@@ -328,13 +607,22 @@ class SlurmCluster:
                     entry.unlink()
         for old in (self.root / "log").iterdir():
             old.unlink()
+        _stop_stray(self.root / "mysql" / "mariadbd.pid", "mariadbd")
+        (self.root / "mysql" / "error.log").unlink(missing_ok=True)
         self.conf.write_text(slurm_conf(self.node, self.root))
         (self.conf.parent / "gres.conf").write_text(gres_conf(self.node, self.root))
+        dbd = self.conf.parent / "slurmdbd.conf"
+        dbd.unlink(missing_ok=True)  # created 0600 before its password is in it
+        fd = os.open(dbd, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(slurmdbd_conf(self.root))
+        shutil.chown(dbd, "slurm", "slurm")
         pids: dict[str, int] = {}
         munged = self._start_munged()
         if munged is not None:
             pids["munged"] = munged
         try:
+            self._start_database(pids, fresh=True)
             pids["slurmctld"] = self._spawn("slurmctld")
             pids["slurmd"] = self._spawn("slurmd")
             marker: Marker = {"pids": pids, "digest": digest, "node": self.node}
@@ -351,7 +639,15 @@ class SlurmCluster:
         if reason is not None:
             raise SlurmClusterUnavailable(reason)
         digest = hashlib.sha256(
-            (slurm_conf(self.node, self.root) + gres_conf(self.node, self.root)).encode()
+            json.dumps(
+                [
+                    slurm_conf(self.node, self.root),
+                    gres_conf(self.node, self.root),
+                    slurmdbd_conf(self.root),
+                    mariadbd_argv(self.root),
+                    accounting_file(),
+                ]
+            ).encode()
         ).hexdigest()
         deadline = time.monotonic() + wait_s
         while True:
@@ -430,10 +726,18 @@ class SlurmCluster:
             munged = self._start_munged()  # None while one answers
             if munged is not None:
                 pids["munged"] = munged
-            for name in DAEMONS:
-                if not _alive(pids[name], name):
-                    pids[name] = self._spawn(name)
-            MARKER.write_text(json.dumps(marker))
+            try:
+                if not _alive(pids["mariadbd"], "mariadbd"):
+                    _stop(pids["slurmdbd"], "slurmdbd", 3.0)  # it would not reconnect
+                    self._start_database(pids, fresh=False)
+                elif not _alive(pids["slurmdbd"], "slurmdbd"):
+                    pids["slurmdbd"] = self._spawn("slurmdbd")
+                    self._wait_for("slurmdbd", self._dbd_up, self.root / "log" / "slurmdbd.log")
+                for name in ("slurmctld", "slurmd"):
+                    if not _alive(pids[name], name):
+                        pids[name] = self._spawn(name)
+            finally:
+                MARKER.write_text(json.dumps(marker))
             self._wait_ready()
 
     def cancel_all(self) -> None:
@@ -455,10 +759,21 @@ def _read_marker() -> Marker:
 
 
 def _stop_all(pids: dict[str, int]) -> None:
-    # The node first (it would otherwise retry registering with a gone controller).
-    for name, grace in (("slurmd", 2.0), ("slurmctld", 3.0), ("munged", 3.0)):
+    # The node first (it would otherwise retry registering with a gone controller), the
+    # database last (slurmctld and slurmdbd flush to it as they stop).
+    graces = {"slurmd": 2.0, "slurmctld": 3.0, "slurmdbd": 3.0, "mariadbd": 10.0, "munged": 3.0}
+    for name, grace in graces.items():
         if name in pids:
             _stop(int(pids[name]), name, grace)
+
+
+def _stop_stray(pidfile: Path, name: str) -> None:
+    """A daemon of this cluster's that no marker names (a session killed mid-start)."""
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return
+    _stop(pid, name, 10.0)
 
 
 def _tail(path: Path, chars: int = 500) -> str:
@@ -495,7 +810,32 @@ def slurm_machine() -> Iterator[SlurmCluster]:
 
 @pytest.fixture
 def slurm_cluster(slurm_machine: SlurmCluster) -> Iterator[SlurmCluster]:
-    """The one-node cluster (4 fake A100s, partitions gpu and short), this test's alone:
-    its jobs are cancelled afterwards. In the "slurm" xdist group (tests/conftest.py)."""
+    """The one-node cluster (4 fake A100s, 2000 MB, partitions short, long and urgent),
+    this test's alone: its jobs are cancelled afterwards. In the "slurm" xdist group
+    (tests/conftest.py)."""
     with slurm_machine.lease() as cluster:
         yield cluster
+
+
+def make_lab_workdir(root: Path = ROOT) -> Path:
+    """A fresh directory every job account can reach, as a lab's shared work directory:
+    owned by the bot's account, group LAB_GROUP (all the lab's accounts), mode 2770
+    (setgid: what a job writes there is the group's), its parents traversable."""
+    parent = root / "work"
+    path = Path(tempfile.mkdtemp(prefix="w-", dir=parent))
+    shutil.chown(path, BOT_ACCOUNT, LAB_GROUP)
+    path.chmod(0o2770)
+    return path
+
+
+@pytest.fixture
+def lab_workdir() -> Iterator[Path]:
+    """A fresh shared work directory (`make_lab_workdir`), removed afterwards."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(f"no Slurm test cluster: {reason}")
+    path = make_lab_workdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -20,10 +20,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from bot.domain.errors import UserError
 from provisioning import shell
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from sqlalchemy.engine import Engine
     from sqlmodel import Session
@@ -150,12 +151,42 @@ class FixedPool:
 FIXED_POOL = FixedPool()
 
 
+@dataclass(frozen=True)
+class PlaceRequest:
+    """A reservation or run as its place is asked to admit it, before it is put in line."""
+
+    user_key: str  # the person (Slack id, or the shell's name)
+    gpus: int
+    model: str | None
+    seconds: int | None  # None: not said (a run without --max)
+    place: Mapping[str, str]  # Reserve.place / Run.place: partition, account, qos, constraint
+    kind: str = "reservation"  # or "run"
+
+
+def refuse_place_options(request: PlaceRequest) -> str | None:
+    """Where nothing but a cluster takes place options: a request that names one is
+    refused with this line (a silent no-op would be a run somewhere it was not asked)."""
+    if not request.place:
+        return None
+    flags = ", ".join(f"`--{name}`" for name in request.place)
+    raise UserError(
+        f"{flags} is for a Slurm cluster, and this bot's GPUs are not on one: "
+        "leave it out and ask again."
+    )
+
+
 class Holder(Protocol):
     """How GPUs are held for a reservation and let go where a cluster's own scheduler
     grants them (a Slurm holding job). The grant pass grants what gpubot grants itself;
     a reservation for a cluster's GPUs is handed to its holder, which grants it when the
     cluster does. Every call is made outside a transaction: a cluster answers slowly,
     or not at all while its controller is down."""
+
+    def admit(self, request: PlaceRequest) -> str | None:
+        """Checks a reservation before it is put in line: raises UserError when the place
+        will not take it as asked (the person is not allowed there, no partition allows
+        it); returns a note for the reply, or None."""
+        ...
 
     def hold(self, reservation_id: int) -> str | None:
         """A reservation just put in line (committed): handed to the cluster when it has
@@ -182,6 +213,9 @@ class Holder(Protocol):
 
 class NoHolder:
     """The Holder of a pool gpubot grants itself: nothing is held elsewhere."""
+
+    def admit(self, request: PlaceRequest) -> str | None:
+        return refuse_place_options(request)
 
     def hold(self, reservation_id: int) -> str | None:
         return None

@@ -23,6 +23,23 @@ PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 PERIODS = ("today", "week", "month")
 
 
+# Where a Slurm cluster is to run a request (bot.providers.slurm checks each against what
+# the cluster and its accounting allow the person): flag -> what the help says of it.
+PLACE_OPTIONS = {
+    "--partition": "the partition (default: the first that has the GPUs and allows the length)",
+    "--account": "the Slurm account to charge (default: yours)",
+    "--qos": "the quality of service",
+    "--constraint": "node features, as Slurm's --constraint takes them",
+}
+_PLACE_HELP = (
+    "On a Slurm cluster: "
+    + "; ".join(f"`{flag} NAME` {what}" for flag, what in PLACE_OPTIONS.items())
+    + "."
+)
+_PLACE_VALUE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_CONSTRAINT_VALUE = re.compile(r"[A-Za-z0-9_.\-&|\[\]*:()]{1,128}")
+
+
 @dataclass(frozen=True)
 class VerbSpec:
     usage: str
@@ -52,7 +69,7 @@ VERBS: dict[str, VerbSpec] = {
             "/gpu reserve 2xa100 4h",
         ),
         "COUNT defaults to 1, MODEL to any free GPU, DURATION to the team default. "
-        "Durations: 45m, 3h, 1h30m, 2d.",
+        "Durations: 45m, 3h, 1h30m, 2d. " + _PLACE_HELP,
     ),
     "release": VerbSpec(
         "/gpu release [ID|all]",
@@ -91,7 +108,7 @@ VERBS: dict[str, VerbSpec] = {
         "value and compares them in one table. `--checkpoints` says your "
         "command saves a checkpoint in `$GPUBOT_CHECKPOINT_DIR` on SIGTERM, exits 75 and "
         "resumes from it when run again (recipes do): such a run may be preempted for a "
-        "teammate's and resumed later.",
+        "teammate's and resumed later. " + _PLACE_HELP,
     ),
     "queue": VerbSpec(
         "/gpu queue [me]",
@@ -170,6 +187,8 @@ class Reserve:
     count: int = 1
     model: str | None = None  # None: the configured default, else any model
     duration: timedelta | None = None  # None: the configured default
+    # Where a cluster is to hold them (PLACE_OPTIONS, without the dashes): name -> value.
+    place: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -203,6 +222,8 @@ class Run:
     # The command checkpoints: it saves to $GPUBOT_CHECKPOINT_DIR on SIGTERM, exits 75
     # and resumes from there when started again, so the scheduler may move it.
     checkpoints: bool = False
+    # Where a cluster is to run it (PLACE_OPTIONS, without the dashes): name -> value.
+    place: tuple[tuple[str, str], ...] = ()
 
     @property
     def interactive(self) -> bool:
@@ -453,10 +474,19 @@ def _parse_reserve(rest: str, ctx: _Ctx) -> Reserve:
             raise ctx.fail("Give the duration once.")
         duration = delta
 
+    place: dict[str, str] = {}
     while i < len(words):
         w = words[i]
         lw = w.lower()
         nxt = words[i + 1] if i + 1 < len(words) else None
+        if w.startswith("--"):
+            flag, eq, value = w.partition("=")
+            if not eq:
+                value = nxt or ""
+                i += 1
+            _place_option(flag.lower(), value, place, ctx)
+            i += 1
+            continue
         if lw == "for":
             if nxt is None:
                 raise ctx.fail("`for` needs a duration after it, like `for 3h`.")
@@ -491,7 +521,23 @@ def _parse_reserve(rest: str, ctx: _Ctx) -> Reserve:
         else:
             set_model(w)
         i += 1
-    return Reserve(count=count or 1, model=model, duration=duration)
+    return Reserve(count=count or 1, model=model, duration=duration, place=tuple(place.items()))
+
+
+def _place_option(flag: str, value: str, place: dict[str, str], ctx: _Ctx) -> None:
+    """One of PLACE_OPTIONS into `place` (checked: a name, at most once)."""
+    if flag not in PLACE_OPTIONS:
+        known = ", ".join(PLACE_OPTIONS)
+        raise ctx.fail(f"Unknown option `{_clip(flag)}`; the options here are {known}.")
+    name = flag[2:]
+    if name in place:
+        raise ctx.fail(f"`{flag}` is given twice.")
+    if not value:
+        raise ctx.fail(f"`{flag}` needs a value.")
+    pattern = _CONSTRAINT_VALUE if name == "constraint" else _PLACE_VALUE
+    if not pattern.fullmatch(value):
+        raise ctx.fail(f"`{_clip(value)}` is not a {name} name.")
+    place[name] = value
 
 
 def _parse_release(rest: str, ctx: _Ctx) -> Release:
@@ -584,6 +630,7 @@ _RUN_FLAGS_WITH_VALUE = {
     "--batch-size",
     "--epochs",
     "--sweep",
+    *PLACE_OPTIONS,
 }
 # A recipe's settings the bot passes to the runner: name -> (kind, lowest, highest).
 RECIPE_OPTIONS: dict[str, tuple[type, float, float]] = {
@@ -664,6 +711,10 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
     if not command and recipe is None and opts:
         raise ctx.fail("Say what to run: `--recipe NAME` or `-- COMMAND`.")
     source = _run_source(opts, recipe, ctx)
+    place: dict[str, str] = {}
+    for flag in PLACE_OPTIONS:
+        if flag in opts:
+            _place_option(flag, opts.pop(flag), place, ctx)
     options, sweep = _recipe_options(opts, recipe, ctx)
     return Run(
         command=tuple(command),
@@ -677,6 +728,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         options=options,
         sweep=sweep,
         checkpoints=checkpoints,
+        place=tuple(place.items()),
     )
 
 

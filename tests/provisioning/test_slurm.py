@@ -1,14 +1,16 @@
-"""The Slurm client against a real one-node cluster (tests/slurm_cluster.py): four fake
-A100s, partitions `gpu` (default) and `short`. Each test has the cluster to itself and
-its jobs are cancelled afterwards. Waits are guards against a hang, never timed checks.
+"""The Slurm client against a real one-node cluster (tests/slurm_cluster.py) configured
+as a lab's: four fake A100s and 2000 MB counted as a resource (a job must ask for memory,
+or it holds the whole node), partitions `short` (default, 30 min at most), `long` and
+`urgent`, accounting in slurmdbd with associations enforced. The jobs here are root's
+(the bot as root); tests/provisioning/test_slurm_lab.py proves the lab set-up itself.
+Each test has the cluster to itself and its jobs are cancelled afterwards. Waits are
+guards against a hang, never timed checks.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +22,13 @@ import pytest
 from provisioning.slurm import JobSpec, SlurmClient, SlurmError, SlurmJob, SlurmUnavailable
 from provisioning.ssh import SshClient
 from tests.provisioning.conftest import RUN_ACCOUNT, target_for
-from tests.slurm_cluster import SlurmCluster
+from tests.slurm_cluster import (
+    DEFAULT_PARTITION,
+    MEMORY_MB,
+    PARTITIONS,
+    SHARED_ACCOUNT,
+    SlurmCluster,
+)
 from tests.ssh_hosts import SshLab
 
 GUARD_S = 60.0
@@ -44,8 +52,26 @@ def slurm(slurm_cluster: SlurmCluster) -> SlurmClient:
     return SlurmClient(conf=str(slurm_cluster.conf), timeout_s=30)
 
 
+@pytest.fixture
+def slurm_as_root(slurm_cluster: SlurmCluster) -> SlurmClient:
+    """The bot as root making a job another account's with --uid/--gid (the sudo way is
+    the bot's own account's: tests/provisioning/test_slurm_lab.py)."""
+    if os.geteuid() != 0:
+        pytest.skip("only root may submit jobs as another account")
+    return SlurmClient(conf=str(slurm_cluster.conf), timeout_s=30, submit_as="uid")
+
+
+# What each job asks: with memory a consumable, four of them fit the node's 2000 MB.
+JOB_MB = 100
+
+
 def spec(name: str, argv: tuple[str, ...] = ("sleep", "300"), **kw: object) -> JobSpec:
-    values: dict[str, object] = {"workdir": "/tmp", "time_limit_s": 600, "output": "/dev/null"}
+    values: dict[str, object] = {
+        "workdir": "/tmp",
+        "time_limit_s": 600,
+        "output": "/dev/null",
+        "memory_mb": JOB_MB,
+    }
     values.update(kw)
     return JobSpec(name=name, argv=argv, **values)  # type: ignore[arg-type]
 
@@ -83,14 +109,15 @@ def test_nodes_show_the_clusters_four_a100s(
     [node] = slurm.nodes()
     assert node.name == slurm_cluster.node and node.state == "idle"
     assert node.gpus == {"A100": 4} and node.gpus_free("A100") == 4
-    assert node.partitions == ("gpu", "short") and node.cpus == 8
+    assert sorted(node.partitions) == sorted(PARTITIONS) and node.cpus == 8
+    assert node.memory_mb == MEMORY_MB
     assert slurm.controller_up()
 
 
 def test_jobs_hold_gpus_pend_for_resources_and_are_ended(slurm: SlurmClient) -> None:
     first = slurm.submit(spec("first", gpus=2, gpu_type="A100"))  # a model name: mapped
     running = until(in_state(slurm, first, "RUNNING"), f"job {first} running")
-    second = slurm.submit(spec("second", gpus=2, gpu_type="a100", partition="short", requeue=True))
+    second = slurm.submit(spec("second", gpus=2, gpu_type="a100", partition="long", requeue=True))
     until(in_state(slurm, second, "RUNNING"), f"job {second} running")
     third = slurm.submit(spec("third", gpus=1, gpu_type="a100", time_limit_s=120))
     waiting = until(
@@ -107,12 +134,14 @@ def test_jobs_hold_gpus_pend_for_resources_and_are_ended(slurm: SlurmClient) -> 
     assert slurm.gpu_indexes(first) == jobs[first].gpu_indexes
     inside = slurm.run_in_job(first, ["sh", "-c", "echo $CUDA_VISIBLE_DEVICES"], node=node)
     assert inside.ok and inside.stdout.split() == [",".join(map(str, sorted(a)))]
-    assert (jobs[second].partition, jobs[first].gpu_model, jobs[third].gpus) == ("short", "A100", 1)
+    assert jobs[first].partition == DEFAULT_PARTITION
+    assert (jobs[second].partition, jobs[first].gpu_model, jobs[third].gpus) == ("long", "A100", 1)
     [full] = slurm.nodes()
     assert full.gpus_used == {"A100": 4} and full.gpus_free() == 0
+    assert full.memory_used_mb == 2 * JOB_MB  # the third waits: it holds nothing
 
-    slurm.set_time_limit(first, 2 * 3600)  # root may raise it
-    until(job_where(slurm, first, lambda j: j.time_limit_s == 7200), "the new limit")
+    slurm.set_time_limit(first, 20 * 60)  # root may raise it (within short's 30 min)
+    until(job_where(slurm, first, lambda j: j.time_limit_s == 1200), "the new limit")
 
     slurm.cancel(third)
     assert until(ended(slurm, third), f"job {third} ended") == "CANCELLED"
@@ -144,7 +173,9 @@ def test_refusals_say_what_the_cluster_has(slurm: SlurmClient) -> None:
     assert "the cluster has no H100 GPUs (it has: A100)" in str(unknown.value)
     with pytest.raises(SlurmError) as partition:
         slurm.submit(spec("nope", partition="nope"))
-    assert "there is no partition 'nope'; the partitions are gpu, short" in str(partition.value)
+    assert "there is no partition 'nope'; the partitions are long, short, urgent" in str(
+        partition.value
+    )
     assert not isinstance(eight.value, SlurmUnavailable)
 
 
@@ -156,7 +187,7 @@ def test_a_job_sees_only_the_environment_it_was_given(
 ) -> None:
     secret = "xoxb-slurm-secret-30517"
     monkeypatch.setenv("SLACK_BOT_TOKEN", secret)
-    monkeypatch.setenv("SBATCH_PARTITION", "short")  # the bot's own Slurm settings stay its own
+    monkeypatch.setenv("SBATCH_PARTITION", "long")  # the bot's own Slurm settings stay its own
     word = 'it\'s $(not run) `neither` "quoted"\n*'
     out = tmp_path / "out.txt"
     job = slurm.submit(
@@ -178,38 +209,56 @@ def test_a_job_sees_only_the_environment_it_was_given(
     assert secret not in text and "SLACK_BOT_TOKEN" not in text
     for name in ("PYTEST_CURRENT_TEST", "GPUBOT_SSH_LOOPBACK_ONLY", "VIRTUAL_ENV"):
         assert f"\n{name}=" not in f"\n{text}", name  # the test process's own variables
-    assert "SLURM_JOB_PARTITION=gpu" in text
+    assert f"SLURM_JOB_PARTITION={DEFAULT_PARTITION}" in text
+    assert f"SLURM_MEM_PER_NODE={JOB_MB}" in text  # what it asked, not the node's 2000 MB
     assert "\nHOME=/root\n" in f"\n{text}" and "\nUSER=root\n" in f"\n{text}"
 
 
-def test_a_forgotten_job_still_has_its_final_state(slurm: SlurmClient) -> None:
+def test_a_forgotten_job_still_has_its_final_state(
+    slurm: SlurmClient, slurm_cluster: SlurmCluster
+) -> None:
     job = slurm.submit(spec("exit7", ("sh", "-c", "exit 7")))
     until(lambda: slurm.job(job) is None, f"job {job} forgotten (MinJobAge)")
     assert job not in {j.job_id for j in slurm.jobs()}
-    end = slurm.final_state(job)
-    assert end is not None
-    assert (end.state, end.exit_code, end.source, end.name) == ("FAILED", 7, "jobcomp", "exit7")
+    end = until(lambda: slurm.final_state(job), f"job {job} in accounting")
+    assert (end.state, end.exit_code, end.source, end.name) == ("FAILED", 7, "sacct", "exit7")
+    assert (end.user, end.partition) == ("root", DEFAULT_PARTITION)
+    # The jobcomp file, the fallback where there is no sacct, has it too.
+    lines = slurm_cluster.jobcomp.read_text().splitlines()
+    assert any(ln.startswith(f"JobId={job} ") and "JobState=FAILED" in ln for ln in lines)
     assert slurm.final_state(job + 1000) is None
 
 
-def test_jobs_run_as_another_account_when_the_bot_is_root(slurm: SlurmClient) -> None:
+def test_jobs_run_as_another_account_when_the_bot_is_root(
+    slurm_as_root: SlurmClient, lab_workdir: Path
+) -> None:
+    slurm = slurm_as_root
+    account = pwd.getpwnam(SHARED_ACCOUNT)
+    out = lab_workdir / "id.txt"
+    argv = ("sh", "-c", 'id -un; id -gn; echo "$HOME"')
+    job = slurm.submit(
+        spec("as", argv, user=SHARED_ACCOUNT, output=str(out), workdir=str(lab_workdir))
+    )
+    assert until(ended(slurm, job), f"job {job} ended") == "COMPLETED"
+    assert out.read_text().split() == [SHARED_ACCOUNT, SHARED_ACCOUNT, account.pw_dir]
+    assert out.stat().st_uid == account.pw_uid
+    end = until(lambda: slurm.final_state(job), f"job {job} in accounting")
+    assert end.user == SHARED_ACCOUNT
+
+
+def test_an_account_slurm_does_not_know_is_refused(
+    slurm_as_root: SlurmClient, lab_workdir: Path
+) -> None:
+    """AccountingStorageEnforce=associations: a unix account with no Slurm association
+    (the run account of scripts/run_account.sh) cannot submit, even through root."""
+    slurm = slurm_as_root
     try:
-        account = pwd.getpwnam(RUN_ACCOUNT)
+        pwd.getpwnam(RUN_ACCOUNT)
     except KeyError:
         pytest.skip(f"no account {RUN_ACCOUNT} (scripts/run_account.sh creates it)")
-    if os.geteuid() != 0:
-        pytest.skip("only root may submit jobs as another account")
-    workdir = tempfile.mkdtemp(prefix="gpubot-slurm-as-")
-    try:
-        os.chown(workdir, account.pw_uid, account.pw_gid)
-        out = Path(workdir) / "id.txt"
-        argv = ("sh", "-c", 'id -un; id -gn; echo "$HOME"')
-        job = slurm.submit(spec("as", argv, user=RUN_ACCOUNT, output=str(out), workdir=workdir))
-        assert until(ended(slurm, job), f"job {job} ended") == "COMPLETED"
-        assert out.read_text().split() == [RUN_ACCOUNT, RUN_ACCOUNT, account.pw_dir]
-        assert out.stat().st_uid == account.pw_uid
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with pytest.raises(SlurmError, match="Invalid account") as refused:
+        slurm.submit(spec("stranger", user=RUN_ACCOUNT, workdir=str(lab_workdir)))
+    assert not isinstance(refused.value, SlurmUnavailable)
 
 
 def test_a_controller_that_does_not_answer_is_said_and_loses_nothing(

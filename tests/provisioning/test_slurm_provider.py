@@ -1,18 +1,20 @@
-"""`GPUBOT_PROVIDER=slurm` against the machine's real one-node Slurm (tests/slurm_cluster.py:
-four fake A100s, partitions gpu and short): status shows the cluster, a reservation is a
-holding job that Slurm runs and release ends, extend raises its limit, a run is a batch
-job whose result DM says its accuracy, a controller that stops answering is one line in
-status and loses nothing.
+"""`GPUBOT_PROVIDER=slurm` against the machine's real Slurm, configured as a lab's
+(tests/slurm_cluster.py: four fake A100s, memory counted, partitions short (default,
+30 minutes), long and a preempting urgent one, slurmdbd's accounting, people as their
+own unix accounts). The bot is not root here: every Slurm command and every file of the
+work directory goes through `gpubot-slurmbot`, a plain account whose sudoers lines let
+it run Slurm's tools as the people (docs/SLURM.md), as a lab's admin would allow it.
 
-The runs use the bot's own interpreter for the cluster's Python (the shortcut every
-loopback host test takes); `bench/slurm.py` and docs/SLURM.md cover the real bootstrap
-into the work directory. Runs execute on CPU: the GPUs are fake.
+The cluster's Python is the real preparation (the bootstrap from an interpreter every
+account can execute), kept between sessions in one directory of the test cluster's.
+Runs execute on CPU: the GPUs are fake.
 """
 
 from __future__ import annotations
 
+import os
 import re
-import sys
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -22,45 +24,47 @@ import pytest
 from sqlmodel import Session, select
 
 from bot.app.config import load_settings
-from bot.app.remote import PreparedHost
 from bot.domain.commands import Cancel, Extend, Logs, Queue, Release, Reserve, Run, Status
 from bot.domain.errors import UserError
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import Reservation, TrainingRun
-from provisioning.ssh import SshRunner, SshTarget
 from tests.runtime_helpers import dms
-from tests.slurm_cluster import SlurmCluster
+from tests.slurm_cluster import PEOPLE, SlurmCluster
+from tests.slurm_lab import SHARED_ENV, as_bot_account, lab_env
+from training.status import parse_status
 
 GUARD_S = 240.0  # a guard against a hang, not a speed assertion
 
 
 @pytest.fixture
 def slurm_rt(
-    slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    slurm_cluster: SlurmCluster,
+    lab_workdir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Runtime]:
-    monkeypatch.setenv("GPUBOT_PROVIDER", "slurm")
-    monkeypatch.setenv("GPUBOT_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("DATABASE_URL", raising=False)
-    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
-    workdir = tmp_path / "shared"
-    workdir.mkdir()
-    monkeypatch.setenv("GPUBOT_SLURM_WORKDIR", str(workdir))
-    monkeypatch.setenv("GPUBOT_SLURM_RATES", "A100=2.00")
-    monkeypatch.setenv("GPUBOT_SLURM_CACHE_S", "0.5")
-
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
-        # A shortcut: the bot's interpreter is this machine's, which is the node.
-        return PreparedHost(root=str(workdir / "env"), python=sys.executable)
-
-    rt = build_runtime(load_settings(), prepare=prepare)
-    try:
-        yield rt
-    finally:
-        rt.engine.dispose()
+    workdir = lab_workdir
+    with as_bot_account(slurm_cluster.conf):
+        env = lab_env(slurm_cluster.conf, workdir, tmp_path / "home", GPUBOT_SLURM_CACHE_S="0.5")
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        rt = build_runtime(load_settings())
+        try:
+            yield rt
+        finally:
+            rt.engine.dispose()
 
 
 def _squeue(cluster: SlurmCluster) -> str:
-    return cluster.command("squeue", "--noheader", "-o", "%i %j %T %b").stdout
+    return cluster.command("squeue", "--noheader", "-o", "%i %j %T %b %u %P %k").stdout
+
+
+def _sacct(cluster: SlurmCluster, job: int) -> list[str]:
+    out = cluster.command(
+        "sacct", "-a", "-X", "-n", "-P", "-j", str(job), "-o", "User,Account,State,ElapsedRaw"
+    ).stdout
+    return out.strip().split("|")
 
 
 def _until(check: Callable[[], bool], what: str, tick: Callable[[], object]) -> None:
@@ -71,6 +75,13 @@ def _until(check: Callable[[], bool], what: str, tick: Callable[[], object]) -> 
         time.sleep(0.3)
 
 
+def _job_of(rt: Runtime, rid: int) -> int:
+    with Session(rt.engine) as s:
+        res = s.get(Reservation, rid)
+        assert res is not None
+        return int(res.external["job"])
+
+
 def test_status_shows_the_clusters_gpus(slurm_rt: Runtime) -> None:
     view = slurm_rt.service.status(slurm_rt.service.actor("alice"), Status()).view
     assert view.text == "4 of 4 free on 1 host"
@@ -79,23 +90,67 @@ def test_status_shows_the_clusters_gpus(slurm_rt: Runtime) -> None:
     assert "A100" in str(view.blocks)
 
 
-def test_a_reservation_is_a_holding_job_that_release_ends(
+def test_someone_without_a_cluster_account_is_refused_and_nothing_runs(
     slurm_rt: Runtime, slurm_cluster: SlurmCluster
 ) -> None:
     svc = slurm_rt.service
-    alice = svc.actor("alice")
-    first = svc.reserve(alice, Reserve(2, "A100")).view
-    assert first.text.startswith("Reserved: reservation #1, GPUs "), first.text
+    runs = svc.runs
+    assert runs is not None
+    carol = svc.actor("carol")
+    asks: list[Callable[[], object]] = [
+        lambda: svc.reserve(carol, Reserve(1, "A100")),
+        lambda: runs.submit(carol, Run(command=("id", "-un"), model="A100")),
+    ]
+    for ask in asks:
+        with pytest.raises(UserError) as refused:
+            ask()
+        assert "no account on the Slurm cluster" in refused.value.text
+        assert "GPUBOT_SLURM_USERS=carol=" in refused.value.text
     with Session(slurm_rt.engine) as s:
-        job = s.exec(select(Reservation)).one().external["job"]
-    # How to use them: a shell inside the holding job's allocation.
-    assert f"srun --jobid {job} --overlap --pty bash" in str(first.blocks)
-    assert re.search(rf"^{job} gpubot-res-1 RUNNING gres:gpu:a100:2", _squeue(slurm_cluster), re.M)
-    assert "Reserved" in svc.reserve(alice, Reserve(1, "A100")).view.text  # a second job
-    status = svc.status(alice, Status()).view.text
-    assert status.startswith("1 of 4 free"), status  # 2 held by #1, 1 by #2
-    svc.release(alice, Release(all=True))
-    _until(lambda: "gpubot-res" not in _squeue(slurm_cluster), "holding jobs end", svc.tick)
+        assert s.exec(select(Reservation)).first() is None
+        assert s.exec(select(TrainingRun)).first() is None
+    assert _squeue(slurm_cluster).strip() == ""
+
+
+def test_peoples_jobs_are_theirs_and_two_share_the_node(
+    slurm_rt: Runtime, slurm_cluster: SlurmCluster
+) -> None:
+    """Memory is counted and no partition sets a default: each 1-GPU holding job asks a
+    node's share per GPU, so alice's and bob's run side by side, each as its owner,
+    traced to its Slack person; accounting records them as theirs."""
+    svc = slurm_rt.service
+    first = svc.reserve(svc.actor("alice"), Reserve(1, "A100", timedelta(minutes=20))).view
+    second = svc.reserve(svc.actor("bob"), Reserve(1, "A100", timedelta(minutes=20))).view
+    assert first.text.startswith("Reserved: reservation #1"), first.text
+    assert second.text.startswith("Reserved: reservation #2"), second.text
+    shown = _squeue(slurm_cluster)
+    for rid, person in ((1, "alice"), (2, "bob")):
+        job = _job_of(slurm_rt, rid)
+        line = re.search(rf"^{job} gpubot-res-{rid} RUNNING \S+ (\S+) (\S+) (.*)$", shown, re.M)
+        assert line is not None, shown
+        assert line.group(1) == PEOPLE[person] and line.group(2) == "short"
+        assert f"reservation {rid} of {person}" in line.group(3)
+    svc.release(svc.actor("alice"), Release(all=True))
+    job = _job_of(slurm_rt, 1)
+    _until(
+        lambda: _sacct(slurm_cluster, job)[2].startswith("CANCELLED"), "alice's job ended", svc.tick
+    )
+    assert _sacct(slurm_cluster, job)[:2] == [PEOPLE["alice"], "lab"]
+
+
+def test_a_two_hour_reservation_goes_to_the_partition_that_allows_it(
+    slurm_rt: Runtime, slurm_cluster: SlurmCluster
+) -> None:
+    svc = slurm_rt.service
+    reply = svc.reserve(svc.actor("alice"), Reserve(1, "A100", timedelta(hours=2))).view
+    assert reply.text.startswith("Reserved"), reply.text
+    assert re.search(
+        rf"^{_job_of(slurm_rt, 1)} \S+ RUNNING \S+ \S+ long ", _squeue(slurm_cluster), re.M
+    )
+    with pytest.raises(UserError, match=r"No partition allows 3d: the longest allowed is 2d"):
+        svc.reserve(svc.actor("alice"), Reserve(1, "A100", timedelta(days=3)))
+    with pytest.raises(UserError, match=r"may not use Slurm account `vision`"):
+        svc.reserve(svc.actor("bob"), Reserve(1, "A100", place=(("account", "vision"),)))
 
 
 def test_a_reservation_that_pends_says_why_and_is_granted_when_slurm_runs_it(
@@ -103,8 +158,8 @@ def test_a_reservation_that_pends_says_why_and_is_granted_when_slurm_runs_it(
 ) -> None:
     svc = slurm_rt.service
     alice, bob = svc.actor("alice"), svc.actor("bob")
-    assert "Reserved" in svc.reserve(alice, Reserve(4, "A100")).view.text
-    waiting = svc.reserve(bob, Reserve(2, "A100")).view.text
+    assert "Reserved" in svc.reserve(alice, Reserve(4, "A100", timedelta(minutes=20))).view.text
+    waiting = svc.reserve(bob, Reserve(2, "A100", timedelta(minutes=20))).view.text
     assert "is waiting" in waiting and "Slurm job" in waiting and "pends (" in waiting, waiting
     svc.release(alice, Release(all=True))
     _until(
@@ -114,23 +169,22 @@ def test_a_reservation_that_pends_says_why_and_is_granted_when_slurm_runs_it(
     )
 
 
-def test_extend_raises_the_holding_jobs_limit(
+def test_extend_raises_a_pending_holding_jobs_limit_as_its_owner(
     slurm_rt: Runtime, slurm_cluster: SlurmCluster
 ) -> None:
+    """The bot's account is no Slurm operator here: a running holding job's limit stays
+    (said plainly), a pending one's its owner raises."""
     svc = slurm_rt.service
-    alice = svc.actor("alice")
-    svc.reserve(alice, Reserve(1, "A100"))
-    with Session(slurm_rt.engine) as s:
-        job = s.exec(select(Reservation)).one().external["job"]
-    assert "extended by 1h" in svc.extend(alice, Extend(timedelta(hours=1))).view.text
+    alice, bob = svc.actor("alice"), svc.actor("bob")
+    svc.reserve(alice, Reserve(4, "A100", timedelta(minutes=20)))
+    with pytest.raises(UserError, match="Slurm refused to extend holding job"):
+        svc.extend(alice, Extend(timedelta(minutes=5)))
+    svc.reserve(bob, Reserve(1, "A100", timedelta(minutes=10)))
+    said = svc.extend(bob, Extend(timedelta(minutes=5))).view.text
+    assert "will last 15m once granted" in said, said
+    job = _job_of(slurm_rt, 2)
     limit = slurm_cluster.command("squeue", "--noheader", "-j", str(job), "-o", "%l").stdout
-    assert limit.strip() == "3:00:00", limit  # the default 2 h and one more
-
-
-def test_a_request_slurm_refuses_is_said_in_words(slurm_rt: Runtime) -> None:
-    with pytest.raises(UserError) as refused:
-        slurm_rt.service.reserve(slurm_rt.service.actor("alice"), Reserve(8, "A100"))
-    assert "the most on one host is 4" in refused.value.text or "8 A100" in refused.value.text
+    assert limit.strip() == "15:00", limit
 
 
 def test_a_controller_that_stops_answering_is_one_line_and_loses_nothing(
@@ -138,12 +192,13 @@ def test_a_controller_that_stops_answering_is_one_line_and_loses_nothing(
 ) -> None:
     svc = slurm_rt.service
     alice = svc.actor("alice")
+    svc.status(alice, Status())  # the partitions and accounting read once, while it answers
     with slurm_cluster.controller_down():
         time.sleep(0.6)  # past the cache
         status = svc.status(alice, Status()).view
         said = [str(b) for b in status.blocks if "not answering" in str(b)]
         assert said and "The Slurm controller is not answering" in said[0]
-        reply = svc.reserve(alice, Reserve(1, "A100")).view.text
+        reply = svc.reserve(alice, Reserve(1, "A100", timedelta(minutes=20))).view.text
         assert "controller is not answering" in reply and "#1" in reply, reply
     _until(
         lambda: any("Your turn: granted: reservation #1" in t for t in dms(slurm_rt, "alice")),
@@ -152,61 +207,128 @@ def test_a_controller_that_stops_answering_is_one_line_and_loses_nothing(
     )
 
 
-def test_a_digits_run_is_a_batch_job_whose_result_dm_says_its_accuracy(
+def _step(rt: Runtime) -> Callable[[], None]:
+    runs = rt.service.runs
+    assert runs is not None
+
+    def step() -> None:
+        rt.service.tick()
+        runs.poll()
+        runs.dispatch()
+
+    return step
+
+
+def _run(rt: Runtime, rid: int) -> TrainingRun:
+    with Session(rt.engine) as s:
+        run = s.get(TrainingRun, rid)
+        assert run is not None
+        return run
+
+
+def test_a_digits_run_is_its_owners_job_and_its_result_dm_says_its_accuracy(
     slurm_rt: Runtime, slurm_cluster: SlurmCluster
 ) -> None:
     svc = slurm_rt.service
     runs = svc.runs
     assert runs is not None
-    alice = svc.actor("alice")
-    rid = int(runs.submit(alice, Run(recipe="digits", model="A100")).extra["run_id"])
-
-    def step() -> None:
-        svc.tick()
-        runs.poll()
-        runs.dispatch()
-
-    def finished() -> bool:
-        with Session(slurm_rt.engine) as s:
-            run = s.get(TrainingRun, rid)
-            return run is not None and run.finished_at is not None
-
-    _until(finished, "the digits run finished", step)
-    with Session(slurm_rt.engine) as s:
-        run = s.get(TrainingRun, rid)
-        assert run is not None
-        assert run.state == "succeeded", run.metrics
-        assert isinstance(run.placement.get("job"), int)
+    reply = runs.submit(svc.actor("alice"), Run(recipe="digits", model="A100")).view.text
+    assert "No --max: Slurm gives it partition short's default time, 10m" in reply, reply
+    rid = 1
+    _until(
+        lambda: _run(slurm_rt, rid).finished_at is not None,
+        "the digits run finished",
+        _step(slurm_rt),
+    )
+    run = _run(slurm_rt, rid)
+    assert run.state == "succeeded", run.metrics
+    job = int(run.placement["job"])
+    assert run.placement["as"] == PEOPLE["alice"] and run.placement["partition"] == "short"
     [result] = [t for t in dms(slurm_rt, "alice") if f"Run #{rid} (recipe digits) finished" in t]
     accuracy = float(re.search(r"test_accuracy (\d+\.\d+)%", result).group(1))  # type: ignore[union-attr]
     assert accuracy >= 95.0, result
-    assert "GPU-hours" in result
+    user, account, state, elapsed = _sacct(slurm_cluster, job)
+    assert (user, account, state) == (PEOPLE["alice"], "lab", "COMPLETED")
+    # Billed from Slurm's own start and end: /gpu cost's GPU-hours are sacct's.
+    hours = svc.costs("today", "alice")
+    assert float(hours[1]["alice"]) == pytest.approx(2.00 * int(elapsed) / 3600, abs=0.011), hours
+
+
+def test_a_run_slurm_ends_itself_says_how_and_is_billed_to_its_end(
+    slurm_rt: Runtime, slurm_cluster: SlurmCluster
+) -> None:
+    """An admin's scancel: the result names Slurm's state and who, not 'the process
+    vanished'; its GPUs are billed from Slurm's start to Slurm's end."""
+    svc = slurm_rt.service
+    runs = svc.runs
+    assert runs is not None
+    rid = int(
+        runs.submit(svc.actor("bob"), Run(command=("sleep", "300"), model="A100")).extra["run_id"]
+    )
+    step = _step(slurm_rt)
+    _until(lambda: _run(slurm_rt, rid).state == "running", "the run started", step)
+    job = int(_run(slurm_rt, rid).placement["job"])
+    slurm_cluster.command("scancel", str(job))
+    _until(lambda: _run(slurm_rt, rid).finished_at is not None, "the run ended", step)
+    run = _run(slurm_rt, rid)
+    assert run.state == "failed"
+    assert f"Slurm ended its job {job}: CANCELLED by root" in str(run.metrics["summary"]), (
+        run.metrics
+    )
+    [said] = [t for t in dms(slurm_rt, "bob") if f"Run #{rid}" in t and "CANCELLED" in t]
+    assert "the process ended without writing a final status" not in said
+
+
+def test_a_run_that_ends_while_the_bot_is_stopped_is_billed_to_its_real_end(
+    slurm_rt: Runtime, slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc = slurm_rt.service
+    runs = svc.runs
+    assert runs is not None
+    rid = int(
+        runs.submit(svc.actor("alice"), Run(command=("sleep", "4"), model="A100")).extra["run_id"]
+    )
+    step = _step(slurm_rt)
+    _until(lambda: _run(slurm_rt, rid).state == "running", "the run started", step)
+    job = int(_run(slurm_rt, rid).placement["job"])
+    slurm_rt.engine.dispose()  # the bot stops; the job ends and Slurm forgets it
+    deadline = time.monotonic() + GUARD_S
+    while str(job) in _squeue(slurm_cluster) or _sacct(slurm_cluster, job)[2:3] != ["COMPLETED"]:
+        assert time.monotonic() < deadline, "the job ended and was forgotten"
+        time.sleep(0.5)
+    time.sleep(4)  # MinJobAge: squeue no longer has it
+    again = build_runtime(load_settings())
+    try:
+        _until(
+            lambda: _run(again, rid).finished_at is not None, "billed after restart", _step(again)
+        )
+        run = _run(again, rid)
+        assert run.state == "succeeded", run.metrics
+        elapsed = int(_sacct(slurm_cluster, job)[3])
+        assert run.started_at is not None and run.finished_at is not None
+        billed = (run.finished_at - run.started_at).total_seconds()
+        assert abs(billed - elapsed) <= 1.0, (billed, elapsed)
+    finally:
+        again.engine.dispose()
 
 
 def test_a_run_that_pends_in_slurm_is_queued_there_and_cancel_ends_its_job(
     slurm_rt: Runtime, slurm_cluster: SlurmCluster
 ) -> None:
     """The verbs around a run on a cluster: /gpu queue says where it waits (Slurm's queue,
-    and why), /gpu logs answers before it has a log, /gpu cancel scancels its batch job,
-    and /gpu cost bills the reservation that held the GPUs at the configured rate."""
+    and why), /gpu logs answers before it has a log, /gpu cancel scancels its batch job
+    (as its owner), and /gpu cost bills the reservation that held the GPUs at the rate."""
     svc = slurm_rt.service
     runs = svc.runs
     assert runs is not None
     alice, bob = svc.actor("alice"), svc.actor("bob")
-    assert "Reserved" in svc.reserve(alice, Reserve(4, "A100")).view.text
+    assert "Reserved" in svc.reserve(alice, Reserve(4, "A100", timedelta(minutes=20))).view.text
     rid = int(runs.submit(bob, Run(recipe="digits", model="A100")).extra["run_id"])
-
-    def step() -> None:
-        svc.tick()
-        runs.poll()
-        runs.dispatch()
+    step = _step(slurm_rt)
 
     def job() -> int | None:
-        with Session(slurm_rt.engine) as s:
-            run = s.get(TrainingRun, rid)
-            assert run is not None
-            found = run.placement.get("job")
-            return int(found) if found is not None else None
+        found = _run(slurm_rt, rid).placement.get("job")
+        return int(found) if found is not None else None
 
     _until(lambda: job() is not None, "the run handed to Slurm", step)
     assert re.search(rf"^{job()} gpubot-run-{rid} PENDING", _squeue(slurm_cluster), re.M)
@@ -218,14 +340,73 @@ def test_a_run_that_pends_in_slurm_is_queued_there_and_cancel_ends_its_job(
     said = runs.cancel(bob, Cancel(rid)).view.text
     assert f"run #{rid}" in said, said
     _until(lambda: f"gpubot-run-{rid}" not in _squeue(slurm_cluster), "the batch job ends", step)
-
-    def ended() -> bool:
-        with Session(slurm_rt.engine) as s:
-            run = s.get(TrainingRun, rid)
-            return run is not None and run.state == "cancelled"
-
-    _until(ended, "the run cancelled", step)
+    _until(lambda: _run(slurm_rt, rid).state == "cancelled", "the run cancelled", step)
     svc.release(alice, Release(all=True))
     _, costs, _ = svc.costs("today", "alice")
     assert costs["alice"] > 0, costs  # 4 A100s at $2.00 an hour, for as long as they were held
     assert "bob" not in svc.costs("today", "bob")[1]  # the run never ran: nothing billed
+
+
+def test_the_cluster_environment_is_made_from_an_interpreter_every_account_runs(
+    slurm_rt: Runtime,
+) -> None:
+    """The bot's own python3 lies under root's 0700 home here: the environment is made from
+    one every job account can execute, and job accounts cannot change it."""
+    runs = slurm_rt.service.runs
+    assert runs is not None
+    rid = int(runs.submit(slurm_rt.service.actor("bob"), Run(command=("true",))).extra["run_id"])
+    _until(lambda: _run(slurm_rt, rid).finished_at is not None, "the run ended", _step(slurm_rt))
+    assert _run(slurm_rt, rid).state == "succeeded", _run(slurm_rt, rid).metrics
+    python = SHARED_ENV / "venv" / "bin" / "python"
+    assert python.exists()
+    real = Path(os.path.realpath(python))
+    assert not str(real).startswith("/root/"), real
+    assert shutil.which("python3") is not None
+    for path in (SHARED_ENV, SHARED_ENV / "venv", SHARED_ENV / "venv" / "bin"):
+        assert not path.stat().st_mode & 0o022, path  # neither group nor others may write
+
+
+def test_a_run_slurm_preempts_saves_resumes_and_its_wait_is_not_billed(
+    slurm_rt: Runtime, slurm_cluster: SlurmCluster
+) -> None:
+    """A higher-priority partition's job takes the node (preempt/partition_prio,
+    PreemptMode=REQUEUE, a grace): the run is told (its batch script gets SIGTERM, asked
+    with --signal), saves a checkpoint, is requeued, resumes from it (step > 0) and
+    finishes as one run; its owner is told; the time it waited is not billed."""
+    svc = slurm_rt.service
+    runs = svc.runs
+    assert runs is not None
+    ask = Run(recipe="digits", model="A100", options=(("epochs", 60.0),))
+    rid = int(runs.submit(svc.actor("alice"), ask).extra["run_id"])
+    step = _step(slurm_rt)
+
+    def stepped() -> bool:
+        run = _run(slurm_rt, rid)
+        return run.state == "running" and int(run.metrics.get("step") or 0) >= 2
+
+    _until(stepped, "the run started and made steps", step)
+    first_start = _run(slurm_rt, rid).started_at
+    urgent = slurm_cluster.command(
+        "sbatch", "--parsable", "-p", "urgent", "-A", "lab", "-J", "urgent",
+        "--gres=gpu:a100:4", "--mem=1000", "--time=5", "--output=/dev/null",
+        "--wrap", "sleep 15",
+    )  # fmt: skip
+    assert urgent.returncode == 0, urgent.stderr
+    _until(lambda: _run(slurm_rt, rid).finished_at is not None, "the run ended", step)
+    run = _run(slurm_rt, rid)
+    assert run.state == "succeeded", run.metrics
+    said = dms(slurm_rt, "alice")
+    assert any(f"Run #{rid}" in t and ("back in" in t or "interrupted" in t) for t in said), said
+    assert sum(f"Run #{rid} (recipe digits) finished" in t for t in said) == 1
+    final = parse_status(Path(str(run.placement["status"])).read_text())
+    assert final is not None and final.state == "done"
+    assert final.resumed_from_step is not None and final.resumed_from_step > 0, final
+    from db.models import UsageInterval
+
+    with Session(slurm_rt.engine) as s:
+        spans = list(s.exec(select(UsageInterval).where(UsageInterval.run_id == rid)))
+    assert spans and all(iv.ended_at is not None for iv in spans)
+    billed = sum((iv.ended_at - iv.started_at).total_seconds() for iv in spans if iv.ended_at)
+    assert first_start is not None and run.finished_at is not None
+    wall = (run.finished_at - first_start).total_seconds()
+    assert billed < wall - 5, (billed, wall)  # the urgent job's turn is not the run's

@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from bot.app.ports import PlaceRequest
 from db.models import TrainingRun
 from provisioning.ssh import SshRunner, SshTarget
 from training.status import RunStatus
@@ -61,6 +62,13 @@ class Look:
     # What a GPU-hour of it costs where its place prices the use itself (a cluster's
     # rate for the model); None where the host's own price is shared.
     usd_per_gpu_hour: float | None = None
+    # When the cluster started it, by its own clock (what its GPUs are metered from);
+    # None: when the bot saw it start.
+    started_at: datetime | None = None
+    # How the place ended it, in its words, where that was not the run's own finish (a
+    # cluster's TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, a cancel by an admin; an interpreter
+    # that could not start): said in the result, and as the error when the run wrote none.
+    ended: str | None = None
 
 
 class RunExecutor(Protocol):
@@ -70,6 +78,12 @@ class RunExecutor(Protocol):
     # every queued run as it comes, without GPUs, and its look says where it runs once it
     # does; otherwise gpubot's scheduler places runs on hosts and `start` gets its claim.
     places: bool
+
+    def admit(self, request: PlaceRequest) -> str | None:
+        """Checks a run before it is put in line: raises UserError when the place will
+        not take it as asked (the person is not allowed there, no partition allows it);
+        returns a note for the reply (the time limit it will get), or None."""
+        ...
 
     def runs_dir(self, host: str) -> Path | None:
         """Where runs on `host` keep their directories; None when it cannot be reached now."""

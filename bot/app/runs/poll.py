@@ -91,7 +91,9 @@ class Poller:
                 continue
             if look.where and run.state == RUN_STARTING:
                 # A cluster's scheduler started it: its GPUs are metered from now.
-                self.records.mark_running(run.id, look.where, look.usd_per_gpu_hour)
+                self.records.mark_running(
+                    run.id, look.where, look.usd_per_gpu_hour, look.started_at
+                )
                 if look.alive:
                     continue
                 placement = {**placement, "host": look.where[0][0]}
@@ -154,7 +156,13 @@ class Poller:
                         wall_s=status.summary.wall_s,
                     )
             elif state == RUN_FAILED:
-                summary = {"error": "the process ended without writing a final status"}
+                summary = {
+                    "error": look.ended or "the process ended without writing a final status"
+                }
+            if look.ended and status is not None and state != RUN_CANCELLED:
+                # The place ended it (a cluster's time limit, memory, node): said too.
+                said = summary.get("error")
+                summary["error"] = f"{said}; {look.ended}" if said else look.ended
             if node_failed is not None and state == RUN_FAILED:
                 summary["error"] = node_failed
                 exit_code = exit_code or EXIT_FAILED

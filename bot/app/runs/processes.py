@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bot.app.agentwatch import download_checkpoints, upload_checkpoints, watch_hosts
-from bot.app.ports import HostAccess, HostSeat
+from bot.app.ports import HostAccess, HostSeat, PlaceRequest, refuse_place_options
 from bot.app.runs.command import runner_command
 from bot.app.runs.executor import Look, PrepareCode, StartFailed
 from bot.app.runs.watch import ExitWatchers
@@ -43,6 +43,9 @@ class ProcessExecutor:
     (training.agent: their leases and reports are tended before each poll)."""
 
     places = False  # gpubot's scheduler places runs on these hosts
+
+    def admit(self, request: PlaceRequest) -> str | None:
+        return refuse_place_options(request)
 
     def __init__(
         self,

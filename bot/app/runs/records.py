@@ -102,11 +102,15 @@ class RunRecords:
         run_id: int,
         where: tuple[tuple[str, tuple[int, ...]], ...],
         usd_per_gpu_hour: float | None,
+        started_at: datetime | None = None,
     ) -> bool:
         """A run a cluster's scheduler has just started (its look says where): its GPUs
-        metered from now, on the nodes' GPU rows, and its owner told. False when it is no
-        longer waiting to start (cancelled meanwhile, or marked by an earlier poll)."""
+        metered from its start by the cluster's clock (`started_at`; now when unknown, and
+        never later than now), on the nodes' GPU rows, and its owner told. False when it
+        is no longer waiting to start (cancelled meanwhile, or marked by an earlier poll)."""
         now = self.ctx.core.clock.now()
+        if started_at is not None:
+            now = min(now, started_at)
         with transaction(self.ctx.engine) as s:
             lock_pool(s)  # its GPUs are taken: the pool first (db.session's lock order)
             run = locked(s, TrainingRun, run_id)

@@ -12,7 +12,7 @@ from sqlmodel import Session, col, select
 
 from bot.app import budgets, sources
 from bot.app.access import audit
-from bot.app.ports import Actor
+from bot.app.ports import Actor, PlaceRequest
 from bot.app.runs.context import RECIPES, USAGE_RUN, FleetHost, RunContext, read_fleet
 from bot.domain import code_sources, views
 from bot.domain.commands import Cancel, Run
@@ -49,6 +49,18 @@ class Submissions:
                 f"There is no recipe `{cmd.recipe}`; recipes: {', '.join(RECIPES)}.", USAGE_RUN
             )
         self._check_source(cmd)  # bot.app.sources: git/path/staged code
+        # The place's own rules (a cluster: who may, which partition allows it), before
+        # anything is put in line; its note (the limit a run without --max gets) is said.
+        note = self.ctx.executor.admit(
+            PlaceRequest(
+                user_key=actor.key,
+                gpus=cmd.gpus,
+                model=cmd.model,
+                seconds=int(cmd.max_duration.total_seconds()) if cmd.max_duration else None,
+                place=dict(cmd.place),
+                kind="run",
+            )
+        )
         with transaction(self.ctx.engine) as s:
             if request_key is not None:
                 prior = s.exec(
@@ -76,7 +88,8 @@ class Submissions:
                 ),
             )
             if cmd.sweep is not None:
-                return self._submit_sweep(s, cmd, user, model, request_key).with_note(picked)
+                swept = self._submit_sweep(s, cmd, user, model, request_key)
+                return swept.with_note(picked).with_note(note)
             run = TrainingRun(
                 user_id=user.id,  # type: ignore[arg-type]
                 command=command_text(cmd.command),
@@ -92,10 +105,11 @@ class Submissions:
                 request_key=request_key,
                 source=cmd.source,
                 options=dict(cmd.options),
+                place=dict(cmd.place),
             )
             s.add(run)
             s.flush()
-            return self._queued_reply(s, run).with_note(picked)
+            return self._queued_reply(s, run).with_note(picked).with_note(note)
 
     def _submit_sweep(
         self, s: Session, cmd: Run, user: User, model: str, request_key: str | None
@@ -123,6 +137,7 @@ class Submissions:
                 # The first variant carries the request key: a retried delivery finds it.
                 request_key=request_key if n == 0 else None,
                 options={**dict(cmd.options), param: value},
+                place=dict(cmd.place),
                 sweep=label,
             )
             s.add(run)

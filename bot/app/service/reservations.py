@@ -14,7 +14,7 @@ from sqlmodel import Session, col, select
 from bot.app import budgets
 from bot.app.access import audit
 from bot.app.held import GpuCount, gpu_counts
-from bot.app.ports import Actor, Core
+from bot.app.ports import Actor, Core, PlaceRequest
 from bot.app.service.common import (
     TickReport,
     end_reservation,
@@ -56,20 +56,33 @@ class Reservations:
         """Granted at once, or put in line; a request for a cluster's GPUs is then handed
         to its holder (a Slurm holding job), after the line committed: a cluster answers
         slowly, or not at all while its controller is down, and the pool must not wait."""
+        # The place's own rules first (a cluster: who may, which partition allows it),
+        # before anything is put in line.
+        duration = cmd.duration or self.core.settings.default_duration
+        note = self.core.holder.admit(
+            PlaceRequest(
+                user_key=actor.key,
+                gpus=cmd.count,
+                model=cmd.model or self.core.settings.default_gpu,
+                seconds=int(duration.total_seconds()),
+                place=dict(cmd.place),
+            )
+        )
         reply, waiting = self._put_in_line(actor, cmd, request_key)
         if waiting is None:
-            return reply
+            return reply.with_note(note)
         said = self.core.holder.hold(waiting)
         if said is None:
-            return reply
+            return reply.with_note(note)
         with transaction(self.core.engine, write=False) as s:
             res = s.get(Reservation, waiting)
             assert res is not None
             info = reservation_info(s, res)
             if res.state == RES_ACTIVE:  # the cluster granted it at once
                 now = self.core.clock.now()
-                return views.Reply(views.granted_view(info, now, self.core.settings.timezone))
-            return views.Reply(views.waiting_view(info, (said,)))
+                granted = views.granted_view(info, now, self.core.settings.timezone)
+                return views.Reply(granted).with_note(note)
+            return views.Reply(views.waiting_view(info, (said,))).with_note(note)
 
     @retrying
     def _put_in_line(
@@ -120,6 +133,7 @@ class Reservations:
                     state=RES_WAITING,
                     requested_at=now,
                     request_key=request_key,
+                    place=dict(cmd.place),
                 )
                 s.add(res)  # written by the grant pass, granted or still waiting
                 if estimate is not None:  # its grant below need not check again

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeVar, cast
 
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
@@ -27,9 +28,22 @@ from sqlmodel import col, select
 from db.models import HOST_READY, HOST_UNREACHABLE, MARKET_CLUSTER, Gpu, Host
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance
-from provisioning.slurm import SlurmClient, SlurmError, SlurmJob, SlurmNode, SlurmUnavailable
+from provisioning.slurm import (
+    Associations,
+    SlurmClient,
+    SlurmError,
+    SlurmJob,
+    SlurmNode,
+    SlurmPartition,
+    SlurmUnavailable,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# How long a read that changes seldom (partitions, accounting's associations and QOS)
+# serves: an admin's change is seen within this.
+SLOW_S = 300.0
 
 # Job names that are gpubot's: a reservation's holding job, a run's batch job.
 HOLD_PREFIX = "gpubot-res-"
@@ -51,6 +65,7 @@ class Snapshot:
     nodes: tuple[SlurmNode, ...]
     jobs: tuple[SlurmJob, ...]
     at: float  # time.monotonic() of the read
+    taken: datetime  # the bot's clock at the read: a job submitted later is not in it
 
 
 class ClusterView:
@@ -75,6 +90,7 @@ class ClusterView:
         self.down_since: datetime | None = None
         self.down_reason: str = ""
         self._synced: tuple[object, ...] | None = None
+        self._kept: dict[str, tuple[float, object]] = {}
 
     def read(self, *, fresh: bool = False) -> Snapshot | None:
         """The cluster as last read, read again when older than `cache_s` (or `fresh`);
@@ -83,6 +99,7 @@ class ClusterView:
             snap = self._snap
             if snap is not None and not fresh and time.monotonic() - snap.at < self.cache_s:
                 return snap
+            taken = self.clock()
             try:
                 nodes = [n for n in self.client.nodes() if self._ours(n)]
                 jobs = self.client.jobs()
@@ -95,8 +112,37 @@ class ClusterView:
             if self.down_since is not None:
                 log.warning("the Slurm controller answers again")
             self.down_since, self.down_reason = None, ""
-            self._snap = Snapshot(tuple(nodes), tuple(jobs), time.monotonic())
+            self._snap = Snapshot(tuple(nodes), tuple(jobs), time.monotonic(), taken)
             return self._snap
+
+    def _slow(self, key: str, ttl_s: float, read: Callable[[], T]) -> T:
+        """A read that changes seldom (partitions, accounting), kept `ttl_s`; a read
+        that fails leaves the last copy in use."""
+        now = time.monotonic()
+        with self._lock:
+            held = self._kept.get(key)
+        if held is not None and now - held[0] < ttl_s:
+            return cast(T, held[1])
+        try:
+            value = read()
+        except SlurmError:
+            if held is not None:
+                return cast(T, held[1])
+            raise
+        with self._lock:
+            self._kept[key] = (now, value)
+        return value
+
+    def partition_limits(self) -> list[SlurmPartition]:
+        """The partitions and their limits (read once every SLOW_S)."""
+        return self._slow("partitions", SLOW_S, self.client.partitions)
+
+    def associations(self, user: str) -> Associations | None:
+        """What accounting lets `user` use (sacctmgr: slurmdbd, not the controller)."""
+        return self._slow(f"assoc:{user}", SLOW_S, lambda: self.client.associations(user))
+
+    def qos_walls(self) -> dict[str, int | None]:
+        return self._slow("qos", SLOW_S, self.client.qos_limits)
 
     def _ours(self, node: SlurmNode) -> bool:
         if not node.gpus:
@@ -108,6 +154,15 @@ class ClusterView:
         if snap is None:
             return None
         return next((j for j in snap.jobs if j.job_id == job_id), None)
+
+    def job_now(self, job_id: int) -> SlurmJob | None:
+        """One job as Slurm has it now (one job-info RPC; the shared read is not
+        renewed): to confirm what a file said, or why a job just submitted pends."""
+        try:
+            return self.client.job(job_id)
+        except SlurmError as exc:
+            log.warning("could not read Slurm job %s: %s", job_id, exc)
+            return None
 
     def forget(self) -> None:
         """The next read asks Slurm (after the bot changed something there)."""

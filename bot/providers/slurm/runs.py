@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,25 +31,36 @@ from pathlib import Path
 from typing import Any
 
 from bot.app.agentwatch import download_checkpoints, upload_checkpoints
-from bot.app.ports import HostSeat, Interpreter
+from bot.app.ports import HostSeat, Interpreter, PlaceRequest
 from bot.app.remote import PreparedHost
 from bot.app.runs.command import runner_command
 from bot.app.runs.executor import Look, PrepareCode, StartFailed, Unavailable
 from bot.domain.clock import Clock
+from bot.domain.errors import UserError
 from bot.providers.slurm.cluster import RUN_PREFIX, ClusterView, gpubot_id, job_name
 from bot.providers.slurm.holds import pending_words
+from bot.providers.slurm.lab import Lab
 from db.models import TrainingRun
 from provisioning import shell
-from provisioning.slurm import JobSpec, SlurmError, SlurmJob, SlurmUnavailable
+from provisioning.slurm import (
+    JobEnd,
+    SlurmError,
+    SlurmJob,
+    SlurmUnavailable,
+    StartedLine,
+    parse_started,
+)
 from provisioning.ssh import RunResult, SshError, SshRunner, SshTarget, UploadReport
-from training.status import parse_status
+from training.status import RunStatus, parse_status
 
 log = logging.getLogger(__name__)
 
-# A run without --max is given this long by Slurm (a cluster needs a time limit).
-DEFAULT_LIMIT_S = 24 * 3600
-# How often a watcher looks at the cluster while gpubot jobs are watched.
+# How often the watcher looks at the files the runs write (one `stat`, no RPC).
 WATCH_EVERY_S = 1.0
+# The least time between two reads of one job to confirm what its files said.
+CONFIRM_EVERY_S = 5.0
+# A log's last line that says the run's interpreter could not start at all.
+_CANNOT_START = re.compile(r"Permission denied|No such file or directory|not found|cannot execute")
 
 
 class ClusterEnv:
@@ -68,13 +80,15 @@ class ClusterEnv:
 
 
 class SlurmExecutor:
-    """`RunExecutor` of a Slurm cluster: batch jobs it places itself."""
+    """`RunExecutor` of a Slurm cluster: batch jobs it places itself, each as its owner's
+    account (bot.providers.slurm.lab), in a partition that allows it."""
 
     places = True
 
     def __init__(
         self,
         cluster: ClusterView,
+        lab: Lab,
         files: SshRunner,
         target: SshTarget,
         *,
@@ -84,11 +98,11 @@ class SlurmExecutor:
         nudge: Callable[[], None],
         owner_of: Callable[[int], str | None],
         rates: Mapping[str, float],
-        users: Mapping[str, str],
-        partitions: Sequence[str],
         tz: str,
+        submit_as: str = "sudo",
     ) -> None:
         self.cluster = cluster
+        self.lab = lab
         self.files = files
         self.target = target
         self.workdir = workdir
@@ -97,11 +111,12 @@ class SlurmExecutor:
         self.nudge = nudge
         self.owner_of = owner_of
         self.rates = dict(rates)
-        self.users = dict(users)
-        self.partitions = tuple(partitions)
         self.tz = tz
-        self._watched: dict[int, tuple[int, str]] = {}  # run id → (job id, last state)
-        self._ended: dict[int, datetime] = {}
+        self.submit_as = submit_as
+        self._watched: dict[int, tuple[str, ...]] = {}  # run id -> the files it writes
+        self._seen: dict[str, str] = {}  # file -> its last (mtime, size)
+        self._confirmed: dict[int, tuple[float, SlurmJob | None]] = {}
+        self._ends: dict[int, JobEnd] = {}
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
 
@@ -115,16 +130,47 @@ class SlurmExecutor:
 
     # --- starting -------------------------------------------------------------------
 
+    def admit(self, request: PlaceRequest) -> str | None:
+        snap = self.cluster.read()
+        model = request.model
+        if snap is not None and model is not None and not any(model in n.gpus for n in snap.nodes):
+            return None  # not the cluster's model: the run's own checks say so
+        try:
+            plan = self.lab.plan(request)
+        except SlurmError:  # the controller is not answering: checked at its start
+            return None
+        return self.lab.note(plan, request)
+
+    def _request(self, run: TrainingRun) -> PlaceRequest:
+        return PlaceRequest(
+            user_key=self.owner_of(run.user_id) or "",
+            gpus=run.gpu_count,
+            model=run.gpu_model,
+            seconds=run.max_seconds,
+            place=dict(run.place or {}),
+            kind="run",
+        )
+
     def start(
         self, run: TrainingRun, placement: dict[str, Any], code: PrepareCode
     ) -> dict[str, Any]:
         assert run.id is not None
         run_dir = str(placement["dir"])
-        user = self.users.get(self.owner_of(run.user_id) or "")
         try:
-            made = [shell.join(["mkdir", "-p", "--", run_dir, str(placement["checkpoints"])])]
-            if user:  # the job runs as the owner's account: its directory is theirs
-                made.append(shell.join(["chown", "-R", "--", f"{user}:", run_dir]))
+            plan = self.lab.plan(self._request(run))
+        except SlurmUnavailable as exc:
+            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
+        except (UserError, SlurmError) as exc:
+            raise StartFailed(exc) from exc
+        started = f"{run_dir}/slurm.started"
+        try:
+            dirs = [run_dir, str(placement["checkpoints"])]
+            made = [shell.join(["mkdir", "-p", "--", *dirs])]
+            if self.submit_as == "uid":  # a root bot: the directory is the owner's
+                made.append(shell.join(["chown", "-R", "--", f"{plan.person}:", run_dir]))
+            else:  # the job (the owner's account) writes there through the group
+                made.append(shell.join(["chmod", "2770", "--", *dirs]))
+            made.append(shell.join(["rm", "-f", "--", started]))
             done = self.files.run(self.target, " && ".join(made), timeout=30)
             if not done.ok:
                 raise SshError(f"cannot make {run_dir}: {done.stderr.strip()[-200:]}")
@@ -135,20 +181,26 @@ class SlurmExecutor:
             python = self.env.interpreter()
         except Exception as exc:
             raise StartFailed(exc) from exc
-        limit = (run.max_seconds + 300) if run.max_seconds else DEFAULT_LIMIT_S
+        fit = plan.fit
+        limit = fit.time_limit_s
+        if run.max_seconds and not fit.defaulted:
+            # The runner stops itself at --max; Slurm's limit is a little later.
+            limit = min(limit + 300, fit.max_time_s or limit + 300)
         line = runner_command(run, {**placement, "gpu_indexes": []}, python.python)
-        spec = JobSpec(
+        spec = self.lab.spec(
+            plan,
             name=job_name("run", run.id),
             argv=("/bin/sh", "-c", line),
             workdir=run_dir,
-            time_limit_s=limit,
+            who=f"run {run.id} of {self.owner_of(run.user_id) or run.user_id}",
             gpus=run.gpu_count,
-            gpu_type=run.gpu_model,
-            partition=",".join(self.partitions) or None,
+            model=run.gpu_model,
+            time_limit_s=limit,
             output=str(placement["log"]),
             requeue=bool(run.checkpoints or run.recipe),
             env=python.env(),
-            user=user,
+            signal=self.lab.signal,
+            started_file=started,
         )
         try:
             job_id = self.cluster.client.submit(spec, self._nodes())
@@ -156,8 +208,15 @@ class SlurmExecutor:
             raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
         except SlurmError as exc:
             raise StartFailed(exc) from exc
-        self.cluster.forget()
-        return {"job": int(job_id), "stage": "submitted to Slurm"}
+        return {
+            "job": int(job_id),
+            "stage": "submitted to Slurm",
+            "as": plan.person,
+            "partition": fit.partition,
+            "limit_s": limit,
+            "started_file": started,
+            "submitted": self.clock.now().isoformat(),
+        }
 
     def _nodes(self) -> Any:
         snap = self.cluster.read()
@@ -165,7 +224,7 @@ class SlurmExecutor:
 
     def stop_started(self, placement: dict[str, Any]) -> None:
         with contextlib.suppress(SlurmError):
-            self.cluster.client.cancel(int(placement["job"]))
+            self.cluster.client.cancel(int(placement["job"]), user=placement.get("as"))
 
     def started(self, placement: dict[str, Any]) -> bool:
         return isinstance(placement.get("job"), int)
@@ -177,29 +236,141 @@ class SlurmExecutor:
             return False
         run_id = Path(str(placement.get("dir", ""))).name
         mine = [j for j in snap.jobs if j.name == f"{RUN_PREFIX}{run_id}" and not j.finished]
-        return {"job": mine[0].job_id} if mine else None
+        if not mine:
+            return None
+        return {"job": mine[0].job_id, "as": mine[0].user or None}
 
     # --- looking and stopping -------------------------------------------------------
 
-    def _job(self, placement: dict[str, Any]) -> SlurmJob | None:
-        return self.cluster.job(int(placement["job"]))
+    def _start_line(self, placement: dict[str, Any]) -> StartedLine | None:
+        """This attempt's start as the job wrote it (a requeued job appends a line with
+        its restart count; an earlier attempt's line is not this one's)."""
+        path = placement.get("started_file")
+        if not path:
+            return None
+        raw = self.files.read_file(self.target, str(path))
+        line = parse_started(raw.decode("utf-8", "replace")) if raw else None
+        if line is None or line.job_id != int(placement["job"]):
+            return None
+        return line if line.restarts >= int(placement.get("requeued") or 0) else None
+
+    def _confirm(self, run_key: int) -> SlurmJob | None:
+        """One read of the job (a file said it started or ended), at most every
+        CONFIRM_EVERY_S per job: the end a status file says is Slurm's too."""
+        now = time.monotonic()
+        with self._lock:
+            held = self._confirmed.get(run_key)
+        if held is not None and now - held[0] < CONFIRM_EVERY_S:
+            return held[1]
+        job = self.cluster.job_now(run_key)
+        with self._lock:
+            self._confirmed[run_key] = (now, job)
+        return job
 
     def look(self, placement: dict[str, Any]) -> Look:
         snap = self.cluster.read()
         if snap is None or self.cluster.down_since is not None:
             raise SshError(f"the Slurm controller is not answering ({self.cluster.down_reason})")
-        job = self._job(placement)
-        if job is not None and job.state == "PENDING":
+        job_id = int(placement["job"])
+        job = next((j for j in snap.jobs if j.job_id == job_id), None)
+        raw = self.files.read_file(self.target, str(placement["status"]))
+        status = parse_status(raw.decode("utf-8", "replace")) if raw else None
+        line = self._start_line(placement)
+        if job is None and line is None and _after(placement.get("submitted"), snap.taken):
+            return Look(alive=True, status=None, waiting="submitted to Slurm")
+        # The files are newer than the shared read when they say it started (and the read
+        # has it pending, or not yet) or ended (and the read has it running): one read of
+        # the job confirms it. A job Slurm no longer lists has ended.
+        finished = status is not None and status.exit_code is not None
+        stale_start = line is not None and (job is None or job.state == "PENDING")
+        stale_end = finished and job is not None and not job.finished
+        if stale_start or stale_end:
+            job = self._confirm(job_id)
+        if (
+            job is not None
+            and job.state == "PENDING"
+            and (line is None or job.restarts > line.restarts)
+        ):
             return Look(
                 alive=True, status=None, waiting=pending_words(job, self.clock.now(), self.tz)
             )
-        where = tuple((node, tuple(ix)) for node, ix in (job.gpu_indexes.items() if job else ()))
+        if line is not None:
+            where: tuple[tuple[str, tuple[int, ...]], ...] = ((line.node, line.gpu_indexes),)
+            started_at = line.started_at
+        elif job is not None and job.gpu_indexes:
+            where = tuple((node, tuple(ix)) for node, ix in job.gpu_indexes.items())
+            started_at = job.start_time
+        else:
+            where, started_at = (), None
         model = job.gpu_model if job is not None else None
-        rate = self.rates.get(model) if model else None
+        rate = self.rates.get(model or "") if model else None
+        if rate is None and where:
+            rate = next(iter(self.rates.values()), None) if len(self.rates) == 1 else None
         alive = job is not None and not job.finished
-        raw = self.files.read_file(self.target, str(placement["status"]))
-        status = parse_status(raw.decode("utf-8", "replace")) if raw else None
-        return Look(alive=alive, status=status, where=where, usd_per_gpu_hour=rate or 0.0)
+        ended = None if alive else self._ending(placement, job, status)
+        return Look(
+            alive=alive,
+            status=status,
+            where=where,
+            usd_per_gpu_hour=rate or 0.0,
+            started_at=started_at,
+            ended=ended,
+        )
+
+    def _ending(
+        self, placement: dict[str, Any], job: SlurmJob | None, status: RunStatus | None
+    ) -> str | None:
+        """How Slurm ended the job, in words, where it was not the run's own finish: its
+        state from accounting (TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, CANCELLED by whom, …),
+        and, when the runner never wrote a status, the log's last line (an interpreter
+        that could not start)."""
+        end = self._final(placement, job)
+        state = end.state if end is not None else (job.state if job is not None else "")
+        words = ""
+        if state and state != "COMPLETED":
+            who = ""
+            if end is not None and end.by.isdigit():
+                who = f" by {self.cluster.client.user_name(int(end.by))}"
+            words = f"Slurm ended its job {placement['job']}: {state}{who}"
+            if state == "TIMEOUT":
+                words += f" (its time limit in partition {placement.get('partition', '?')})"
+            if state == "NODE_FAIL" and end is not None and end.nodes:
+                words += f" (node {', '.join(end.nodes)})"
+        if status is None:
+            with contextlib.suppress(SshError):
+                tail = self.files.tail(self.target, str(placement["log"]), 5).strip()
+                last = tail.splitlines()[-1] if tail else ""
+                if last and _CANNOT_START.search(last):
+                    reason = f"the run's Python could not start as {placement.get('as')}: {last}"
+                    words = f"{words}; {reason}" if words else reason
+        return words or None
+
+    def _final(self, placement: dict[str, Any], job: SlurmJob | None) -> JobEnd | None:
+        """Slurm's record of the job's end: accounting (sacct) first, else squeue's."""
+        job_id = int(placement["job"])
+        with self._lock:
+            kept = self._ends.get(job_id)
+        if kept is not None:
+            return kept
+        try:
+            end = self.cluster.client.final_state(job_id)
+        except SlurmError as exc:
+            log.warning("could not read the end of Slurm job %s: %s", job_id, exc)
+            end = None
+        if end is None and job is not None and job.finished:
+            end = JobEnd(
+                job_id=job_id,
+                state=job.state,
+                exit_code=job.exit_code,
+                signal=job.signal,
+                start_time=job.start_time,
+                end_time=job.end_time,
+                source="squeue",
+            )
+        if end is not None and end.state not in ("RUNNING", "PENDING", "REQUEUED"):
+            with self._lock:
+                self._ends[job_id] = end
+        return end
 
     def failed_node(self, placement: dict[str, Any]) -> str | None:
         return None  # one job, one node: Slurm ends it whole
@@ -207,17 +378,17 @@ class SlurmExecutor:
     def signal(self, placement: dict[str, Any], signal: str, *, others_only: bool = False) -> None:
         if others_only:
             return
-        job = self._job(placement)
+        job = self.cluster.job(int(placement["job"]))
+        person = placement.get("as")
         try:
             if signal == "KILL" or job is None or job.state == "PENDING":
-                self.cluster.client.cancel(int(placement["job"]))
+                self.cluster.client.cancel(int(placement["job"]), user=person)
             else:  # SIGTERM to the runner: a recipe checkpoints and exits
-                self.cluster.client.cancel(int(placement["job"]), signal=signal)
+                self.cluster.client.cancel(int(placement["job"]), signal=signal, user=person)
         except SlurmUnavailable as exc:
             raise SshError(f"the Slurm controller is not answering: {exc}") from None
         except SlurmError as exc:
             raise SshError(str(exc)) from None
-        self.cluster.forget()
 
     def tail(self, placement: dict[str, Any], lines: int) -> str:
         return self.files.tail(self.target, str(placement["log"]), lines)
@@ -238,9 +409,9 @@ class SlurmExecutor:
     def watch(self, run_id: int, placement: dict[str, Any], figures_due: bool) -> None:
         if not self.started(placement):
             return
+        files = tuple(str(p) for p in (placement.get("status"), placement.get("started_file")) if p)
         with self._lock:
-            if run_id not in self._watched and run_id not in self._ended:
-                self._watched[run_id] = (int(placement["job"]), "")
+            self._watched[run_id] = files
             if self._watcher is None or not self._watcher.is_alive():
                 self._watcher = threading.Thread(
                     target=self._watch_loop, name="slurm-watch", daemon=True
@@ -252,48 +423,47 @@ class SlurmExecutor:
         with self._lock:
             for rid in [r for r in self._watched if r not in wanted]:
                 del self._watched[rid]
-            for rid in [r for r in self._ended if r not in wanted]:
-                del self._ended[rid]
 
     def ended_at(self, run_id: int, placement: dict[str, Any]) -> datetime | None:
-        with self._lock:
-            seen = self._ended.get(run_id)
-        if seen is not None:
-            return seen
-        job = self._job(placement) if self.started(placement) else None
-        return job.end_time if job is not None and job.finished else None
+        """Slurm's own end of the job (accounting, else squeue): what its GPUs are billed
+        to, also when the bot was down across it."""
+        if not self.started(placement):
+            return None
+        end = self._final(placement, self.cluster.job(int(placement["job"])))
+        return end.end_time if end is not None else None
 
     def _watch_loop(self) -> None:
-        """One thread for every watched job: a fresh read about once a second while any
-        is watched; a job that starts or ends asks for a tick (its end time, Slurm's
-        own, is what its GPUs are billed to)."""
+        """One thread for every watched run: once a second, one `stat` of the files the
+        runs write (their status and started files, in the shared work directory); a
+        change asks for a tick. No RPC: what only Slurm knows (a job it ended itself) is
+        seen at the shared read of the cluster, once a cache period."""
         while True:
             with self._lock:
-                watched = dict(self._watched)
-            if not watched:
+                files = [f for fs in self._watched.values() for f in fs]
+            if not files:
                 return
-            snap = self.cluster.read(fresh=True)
-            changed = False
-            if snap is not None and self.cluster.down_since is None:
-                jobs = {j.job_id: j for j in snap.jobs}
-                with self._lock:
-                    for rid, (job_id, last) in watched.items():
-                        job = jobs.get(job_id)
-                        state = job.state if job is not None else "GONE"
-                        if state == last or rid not in self._watched:
-                            continue
-                        self._watched[rid] = (job_id, state)
-                        changed = changed or last != ""
-                        if job is None or job.finished:
-                            end = job.end_time if job is not None else None
-                            self._ended[rid] = end or self.clock.now()
-                            del self._watched[rid]
-                            changed = True
-                        elif state == "RUNNING":
-                            changed = True
+            line = "stat -c '%Y.%s %n' -- " + " ".join(shell.path(f) for f in files)
+            try:
+                out = self.files.run(self.target, line + " 2>/dev/null", timeout=30).stdout
+            except SshError:
+                out = ""
+            seen = dict(ln.split(" ", 1)[::-1] for ln in out.splitlines() if " " in ln)
+            with self._lock:
+                changed = any(self._seen.get(f) != v for f, v in seen.items())
+                self._seen = seen
             if changed:
                 self.nudge()
             time.sleep(WATCH_EVERY_S)
+
+
+def _after(iso: object, taken: datetime) -> bool:
+    """Whether a job's submission (its ISO time) came after a shared read of the cluster."""
+    if not isinstance(iso, str):
+        return False
+    try:
+        return datetime.fromisoformat(iso) >= taken
+    except ValueError:
+        return False
 
 
 class ClusterSeat:
@@ -331,7 +501,7 @@ class ClusterSeat:
         )
         if job is None:
             return None
-        runner = _StepRunner(self.cluster, self.files, job.job_id, host_name)
+        runner = _StepRunner(self.cluster, self.files, job.job_id, host_name, job.user or None)
         return HostSeat(runner, self.target, Path(self.workdir) / "runs", self.env.interpreter)
 
 
@@ -339,11 +509,14 @@ class _StepRunner:
     """An SshRunner whose commands run as steps of one job on one node; its file
     operations are the work directory's (the files runner)."""
 
-    def __init__(self, cluster: ClusterView, files: SshRunner, job_id: int, node: str) -> None:
+    def __init__(
+        self, cluster: ClusterView, files: SshRunner, job_id: int, node: str, owner: str | None
+    ) -> None:
         self.cluster = cluster
         self.files = files
         self.job_id = job_id
         self.node = node
+        self.owner = owner  # the job's account: a step in it is that account's
 
     def run(
         self,
@@ -357,7 +530,11 @@ class _StepRunner:
         line = shell.env_prefix(env) + (shell.in_dir(cwd, command) if cwd else command)
         try:
             return self.cluster.client.run_in_job(
-                self.job_id, ["/bin/sh", "-c", line], node=self.node, timeout=timeout
+                self.job_id,
+                ["/bin/sh", "-c", line],
+                node=self.node,
+                timeout=timeout,
+                user=self.owner,
             )
         except SlurmError as exc:
             raise SshError(str(exc)) from None
