@@ -67,10 +67,15 @@ def _sacct(cluster: SlurmCluster, job: int) -> list[str]:
     return out.strip().split("|")
 
 
-def _until(check: Callable[[], bool], what: str, tick: Callable[[], object]) -> None:
+def _until(
+    check: Callable[[], bool],
+    what: str,
+    tick: Callable[[], object],
+    shown: Callable[[], object] = lambda: "",
+) -> None:
     deadline = time.monotonic() + GUARD_S
     while not check():
-        assert time.monotonic() < deadline, f"{what}: not within the guard"
+        assert time.monotonic() < deadline, f"{what}: not within the guard {shown()}"
         tick()
         time.sleep(0.3)
 
@@ -376,7 +381,7 @@ def test_a_run_slurm_preempts_saves_resumes_and_its_wait_is_not_billed(
     svc = slurm_rt.service
     runs = svc.runs
     assert runs is not None
-    ask = Run(recipe="digits", model="A100", options=(("epochs", 60.0),))
+    ask = Run(recipe="digits", model="A100", options=(("epochs", 1000.0),))
     rid = int(runs.submit(svc.actor("alice"), ask).extra["run_id"])
     step = _step(slurm_rt)
 
@@ -384,7 +389,7 @@ def test_a_run_slurm_preempts_saves_resumes_and_its_wait_is_not_billed(
         run = _run(slurm_rt, rid)
         return run.state == "running" and int(run.metrics.get("step") or 0) >= 2
 
-    _until(stepped, "the run started and made steps", step)
+    _until(stepped, "the run started and made steps", step, lambda: _run(slurm_rt, rid))
     first_start = _run(slurm_rt, rid).started_at
     urgent = slurm_cluster.command(
         "sbatch", "--parsable", "-p", "urgent", "-A", "lab", "-J", "urgent",
@@ -394,7 +399,8 @@ def test_a_run_slurm_preempts_saves_resumes_and_its_wait_is_not_billed(
     assert urgent.returncode == 0, urgent.stderr
     _until(lambda: _run(slurm_rt, rid).finished_at is not None, "the run ended", step)
     run = _run(slurm_rt, rid)
-    assert run.state == "succeeded", run.metrics
+    log_text = Path(str(run.placement["log"])).read_text(errors="replace")[-3000:]
+    assert run.state == "succeeded", (run.metrics.get("summary"), dms(slurm_rt, "alice"), log_text)
     said = dms(slurm_rt, "alice")
     assert any(f"Run #{rid}" in t and ("back in" in t or "interrupted" in t) for t in said), said
     assert sum(f"Run #{rid} (recipe digits) finished" in t for t in said) == 1

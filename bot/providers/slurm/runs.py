@@ -190,7 +190,10 @@ class SlurmExecutor:
         spec = self.lab.spec(
             plan,
             name=job_name("run", run.id),
-            argv=("/bin/sh", "-c", line),
+            # exec: the batch script becomes the runner itself, so Slurm's warning before
+            # the limit or a preemption (--signal=B:…, to the batch shell alone) reaches
+            # it; dash would otherwise keep the shell as the runner's parent and die.
+            argv=("/bin/sh", "-c", "exec " + line),
             workdir=run_dir,
             who=f"run {run.id} of {self.owner_of(run.user_id) or run.user_id}",
             gpus=run.gpu_count,
