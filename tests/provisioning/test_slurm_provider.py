@@ -416,3 +416,17 @@ def test_a_run_slurm_preempts_saves_resumes_and_its_wait_is_not_billed(
     assert first_start is not None and run.finished_at is not None
     wall = (run.finished_at - first_start).total_seconds()
     assert billed < wall - 5, (billed, wall)  # the urgent job's turn is not the run's
+
+
+def test_the_doctor_says_the_mode_and_proves_it_with_a_held_job(
+    slurm_rt: Runtime, slurm_cluster: SlurmCluster
+) -> None:
+    [provider] = slurm_rt.providers
+    checks = provider.identity_checks()  # type: ignore[attr-defined]
+    [identity, submitted] = checks
+    assert identity.ok and "through `sudo -n -u PERSON`" in identity.detail
+    assert "people without a mapping are refused" in identity.detail
+    assert submitted.ok, submitted.detail
+    job = re.search(r"held job (\d+) submitted and cancelled as gpubot-", submitted.detail)
+    assert job is not None, submitted.detail
+    assert _sacct(slurm_cluster, int(job.group(1)))[2].startswith("CANCELLED")
