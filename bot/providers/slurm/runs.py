@@ -37,7 +37,7 @@ from bot.app.runs.command import runner_command
 from bot.app.runs.executor import Look, PrepareCode, StartFailed, Unavailable
 from bot.domain.clock import Clock
 from bot.domain.errors import UserError
-from bot.providers.slurm.cluster import RUN_PREFIX, ClusterView, gpubot_id, job_name
+from bot.providers.slurm.cluster import RUN_PREFIX, ClusterView, Snapshot, gpubot_id, job_name
 from bot.providers.slurm.holds import pending_words
 from bot.providers.slurm.lab import Lab
 from db.models import TrainingRun
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 WATCH_EVERY_S = 1.0
 # The least time between two reads of one job to confirm what its files said.
 CONFIRM_EVERY_S = 5.0
+
+
 # A log's last line that says the run's interpreter could not start at all.
 _CANNOT_START = re.compile(r"Permission denied|No such file or directory|not found|cannot execute")
 
@@ -257,17 +259,29 @@ class SlurmExecutor:
             return None
         return line if line.restarts >= int(placement.get("requeued") or 0) else None
 
-    def _confirm(self, run_key: int) -> SlurmJob | None:
-        """One read of the job (a file said it started or ended), at most every
-        CONFIRM_EVERY_S per job: the end a status file says is Slurm's too."""
+    def _newest(self, job_id: int, snap: Snapshot) -> SlurmJob | None:
+        """The job as last seen: a confirmation newer than the shared read wins (so a
+        start confirmed once is not read again until the shared read catches up);
+        confirmations the shared read has overtaken are dropped."""
+        job = next((j for j in snap.jobs if j.job_id == job_id), None)
+        with self._lock:
+            for key in [k for k, (at, _) in self._confirmed.items() if at <= snap.at]:
+                del self._confirmed[key]
+            held = self._confirmed.get(job_id)
+        return held[1] if held is not None else job
+
+    def _confirm(self, job_id: int, job: SlurmJob | None) -> SlurmJob | None:
+        """One read of the job (a file said it started or ended and `job`, the newest
+        sight of it, does not agree), at most every CONFIRM_EVERY_S per job: the end a
+        status file says is Slurm's too."""
         now = time.monotonic()
         with self._lock:
-            held = self._confirmed.get(run_key)
+            held = self._confirmed.get(job_id)
         if held is not None and now - held[0] < CONFIRM_EVERY_S:
-            return held[1]
-        job = self.cluster.job_now(run_key)
+            return job
+        job = self.cluster.job_now(job_id)
         with self._lock:
-            self._confirmed[run_key] = (now, job)
+            self._confirmed[job_id] = (now, job)
         return job
 
     def look(self, placement: dict[str, Any]) -> Look:
@@ -275,7 +289,7 @@ class SlurmExecutor:
         if snap is None or self.cluster.down_since is not None:
             raise SshError(f"the Slurm controller is not answering ({self.cluster.down_reason})")
         job_id = int(placement["job"])
-        job = next((j for j in snap.jobs if j.job_id == job_id), None)
+        job = self._newest(job_id, snap)
         raw = self.files.read_file(self.target, str(placement["status"]))
         status = parse_status(raw.decode("utf-8", "replace")) if raw else None
         line = self._start_line(placement)
@@ -288,7 +302,7 @@ class SlurmExecutor:
         stale_start = line is not None and (job is None or job.state == "PENDING")
         stale_end = finished and job is not None and not job.finished
         if stale_start or stale_end:
-            job = self._confirm(job_id)
+            job = self._confirm(job_id, job)
         if (
             job is not None
             and job.state == "PENDING"
