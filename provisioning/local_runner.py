@@ -105,6 +105,10 @@ class Account:
             ) from None
         return cls(name, entry.pw_uid, entry.pw_gid, entry.pw_dir, _usable_shell(entry.pw_shell))
 
+    def groups(self) -> list[int]:
+        """Its supplementary groups (initgroups' list), without its primary one."""
+        return [g for g in os.getgrouplist(self.name, self.gid) if g != self.gid]
+
     @classmethod
     def this_process(cls) -> Account:
         """The bot's own account; its environment may say more than passwd does (a
@@ -194,7 +198,9 @@ class LocalRunner:
                 cwd="/" if self.run_as is not None else None,
                 user=self.account.uid if switch else None,
                 group=self.account.gid if switch else None,
-                extra_groups=[] if switch else None,
+                # Its groups too, as a login gets them (a lab's work directory is
+                # shared with the bot account through one).
+                extra_groups=self.account.groups() if switch else None,
                 umask=0o022,
             )
         except OSError as exc:

@@ -46,6 +46,18 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all([s.cpu() for s in cuda_states])
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it where Linux says it (setting it,
+    even back, races with other threads creating files)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def checkpoint_path(directory: str | os.PathLike[str]) -> Path:
     return Path(directory) / CHECKPOINT_NAME
 
@@ -57,6 +69,10 @@ def save_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any]) ->
     payload = {"format_version": FORMAT_VERSION, "rng": rng_state(), **state}
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        # mkstemp makes it 0600: give it the mode any file of this process gets (the
+        # umask's), so that whoever may read the directory's files may read this one
+        # (a cluster's bot account, through the work directory's group).
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             torch.save(payload, fh)
             fh.flush()

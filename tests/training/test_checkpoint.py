@@ -50,3 +50,17 @@ def test_round_trip_restores_state_and_rng(tmp_path: Path) -> None:
 def test_no_checkpoint_means_fresh_start(tmp_path: Path) -> None:
     assert load_checkpoint(tmp_path) is None
     assert load_checkpoint(None) is None
+
+
+def test_a_checkpoint_gets_the_umasks_mode_not_mkstemps(tmp_path: Path) -> None:
+    """On a cluster the job (its owner's account) writes it and the bot account, in the
+    work directory's group, copies it off: 0600 would shut the bot out."""
+    import os
+    import stat
+
+    old = os.umask(0o027)
+    try:
+        path = save_checkpoint(tmp_path, {"step": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
