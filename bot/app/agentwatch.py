@@ -281,7 +281,30 @@ def resumable_stop(placement: dict[str, Any], status: RunStatus | None) -> bool:
 
 
 def checkpoint_home(runs: WatchedRuns, run_id: int) -> Path:
-    return Path(runs.core.settings.home).resolve() / "checkpoints" / str(run_id)
+    return checkpoint_dir(runs.core.settings.home, run_id)
+
+
+def checkpoint_dir(home: str | Path, run_id: int) -> Path:
+    """Where the bot keeps a run's last checkpoint (GPUBOT_HOME/checkpoints/ID): what a
+    requeued run, or `/gpu run --resume ID`, starts from."""
+    return Path(home).resolve() / "checkpoints" / str(run_id)
+
+
+def save_for_resume(
+    local: Path, run_id: int, copy: Callable[[Path], int], status: RunStatus
+) -> int | None:
+    """A run that stopped at its time limit after a checkpoint: copies that checkpoint off
+    its host (`copy`, the executor's) into `local`; the step it holds, or None when there is
+    none to go on from (it stopped before its first checkpoint, or the copy failed)."""
+    if status.checkpoint_step is None:
+        return None
+    try:
+        copy(local)
+    except (SshError, OSError) as exc:
+        log.warning("could not keep run %s's checkpoint: %s", run_id, exc)
+        return None
+    have = local.is_dir() and any(p.is_file() for p in local.rglob("*"))
+    return status.checkpoint_step if have else None
 
 
 def requeue_resumable(

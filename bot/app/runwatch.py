@@ -310,13 +310,22 @@ def result_view(
         or (st is not None and st.state == "time_limit")
     ):
         # Not a failure of the run: it reached the --max its owner gave it.
+        # (Without --max the limit was the place's: a cluster's says which, as error.)
         limit = (
             f" (--max {format_duration(timedelta(seconds=run.max_seconds))})"
             if run.max_seconds
-            else ""
+            else (f" ({outcome.error})" if outcome.error not in (None, "time_limit") else "")
         )
         got = f": {shown}" if shown else ""
         head = f"{label} stopped at its time limit{limit}{took}{got}."
+        saved = (run.metrics.get("summary") or {}).get("resume_step")
+        if isinstance(saved, int):
+            head += (
+                f" It saved a checkpoint at step {saved}: `/gpu run --resume {run.id}` goes on "
+                "from there (add `--max` to give it longer)."
+            )
+        elif run.recipe or run.checkpoints:
+            head += " It had saved no checkpoint to go on from."
     else:
         code = outcome.exit_code
         status_words = f"exit status {code}" if code is not None else "no exit status"

@@ -85,7 +85,7 @@ VERBS: dict[str, VerbSpec] = {
     "run": VerbSpec(
         "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] "
         "[--spot] [--checkpoints] [--git URL[@REF] | --path DIR] [--recipe NAME [--lr LR] [--batch-size N] "
-        "[--epochs N] [--sweep lr=V1,V2,...]] -- COMMAND",
+        "[--epochs N] [--sweep lr=V1,V2,...]] -- COMMAND, or /gpu run --resume ID [--max DURATION]",
         "queue a training run on the team's GPUs",
         (
             "/gpu run --recipe digits",
@@ -93,6 +93,7 @@ VERBS: dict[str, VerbSpec] = {
             "/gpu run --gpus 1 -- python train.py",
             "/gpu run --git https://github.com/org/repo@main -- python train.py --lr 3e-4",
             "/gpu run --path /data/proj --gpus 8 --gpu a100 --max 4h --spot -- torchrun train.py",
+            "/gpu run --resume 42 --max 2h",
         ),
         # bot.app.sources: where the command's code comes from.
         "The command starts in its code: `--git` clones the repository (https:// or git@, "
@@ -108,7 +109,9 @@ VERBS: dict[str, VerbSpec] = {
         "value and compares them in one table. `--checkpoints` says your "
         "command saves a checkpoint in `$GPUBOT_CHECKPOINT_DIR` on SIGTERM, exits 75 and "
         "resumes from it when run again (recipes do): such a run may be preempted for a "
-        "teammate's and resumed later. " + _PLACE_HELP,
+        "teammate's and resumed later. `--resume ID` runs run ID again as it was (with "
+        "a new `--max` if you give one), from the checkpoint it saved when it stopped at "
+        "its time limit. " + _PLACE_HELP,
     ),
     "queue": VerbSpec(
         "/gpu queue [me]",
@@ -224,11 +227,13 @@ class Run:
     checkpoints: bool = False
     # Where a cluster is to run it (PLACE_OPTIONS, without the dashes): name -> value.
     place: tuple[tuple[str, str], ...] = ()
+    # `--resume ID`: run ID again as it was, from the checkpoint it stopped at.
+    resume: int | None = None
 
     @property
     def interactive(self) -> bool:
         """Nothing said what to run: Slack opens the run modal."""
-        return not self.command and self.recipe is None
+        return not self.command and self.recipe is None and self.resume is None
 
 
 @dataclass(frozen=True)
@@ -619,6 +624,7 @@ def _options(
 
 
 _RUN_FLAGS_WITH_VALUE = {
+    "--resume",
     "--gpus",
     "--gpu",
     "--precision",
@@ -695,6 +701,15 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         bare=("--checkpoints",),
     )
     checkpoints = opts.pop("--checkpoints", "") == "1"
+    resume = _int(opts.pop("--resume"), ctx, "--resume", 1, 2**31) if "--resume" in opts else None
+    if resume is not None and (
+        command or spot or checkpoints or set(opts) - {"--max", *PLACE_OPTIONS}
+    ):
+        raise ctx.fail(
+            f"`--resume {resume}` runs run #{resume} again as it was, from its checkpoint: "
+            "give it only `--max` and where (`--partition`, `--account`, `--qos`, "
+            "`--constraint`)."
+        )
     gpus = _int(opts["--gpus"], ctx, "--gpus", 1, MAX_GPUS_PER_REQUEST) if "--gpus" in opts else 1
     model = _model(opts["--gpu"], ctx) if "--gpu" in opts else None
     precision = opts.get("--precision", "auto").lower()
@@ -708,7 +723,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         raise ctx.fail(f"`{_clip(recipe)}` is not a recipe name.")
     if recipe is not None and command:
         raise ctx.fail("Give a recipe or a command, not both.")
-    if not command and recipe is None and opts:
+    if not command and recipe is None and opts and resume is None:
         raise ctx.fail("Say what to run: `--recipe NAME` or `-- COMMAND`.")
     source = _run_source(opts, recipe, ctx)
     place: dict[str, str] = {}
@@ -729,6 +744,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         sweep=sweep,
         checkpoints=checkpoints,
         place=tuple(place.items()),
+        resume=resume,
     )
 
 

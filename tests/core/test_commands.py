@@ -99,6 +99,11 @@ H = timedelta(hours=1)
             Run(command=("python", "train.py"), checkpoints=True),
         ),
         ("run", Run()),
+        ("run --resume 42", Run(resume=42)),
+        (
+            "run --resume #42 --max 2h --partition long",
+            Run(resume=42, max_duration=2 * H, place=(("partition", "long"),)),
+        ),
         (
             "run --recipe digits --lr 100000 --epochs 2",
             Run(recipe="digits", options=(("lr", 100000.0), ("epochs", 2))),
@@ -132,6 +137,9 @@ def test_forms_people_type(text: str, expected: object) -> None:
         ("run --precision fp8 -- x", "--precision must be one of", "run"),
         ("run --frob -- x", "Unknown option", "run"),
         ("run --gpus 2", "Say what to run", "run"),
+        ("run --resume 42 --gpus 2", "`--resume 42` runs run #42 again as it was", "run"),
+        ("run --resume 42 -- python train.py", "give it only `--max` and where", "run"),
+        ("run --resume soon", "--resume must be a whole number", "run"),
         ("run 'unclosed", "could not split", "run"),
         ("run --lr 0.1 -- python t.py", "goes with a recipe", "run"),
         ("run --recipe digits --lr fast", "takes a number", "run"),

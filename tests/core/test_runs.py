@@ -423,3 +423,50 @@ def test_a_run_sent_back_in_line_carries_how_long_it_ran_to_the_scheduler(
             assert again is not None
             again.state, again.started_at = "running", clock.now()
             s.add(again)
+
+
+def test_a_run_stopped_at_its_limit_keeps_its_checkpoint_and_resume_goes_on_from_it(
+    sqlite_engine: Engine, tmp_path: Path
+) -> None:
+    """A recipe run reaches its --max: the runner saves a checkpoint and exits 76; the bot
+    keeps that checkpoint, its DM says the step and `/gpu run --resume ID`; the resumed
+    run is run ID again (same recipe and settings) and starts from that step. Only its
+    owner may resume it, only once it has ended, only from a checkpoint."""
+    from datetime import timedelta
+
+    from training.status import parse_status
+
+    engine = sqlite_engine  # the resume is the same on either database
+    svc, _ = make_service(engine, [local_host(1)], home=str(tmp_path / "home"))
+    runs = runs_for(svc, tmp_path)
+    alice, bob = actor(svc, "alice"), actor(svc, "bob")
+    ask = Run(recipe="digits", options=(("epochs", 10000.0),), max_duration=timedelta(seconds=10))
+    first = int(runs.submit(alice, ask).extra["run_id"])
+    run_until(runs, lambda: state(engine, first).finished_at is not None, timeout=180)
+    row = state(engine, first)
+    assert row.state == "failed" and row.exit_code == 76, row.metrics
+    saved = row.metrics["summary"]["resume_step"]
+    assert isinstance(saved, int) and saved > 0, row.metrics
+    said = [t for t in dms_to(engine, "alice") if f"Run #{first} (recipe digits) stopped" in t]
+    assert len(said) == 1, dms_to(engine, "alice")
+    assert f"checkpoint at step {saved}: `/gpu run --resume {first}`" in said[0], said
+
+    with pytest.raises(UserError, match=f"no run #{first}"):
+        runs.submit(bob, Run(resume=first))
+    reply = runs.submit(alice, Run(resume=first, max_duration=timedelta(seconds=10)))
+    second = int(reply.extra["run_id"])
+    assert f"checkpoint at step {saved}" in reply.view.text, reply.view.text
+    with pytest.raises(UserError, match="has not ended"):
+        runs.submit(alice, Run(resume=second))
+    again = state(engine, second)
+    assert again.recipe == "digits" and again.options == {"epochs": 10000.0}
+    assert again.max_seconds == 10
+    run_until(runs, lambda: state(engine, second).finished_at is not None, timeout=180)
+    done = state(engine, second)
+    status = parse_status(Path(str(done.placement["status"])).read_text())
+    assert status is not None and status.resumed_from_step == saved, status
+
+    plain = int(runs.submit(alice, Run(command=(sys.executable, "-c", "pass"))).extra["run_id"])
+    run_until(runs, lambda: state(engine, plain).finished_at is not None)
+    with pytest.raises(UserError, match="no checkpoint to go on from"):
+        runs.submit(alice, Run(resume=plain))

@@ -402,7 +402,9 @@ def test_a_run_slurm_preempts_saves_resumes_and_its_wait_is_not_billed(
     log_text = Path(str(run.placement["log"])).read_text(errors="replace")[-3000:]
     assert run.state == "succeeded", (run.metrics.get("summary"), dms(slurm_rt, "alice"), log_text)
     said = dms(slurm_rt, "alice")
-    assert any(f"Run #{rid}" in t and ("back in" in t or "interrupted" in t) for t in said), said
+    # The bot account read the checkpoint the owner's job wrote (the work directory's
+    # group; the file's mode from the job's umask, not mkstemp's 0600).
+    assert any(f"Run #{rid} was interrupted" in t and "resumes from step" in t for t in said), said
     assert sum(f"Run #{rid} (recipe digits) finished" in t for t in said) == 1
     final = parse_status(Path(str(run.placement["status"])).read_text())
     assert final is not None and final.state == "done"
@@ -430,3 +432,60 @@ def test_the_doctor_says_the_mode_and_proves_it_with_a_held_job(
     job = re.search(r"held job (\d+) submitted and cancelled as gpubot-", submitted.detail)
     assert job is not None, submitted.detail
     assert _sacct(slurm_cluster, int(job.group(1)))[2].startswith("CANCELLED")
+
+
+def test_a_run_at_slurms_limit_saves_its_checkpoint_and_resumes_from_it(
+    slurm_cluster: SlurmCluster,
+    lab_workdir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A recipe run without --max gets partition short's default time (10m); Slurm warns
+    it before that (--signal, here 575 s ahead so that the warning comes within a minute):
+    it saves a checkpoint and the bot ends it there, at Slurm's limit, not requeued; the
+    DM says the step and how to resume; `/gpu run --resume` goes on from that step."""
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    with as_bot_account(slurm_cluster.conf):
+        env = lab_env(
+            slurm_cluster.conf,
+            lab_workdir,
+            tmp_path / "home",
+            GPUBOT_SLURM_CACHE_S="0.5",
+            GPUBOT_SLURM_SIGNAL="TERM@575",
+        )
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        rt = build_runtime(load_settings())
+    try:
+        runs = rt.service.runs
+        assert runs is not None
+        alice = rt.service.actor("alice")
+        ask = Run(recipe="digits", model="A100", options=(("epochs", 10000.0),))
+        reply = runs.submit(alice, ask)
+        assert "default time, 10m" in reply.view.text, reply.view.text
+        rid = int(reply.extra["run_id"])
+        step = _step(rt)
+        _until(lambda: _run(rt, rid).finished_at is not None, "the run ended", step)
+        run = _run(rt, rid)
+        assert run.state == "failed" and run.exit_code == 76, run.metrics.get("summary")
+        status_text = Path(str(run.placement["status"])).read_text()
+        saved = run.metrics["summary"].get("resume_step")
+        assert isinstance(saved, int) and saved > 0, (run.metrics, status_text)
+        said = [t for t in dms(rt, "alice") if f"Run #{rid} (recipe digits) stopped" in t]
+        assert len(said) == 1, dms(rt, "alice")
+        assert "its time limit (Slurm's limit in partition short, 10m)" in said[0], said
+        assert f"checkpoint at step {saved}: `/gpu run --resume {rid}`" in said[0], said
+        assert not any(f"Run #{rid} was interrupted" in t for t in dms(rt, "alice"))
+
+        again = int(runs.submit(alice, Run(resume=rid)).extra["run_id"])
+
+        def resumed() -> bool:
+            raw = Path(str(_run(rt, again).placement.get("status", "/nonexistent")))
+            status = parse_status(raw.read_text()) if raw.exists() else None
+            return status is not None and status.resumed_from_step == saved
+
+        _until(resumed, "the resumed run went on from the saved step", step)
+        runs.cancel(alice, Cancel(again))
+        _until(lambda: _run(rt, again).finished_at is not None, "the resumed run ended", step)
+    finally:
+        rt.engine.dispose()

@@ -12,7 +12,12 @@ from typing import Any
 
 from sqlmodel import col, select
 
-from bot.app.agentwatch import requeue_resumable, resumable_stop
+from bot.app.agentwatch import (
+    checkpoint_dir,
+    requeue_resumable,
+    resumable_stop,
+    save_for_resume,
+)
 from bot.app.runs.context import STARTING_GRACE, RunContext
 from bot.app.runs.records import RunRecords
 from bot.domain import views
@@ -171,6 +176,17 @@ class Poller:
                 if self._retry_oom(run.id, status, placement):
                     continue
                 summary["error"] = f"{summary.get('error') or 'out of GPU memory'}. {OOM_ADVICE}"
+            if status is not None and status.state == "time_limit" and node_failed is None:
+                # Stopped at its limit with a checkpoint: kept here, so that
+                # `/gpu run --resume ID` goes on from it wherever the next run lands.
+                saved = save_for_resume(
+                    checkpoint_dir(self.ctx.core.settings.home, run.id),
+                    run.id,
+                    functools.partial(executor.save_checkpoint, placement),
+                    status,
+                )
+                if saved is not None:
+                    summary["resume_step"] = saved
             ended = executor.ended_at(run.id, placement)
             self.records.finish(run.id, state, exit_code, summary, tail, status, ended)
             finished += 1

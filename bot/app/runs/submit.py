@@ -6,12 +6,16 @@ here, before anything is queued."""
 from __future__ import annotations
 
 import logging
+import shlex
 import uuid
+from datetime import timedelta
+from typing import Any
 
 from sqlmodel import Session, col, select
 
 from bot.app import budgets, sources
 from bot.app.access import audit
+from bot.app.agentwatch import checkpoint_dir
 from bot.app.ports import Actor, PlaceRequest
 from bot.app.runs.context import RECIPES, USAGE_RUN, FleetHost, RunContext, read_fleet
 from bot.domain import code_sources, views
@@ -40,6 +44,9 @@ class Submissions:
         refusal = self.ctx.gate.run_refusal(actor)
         if refusal is not None:
             raise UserError(refusal)  # who may, not how: no usage line
+        resume_from: dict[str, Any] | None = None
+        if cmd.resume is not None:
+            cmd, resume_from = self._resumed(actor, cmd)
         if cmd.interactive:
             raise UserError(
                 "Say what to run: `--recipe digits` or `-- python train.py`.", USAGE_RUN
@@ -107,9 +114,67 @@ class Submissions:
                 options=dict(cmd.options),
                 place=dict(cmd.place),
             )
+            if resume_from is not None:  # bot.app.agentwatch: uploaded before it starts
+                run.placement = {"resume_from": resume_from}
             s.add(run)
             s.flush()
-            return self._queued_reply(s, run).with_note(picked).with_note(note)
+            reply = self._queued_reply(s, run).with_note(picked).with_note(note)
+            if resume_from is not None:
+                reply = reply.with_note(
+                    f"It goes on from run #{resume_from['of_run']}'s checkpoint at step "
+                    f"{resume_from['step']}."
+                )
+            return reply
+
+    def _resumed(self, actor: Actor, cmd: Run) -> tuple[Run, dict[str, Any]]:
+        """`--resume ID`: run ID as it was asked for (its --max, or the one given now; its
+        place options, or those given now), starting from the checkpoint the bot kept
+        when it stopped at its time limit (RunPoller, bot.app.agentwatch.save_for_resume)."""
+        assert cmd.resume is not None
+        with Session(self.ctx.engine) as s:
+            old = s.get(TrainingRun, cmd.resume)
+            owner = s.get(User, old.user_id) if old is not None else None
+        if old is None or owner is None or owner.key != actor.key:
+            raise UserError(f"You have no run #{cmd.resume} to resume.", USAGE_RUN)
+        if old.state in RUN_OPEN_STATES:
+            raise UserError(
+                f"Run #{old.id} has not ended; a run is resumed after it stopped at its "
+                "time limit.",
+                USAGE_RUN,
+            )
+        step = (old.metrics.get("summary") or {}).get("resume_step")
+        local = checkpoint_dir(self.ctx.core.settings.home, cmd.resume)
+        if not isinstance(step, int) or not any(p.is_file() for p in local.rglob("*")):
+            raise UserError(
+                f"Run #{old.id} left no checkpoint to go on from (only a run that stopped at "
+                "its time limit after saving one does); start it afresh with `/gpu run`.",
+                USAGE_RUN,
+            )
+        max_s = old.max_seconds
+        again = Run(
+            command=tuple(shlex.split(old.command)) if old.command else (),
+            recipe=old.recipe,
+            gpus=old.gpu_count,
+            model=old.gpu_model,
+            precision=old.precision,
+            max_duration=cmd.max_duration or (timedelta(seconds=max_s) if max_s else None),
+            spot=old.spot,
+            source=old.source,
+            options=tuple((k, float(v)) for k, v in old.options.items()),
+            checkpoints=old.checkpoints,
+            place=cmd.place or tuple((k, str(v)) for k, v in old.place.items()),
+        )
+        resume_from = {
+            "dir": str(local),
+            "step": step,
+            "host": "",
+            "reason": f"resumed from run #{old.id}",
+            "count": 0,
+            "of_run": old.id,
+            "copied_files": 0,
+            "lost_seen": [],
+        }
+        return again, resume_from
 
     def _submit_sweep(
         self, s: Session, cmd: Run, user: User, model: str, request_key: str | None

@@ -20,13 +20,14 @@ so it sees that job's GPUs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from bot.app.remote import PreparedHost
 from bot.app.runs.command import runner_command
 from bot.app.runs.executor import Look, PrepareCode, StartFailed, Unavailable
 from bot.domain.clock import Clock
+from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from bot.providers.slurm.cluster import RUN_PREFIX, ClusterView, Snapshot, gpubot_id, job_name
 from bot.providers.slurm.holds import pending_words
@@ -51,6 +53,7 @@ from provisioning.slurm import (
     parse_started,
 )
 from provisioning.ssh import RunResult, SshError, SshRunner, SshTarget, UploadReport
+from training.exitcodes import EXIT_TIME_LIMIT
 from training.status import RunStatus, parse_status
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,15 @@ log = logging.getLogger(__name__)
 WATCH_EVERY_S = 1.0
 # The least time between two reads of one job to confirm what its files said.
 CONFIRM_EVERY_S = 5.0
+# slurmctld looks at time limits (and sends --signal's warning) about every 30 s; a stop
+# this much before the warning was due is not the warning's.
+LIMIT_SLACK_S = 60
+
+
+def _signal_lead_s(signal: str | None) -> int | None:
+    """`B:TERM@120` → 120: how long before its limit Slurm warns the job."""
+    found = re.search(r"@(\d+)$", signal or "")
+    return int(found.group(1)) if found else None
 
 
 # A log's last line that says the run's interpreter could not start at all.
@@ -325,6 +337,13 @@ class SlurmExecutor:
             rate = next(iter(self.rates.values()), None) if len(self.rates) == 1 else None
         alive = job is not None and not job.finished
         ended = None if alive else self._ending(placement, job, status)
+        if not alive and status is not None and self._warned_of_limit(placement, line, status):
+            # Slurm's warning before its limit (--signal) looks like a preemption to the
+            # runner (SIGTERM: save, exit 75); near the limit it was the limit: the run
+            # ends there, with its checkpoint kept for `/gpu run --resume`.
+            status = dataclasses.replace(status, state="time_limit", exit_code=EXIT_TIME_LIMIT)
+            limit = format_duration(timedelta(seconds=int(placement.get("limit_s") or 0)))
+            ended = f"Slurm's limit in partition {placement.get('partition', '?')}, {limit}"
         return Look(
             alive=alive,
             status=status,
@@ -333,6 +352,20 @@ class SlurmExecutor:
             started_at=started_at,
             ended=ended,
         )
+
+    def _warned_of_limit(
+        self, placement: dict[str, Any], line: StartedLine | None, status: RunStatus
+    ) -> bool:
+        """The runner stopped on SIGTERM (exit 75) at about the time Slurm warns of its
+        limit (--signal's lead before `limit_s`, give or take slurmctld's 30-s check)."""
+        if status.state != "preempted" or line is None or line.started_at is None:
+            return False
+        lead = _signal_lead_s(self.lab.signal)
+        limit = int(placement.get("limit_s") or 0)
+        if lead is None or not limit or status.heartbeat_at is None:
+            return False
+        ran = status.heartbeat_at - line.started_at.timestamp()
+        return ran >= limit - lead - LIMIT_SLACK_S
 
     def _ending(
         self, placement: dict[str, Any], job: SlurmJob | None, status: RunStatus | None
