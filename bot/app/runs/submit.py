@@ -131,7 +131,7 @@ class Submissions:
         place options, or those given now), starting from the checkpoint the bot kept
         when it stopped at its time limit (RunPoller, bot.app.agentwatch.save_for_resume)."""
         assert cmd.resume is not None
-        with Session(self.ctx.engine) as s:
+        with transaction(self.ctx.engine, write=False) as s:
             old = s.get(TrainingRun, cmd.resume)
             owner = s.get(User, old.user_id) if old is not None else None
         if old is None or owner is None or owner.key != actor.key:
