@@ -8,7 +8,6 @@ not merely that the config file parses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import boto3
@@ -16,19 +15,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from provisioning.aws import CLIENT_CONFIG, Ec2Settings, aws_error_text, make_session
 from provisioning.base import ProvisioningError
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the doctor's answer."""
-
-    # What was checked ("AWS credentials", "EC2 key pair", …).
-    name: str
-    ok: bool
-    # What was found, in words a teammate understands.
-    detail: str
-    # What to do about it; empty when ok.
-    fix: str = ""
+from provisioning.checks import Check
 
 
 def check_aws(settings: Ec2Settings, *, session: boto3.Session | None = None) -> list[Check]:

@@ -34,7 +34,7 @@ from bot.app.config import ConfigError, Settings, load_settings
 from bot.providers.base import SSH_TIMEOUT_S, AwsProbe, Note, NvmlProbe, Probes, guarded
 from db.migrate import current_revision, head_revision
 from db.session import make_engine
-from provisioning.aws_doctor import Check
+from provisioning.checks import Check
 from provisioning.ssh import SshTarget
 
 __all__ = ["Check", "Note", "doctor", "render", "run_checks"]

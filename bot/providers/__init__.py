@@ -21,9 +21,9 @@ from bot.providers.local import LocalProvider
 from bot.providers.slurm import SlurmProvider
 from bot.providers.ssh import SshProvider
 from provisioning.aws import Ec2Compute
-from provisioning.aws_doctor import Check
 from provisioning.base import Compute
 from provisioning.catalog import Catalog
+from provisioning.checks import Check
 from provisioning.hosts import LocalCompute, StaticHostsCompute
 from provisioning.ssh import SshRunner
 

@@ -37,10 +37,11 @@ from bot.app.runs.processes import ProcessExecutor
 from bot.domain import views
 from bot.providers.base import Parts, Probes, for_hosts
 from provisioning.aws import DLAMI_SSM_PARAMETER, Ec2Compute, Ec2Settings, make_session
-from provisioning.aws_doctor import Check, check_aws
+from provisioning.aws_doctor import check_aws
 from provisioning.base import ProvisioningError
 from provisioning.bootstrap import DEFAULT_METADATA_URL
 from provisioning.catalog import Catalog
+from provisioning.checks import Check
 from provisioning.ssh import InstanceResolver, SshRunner
 
 if TYPE_CHECKING:

@@ -24,9 +24,9 @@ from bot.app.ports import Supply
 from bot.app.remote import Prepare, bootstrap_prepare
 from bot.domain.readmodels import HostState
 from provisioning.aws import Ec2Settings
-from provisioning.aws_doctor import Check
 from provisioning.base import Compute
 from provisioning.catalog import Catalog
+from provisioning.checks import Check
 from provisioning.ssh import Resolver, SshRunner, SshTarget
 
 if TYPE_CHECKING:

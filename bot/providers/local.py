@@ -25,8 +25,8 @@ from bot.app.runaccount import RunAccount, bot_pip_env, run_account_fix
 from bot.app.runs import LocalAccess, RunService
 from bot.providers.base import Note, NvmlProbe, Parts, Probes, guarded
 from provisioning import shell
-from provisioning.aws_doctor import Check
 from provisioning.catalog import Catalog
+from provisioning.checks import Check
 from provisioning.hosts import LocalCompute
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.ssh import SshError, SshRunner

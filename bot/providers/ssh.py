@@ -28,9 +28,9 @@ from bot.domain.readmodels import HostState
 from bot.providers.base import SSH_TIMEOUT_S, Parts, Probes, for_hosts
 from db.models import HOST_CHECKING, HOST_UNREACHABLE, Host
 from db.session import transaction
-from provisioning.aws_doctor import Check
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
+from provisioning.checks import Check
 from provisioning.hosts import HostEntryError, StaticHost, StaticHostsCompute, parse_host_entries
 from provisioning.ssh import SshClient, SshError, SshRunner, SshTarget, StaticResolver
 

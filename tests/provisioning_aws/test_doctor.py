@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from provisioning.aws_doctor import Check, check_aws
+from provisioning.aws_doctor import check_aws
+from provisioning.checks import Check
 from tests.provisioning_aws.conftest import REGION, AwsLab, fresh_session
 
 NAMES = [

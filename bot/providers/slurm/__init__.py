@@ -58,10 +58,10 @@ from bot.providers.slurm.runs import ClusterEnv, ClusterSeat, SlurmExecutor
 from db.models import User
 from db.session import transaction
 from provisioning import shell
-from provisioning.aws_doctor import Check
 from provisioning.base import Instance
 from provisioning.bootstrap import bootstrap
 from provisioning.catalog import Catalog
+from provisioning.checks import Check
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.slurm import SUBMIT_MODES, JobSpec, SlurmClient, SlurmError
 from provisioning.ssh import SshRunner, SshTarget, parse_address
