@@ -31,7 +31,7 @@ from bot.app.digest import digest_for, digest_view, post_digest, write_csv
 from bot.domain.clock import SystemClock
 from bot.domain.errors import UserError
 from bot.faces.doctor import doctor
-from bot.faces.runtime import build_runtime
+from bot.faces.runtime import build_runtime, open_database
 from bot.faces.simulate_cli import simulate
 from bot.faces.slack.cli import default_host as slack_default_host
 from bot.faces.slack.cli import manifest as slack_manifest
@@ -320,12 +320,11 @@ def worker(
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Brings the database schema to the latest revision (the app also does this on start)."""
-    from db.migrate import upgrade
-    from db.session import make_engine
+    from db.migrate import head_revision
 
     settings = _settings()
-    engine = make_engine(settings.sqlalchemy_url)
-    head = upgrade(engine)
+    engine = open_database(settings)
+    head = head_revision()
     typer.echo(f"database at revision {head} ({engine.url.render_as_string(hide_password=True)})")
 
 
@@ -334,12 +333,10 @@ def db_rebuild_rollups() -> None:
     """Recomputes the cost rollups and fair-share counters from the raw usage intervals
     (after upgrading from a version without them, or to repair them)."""
     from bot.app.rollups import rebuild_rollups
-    from db.migrate import upgrade
-    from db.session import lock_pool, make_engine, transaction
+    from db.session import lock_pool, transaction
 
     settings = _settings()
-    engine = make_engine(settings.sqlalchemy_url)
-    upgrade(engine)
+    engine = open_database(settings)
     with transaction(engine) as s:
         lock_pool(s)  # nothing closes an interval meanwhile
         rows = rebuild_rollups(s)
@@ -360,13 +357,10 @@ def hosts_forget(
     """
     from bot.app.hostadmin import forget_host
     from bot.providers import owners
-    from db.migrate import upgrade
-    from db.session import make_engine
     from provisioning.ssh import SshClient
 
     settings = _settings()
-    engine = make_engine(settings.sqlalchemy_url)
-    upgrade(engine)
+    engine = open_database(settings)
     key = os.environ.get("GPUBOT_SSH_KEY", "").strip()
     client = SshClient()
     try:
@@ -454,12 +448,9 @@ def digest_command(
     from bot.app.service import GpuService
     from bot.faces.replay import SimReplayer
     from bot.faces.terminal import render
-    from db.migrate import upgrade
-    from db.session import make_engine
 
     settings = _settings()
-    engine = make_engine(settings.sqlalchemy_url)
-    upgrade(engine)
+    engine = open_database(settings)
     service = GpuService(engine, settings, SystemClock())
     try:
         d = digest_for(service, week or None, replay=SimReplayer())

@@ -31,9 +31,9 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from bot import providers
 from bot.app.config import ConfigError, Settings, load_settings
+from bot.faces.runtime import open_database
 from bot.providers.base import SSH_TIMEOUT_S, AwsProbe, Note, NvmlProbe, Probes, guarded
 from db.migrate import current_revision, head_revision
-from db.session import make_engine
 from provisioning.checks import Check
 from provisioning.ssh import SshTarget
 
@@ -160,7 +160,7 @@ def check_database(settings: Settings) -> list[Check]:
                     upgrade_fix,
                 )
             ]
-    engine = make_engine(settings.sqlalchemy_url)
+    engine = open_database(settings, upgraded=False)  # it only looks
     try:
         current = current_revision(engine)
     except SQLAlchemyError as exc:

@@ -39,7 +39,14 @@ from provisioning.ssh import Resolver, SshClient, SshRunner
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RUN_AS_MISSING", "Runtime", "build_runtime", "private_database", "private_home"]
+__all__ = [
+    "RUN_AS_MISSING",
+    "Runtime",
+    "build_runtime",
+    "open_database",
+    "private_database",
+    "private_home",
+]
 
 
 @dataclass
@@ -87,6 +94,21 @@ def private_database(settings: Settings) -> None:
             path.chmod(0o600)
 
 
+def open_database(settings: Settings, *, upgraded: bool = True) -> Engine:
+    """The one place an entry point gets its database: $GPUBOT_HOME made private, the
+    schema brought to the head (and the rollups it brought filled once), the SQLite file
+    0600. `upgraded=False` only connects (the doctor, which looks and changes nothing).
+    Every face is handed this engine; none makes its own."""
+    if not upgraded:
+        return make_engine(settings.sqlalchemy_url)
+    private_home(settings.home)
+    engine = make_engine(settings.sqlalchemy_url)
+    upgrade(engine)
+    backfill_rollups(engine)  # once, after the upgrade that brought rollups in
+    private_database(settings)
+    return engine
+
+
 def build_runtime(
     settings: Settings,
     clock: Clock | None = None,
@@ -102,11 +124,7 @@ def build_runtime(
     SSH client, and how a host is made ready on first use (tests: loopback sshd hosts, no
     bootstrap). `runs_as_self=False` (`gpubot serve`): on the local provider without
     GPUBOT_RUN_AS, runs are refused rather than run as the bot's own user."""
-    private_home(settings.home)
-    engine = make_engine(settings.sqlalchemy_url)
-    upgrade(engine)
-    backfill_rollups(engine)  # once, after the upgrade that brought rollups in
-    private_database(settings)
+    engine = open_database(settings)
     runner = ssh or SshClient()
     providers = (
         [for_compute(compute, settings)]

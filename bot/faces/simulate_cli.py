@@ -142,8 +142,7 @@ def _history_jobs(window: str, prices: Path | None, gpu_type: str) -> list[Trace
     from bot.app.config import ConfigError, load_settings
     from bot.app.history_trace import history_trace
     from bot.domain.durations import parse_duration
-    from db.migrate import upgrade
-    from db.session import make_engine
+    from bot.faces.runtime import open_database
 
     span = parse_duration(window)
     if span is None:
@@ -152,8 +151,7 @@ def _history_jobs(window: str, prices: Path | None, gpu_type: str) -> list[Trace
         settings = load_settings()
     except ConfigError as exc:
         raise _fail(exc.text) from None
-    engine = make_engine(settings.sqlalchemy_url)
-    upgrade(engine)
+    engine = open_database(settings)
     now = datetime.now(UTC)
     text, skipped = history_trace(engine, now - span, now)
     if skipped:

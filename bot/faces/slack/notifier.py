@@ -318,15 +318,11 @@ def upload_file(
 
 
 def from_settings(
-    settings: Settings, engine: Engine | None = None, clock: Clock | None = None
+    settings: Settings, engine: Engine, clock: Clock | None = None
 ) -> SlackNotifier | None:
     """The notifier for `gpubot worker` and `serve`, its delivery facts in the bot's
-    database (`engine`, or one opened from the settings); None when no bot token is set."""
+    database (the runtime's engine); None when no bot token is set."""
     if not settings.slack_bot_token:
         return None
-    if engine is None:
-        from db.session import make_engine
-
-        engine = make_engine(settings.sqlalchemy_url)
     facts = StoredDeliveryLog(engine, clock or SystemClock())
     return SlackNotifier(make_client(settings), settings.channel, facts)
