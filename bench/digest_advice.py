@@ -259,7 +259,7 @@ def run() -> dict[str, object]:
     t0 = time.perf_counter()
     svc, counts = build(f"sqlite:///{tmp / 'gpubot.db'}")
     build_s = time.perf_counter() - t0
-    replay = SimReplayer()
+    replay = SimReplayer(Catalog.load())  # the shipped prices: figures comparable run to run
     yard: list[float] = []
     plain = _median_ms(lambda: digest_for(svc, WEEK), yard)
     advised = _median_ms(lambda: digest_view(digest_for(svc, WEEK, replay=replay)), yard)

@@ -37,6 +37,7 @@ from bot.app.advice import WeekReport, report_blocks, report_csv, report_for
 from bot.app.billing import WindowCosts, dearest_runs, shown_cents, window_costs
 from bot.app.billing import host_periods as load_periods
 from bot.app.config import Settings, parse_weekly_time
+from bot.app.prices import priced_catalog
 from bot.domain import timefmt, views
 from bot.domain.durations import ascii_digits
 from bot.domain.errors import UserError
@@ -437,7 +438,7 @@ def digest_for(
     wastes and what one setting would have saved (bot.app.advice)."""
     now = service.clock.now()
     year, wk = parse_week(week) if week else last_complete_week(now, service.settings.timezone)
-    catalog = Catalog.load()
+    catalog = priced_catalog(service.settings)
     with transaction(service.engine, write=False) as s:
         d = build_digest(s, year, wk, now, service.settings, catalog)
     if replay is None:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
-from bot.app.config import Settings
 from bot.domain.commands import Recommend
 from bot.domain.errors import UserError
 from bot.domain.views import Context, Header, Table, Text, View, as_of_phrase
@@ -50,31 +48,6 @@ THROUGHPUT_SOURCE = (
     "A10G: the A10's figure)"
 )
 SHOWN = 5
-
-
-_loaded: dict[Path, tuple[int, Catalog]] = {}
-
-
-def priced_catalog(settings: Settings) -> Catalog:
-    """The catalog the bot quotes from: the refreshed file (`gpubot prices refresh`) when
-    it exists, else the shipped snapshot. Re-read when the file changes, so a refresh
-    reaches a running bot without a restart."""
-    path = settings.prices_path
-    try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        stamp = -1  # no refreshed file: the shipped one
-    cached = _loaded.get(path)
-    if cached is None or cached[0] != stamp:
-        try:
-            cached = (stamp, Catalog.load(prefer=path))
-        except ValueError as exc:
-            raise UserError(
-                f"The refreshed price file is unreadable ({exc}). An admin can run "
-                "`gpubot prices refresh` again or delete the file."
-            ) from None
-        _loaded[path] = cached
-    return cached[1]
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from bot.adapters.logs import setup_logging
 from bot.adapters.metrics import OpsApp
 from bot.app.config import ConfigError, Settings, load_settings
 from bot.app.digest import digest_for, digest_view, post_digest, write_csv
+from bot.app.prices import priced_catalog
 from bot.domain.clock import SystemClock
 from bot.domain.errors import UserError
 from bot.faces.doctor import doctor
@@ -453,7 +454,7 @@ def digest_command(
     engine = open_database(settings)
     service = GpuService(engine, settings, SystemClock())
     try:
-        d = digest_for(service, week or None, replay=SimReplayer())
+        d = digest_for(service, week or None, replay=SimReplayer(priced_catalog(settings)))
     except UserError as exc:
         typer.echo(f"gpubot: {exc.text}", err=True)
         raise typer.Exit(2) from None

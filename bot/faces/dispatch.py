@@ -14,7 +14,8 @@ from bot.app.billing import team_cost_view
 from bot.app.budgets import budget_command
 from bot.app.fleet import pool as fleet_pool
 from bot.app.idle import keep as idle_keep
-from bot.app.recommend import priced_catalog, recommend_view
+from bot.app.prices import priced_catalog
+from bot.app.recommend import recommend_view
 from bot.app.runs import RunService
 from bot.app.service import Actor, GpuService
 from bot.app.utilization import util_reply
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 @lru_cache(maxsize=1)
 def _catalog() -> Catalog:
+    # Model names only (bot.app.prices: a refresh does not change them).
     return Catalog.load()
 
 
@@ -160,13 +162,15 @@ def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
     # What the providers add about prices (a cluster whose rate is not set).
     note = service.display.cost_note()
     if cmd.scope == "team":
-        bill = service.team_bill(cmd.period, _catalog())
+        bill = service.team_bill(cmd.period, priced_catalog(service.settings))
         view = team_cost_view(bill, cmd.period, service.settings.timezone)
         if cmd.period == "week":  # the week so far's wastes and what a setting would save
             from bot.faces.replay import team_week_blocks  # the simulator: only when asked
 
             view = views.View(
-                view.text, view.blocks + team_week_blocks(service, bill.window, _catalog())
+                view.text,
+                view.blocks
+                + team_week_blocks(service, bill.window, priced_catalog(service.settings)),
             )
         return views.Reply(view).with_note(note)
     who = actor.key if cmd.scope == "me" else (cmd.user.key if cmd.user else None)

@@ -16,6 +16,7 @@ from bot.app.advice import report_blocks, report_for
 from bot.app.digest import digest_job
 from bot.app.history_trace import HistoryRun
 from bot.app.ports import ReplayOutcome
+from bot.app.prices import priced_catalog
 from bot.domain.scheduling import SchedulerConfig
 from bot.sim.simulate import TraceJob, run_simulation
 from provisioning.catalog import Catalog
@@ -47,8 +48,8 @@ def trace_jobs(jobs: Sequence[HistoryRun], catalog: Catalog) -> list[TraceJob]:
 class SimReplayer:
     """`Replayer` over `bot.sim.simulate.run_simulation`, with one catalog for all calls."""
 
-    def __init__(self, catalog: Catalog | None = None) -> None:
-        self.catalog = catalog or Catalog.load()
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
 
     def __call__(
         self,
@@ -83,7 +84,7 @@ class SimReplayer:
 def weekly_digest_job(service: GpuService) -> None:
     """The worker's weekly digest with its advice (APScheduler restores module-level
     functions only, so the simulator is bound here rather than in a lambda)."""
-    digest_job(service, replay=SimReplayer())
+    digest_job(service, replay=SimReplayer(priced_catalog(service.settings)))
 
 
 def team_week_blocks(service: GpuService, window: Window, catalog: Catalog) -> tuple[Block, ...]:

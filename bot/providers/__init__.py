@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
+from bot.app.prices import priced_catalog
 from bot.domain.readmodels import HostState
 from bot.providers.aws import AwsProvider
 from bot.providers.base import Note, Parts, Probes, Provider, ProviderKind, guarded
@@ -101,7 +102,7 @@ class _Listed(PlainDisplay):
 
     def __init__(self, settings: Settings, compute: Compute) -> None:
         self._compute = compute
-        self._catalog = Catalog.load(prefer=settings.prices_path)
+        self._catalog = priced_catalog(settings)
 
     @property
     def compute(self) -> Compute:

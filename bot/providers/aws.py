@@ -31,6 +31,7 @@ from bot.app.config import ConfigError, Settings
 from bot.app.fleet import CatalogSupply, Fleet, attach
 from bot.app.hostcheck import HostChecker
 from bot.app.ports import PlainDisplay, Supply
+from bot.app.prices import priced_catalog
 from bot.app.remote import RemoteAccess
 from bot.app.runs import RunService
 from bot.app.runs.processes import ProcessExecutor
@@ -87,7 +88,7 @@ class AwsProvider(PlainDisplay):
             return cls(
                 Ec2Compute(
                     aws,
-                    Catalog.load(prefer=settings.prices_path),
+                    priced_catalog(settings),
                     session=instrument_boto3_session(make_session(aws.region)),
                 )
             )

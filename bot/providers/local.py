@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
+from bot.app.prices import priced_catalog
 from bot.app.runaccount import RunAccount, bot_pip_env, run_account_fix
 from bot.app.runs import LocalAccess, RunService
 from bot.providers.base import Note, NvmlProbe, Parts, Probes, guarded
@@ -66,7 +67,7 @@ class LocalProvider(PlainDisplay):
                 else LocalCompute(slots=settings.local_slots)
             )
         self._compute = compute
-        self._catalog = Catalog.load(prefer=settings.prices_path)
+        self._catalog = priced_catalog(settings)
 
     @classmethod
     def from_env(

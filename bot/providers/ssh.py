@@ -21,6 +21,7 @@ from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
 from bot.app.hostcheck import HostChecker
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
+from bot.app.prices import priced_catalog
 from bot.app.remote import RemoteAccess
 from bot.app.runs import RunService
 from bot.app.runs.processes import ProcessExecutor
@@ -46,7 +47,7 @@ class SshProvider(PlainDisplay):
 
     def __init__(self, settings: Settings, compute: StaticHostsCompute) -> None:
         self._compute = compute
-        self._catalog = Catalog.load(prefer=settings.prices_path)
+        self._catalog = priced_catalog(settings)
 
     @classmethod
     def from_env(cls, settings: Settings, env: Mapping[str, str], runner: SshRunner) -> SshProvider:

@@ -50,6 +50,7 @@ from bot.app.fleet.idlestop import IdleStopper
 from bot.app.fleet.pool import POOL_USAGE, CatalogSupply, launchable, pool, pool_view
 from bot.app.fleet.provision import Buyer
 from bot.app.fleet.reconcile import Reconciler
+from bot.app.prices import priced_catalog
 from bot.app.remote import RemoteAccess
 from bot.app.service import GpuService
 from provisioning.base import Instance
@@ -89,7 +90,11 @@ class Fleet:
         after_launch: Callable[[Instance], None] | None = None,
     ) -> None:
         self.ctx = FleetContext(
-            service, compute, access, catalog or Catalog.load(), after_launch=after_launch
+            service,
+            compute,
+            access,
+            catalog or priced_catalog(service.settings),
+            after_launch=after_launch,
         )
         # How often a cycle also reconciles (the first cycle always does).
         self.reconcile_every_s = reconcile_every_s

@@ -11,6 +11,7 @@ from sqlmodel import col, func, select
 
 from bot.app.access import audit
 from bot.app.fleet.common import RUNNING_STATES
+from bot.app.prices import priced_catalog
 from bot.app.service import Actor, GpuService
 from bot.domain import views
 from bot.domain.commands import Pool
@@ -82,7 +83,7 @@ def pool(service: GpuService, actor: Actor, cmd: Pool) -> views.Reply:
         raise UserError(
             "Say what to set: `max=N` instances and/or `spend=USD` per hour.", POOL_USAGE
         )
-    catalog = Catalog.load()
+    catalog = priced_catalog(service.settings)
     if catalog.get(cmd.instance_type) is None:
         raise UserError(
             f"`{cmd.instance_type}` is not an instance type the catalog knows; "

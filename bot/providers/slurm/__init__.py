@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
 from bot.app.ports import FIXED_POOL, Supply
+from bot.app.prices import priced_catalog
 from bot.app.remote import PreparedHost, bootstrap_prepare
 from bot.app.runaccount import bot_pip_env
 from bot.app.runs import RunService
@@ -105,7 +106,7 @@ class SlurmProvider:
         files: SshRunner | None = None,
     ) -> None:
         self.settings = settings
-        self._catalog = Catalog.load(prefer=settings.prices_path)
+        self._catalog = priced_catalog(settings)
         self.workdir = env.get("GPUBOT_SLURM_WORKDIR", "").strip() or str(
             (settings.home / "slurm").resolve()
         )
