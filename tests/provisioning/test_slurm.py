@@ -120,11 +120,13 @@ def test_jobs_hold_gpus_pend_for_resources_and_are_ended(slurm: SlurmClient) -> 
     second = slurm.submit(spec("second", gpus=2, gpu_type="a100", partition="long", requeue=True))
     until(in_state(slurm, second, "RUNNING"), f"job {second} running")
     third = slurm.submit(spec("third", gpus=1, gpu_type="a100", time_limit_s=120))
+    # Its reason comes from the main scheduler, its expected start from the backfill one,
+    # a pass later: wait for both (asserting the start at the first sight was a flake).
     waiting = until(
-        job_where(slurm, third, lambda j: j.reason == "Resources"),
-        f"job {third} pending for Resources",
+        job_where(slurm, third, lambda j: j.reason == "Resources" and j.expected_start is not None),
+        f"job {third} pending for Resources, with an expected start",
     )
-    assert waiting.state == "PENDING" and waiting.expected_start is not None
+    assert waiting.state == "PENDING"
 
     jobs = {j.job_id: j for j in slurm.jobs()}  # one squeue call: all three
     assert {first, second, third} <= set(jobs)

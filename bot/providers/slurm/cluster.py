@@ -60,6 +60,15 @@ def gpubot_id(job: SlurmJob, prefix: str) -> int | None:
     return int(rest) if job.name.startswith(prefix) and rest.isdigit() else None
 
 
+# A read that takes longer than this (a healthy slurmctld answers squeue and sinfo in a
+# fraction of a second) says the controller is busy: the next waits SLOW_READ_FACTOR times
+# as long as it took (the cache's own time at least).
+SLOW_READ_S = 2.0
+SLOW_READ_FACTOR = 10
+# While the controller does not answer, reads wait cache_s, then 2×, 4×, … up to this ×.
+BACKOFF_MAX = 8
+
+
 @dataclass(frozen=True)
 class Snapshot:
     nodes: tuple[SlurmNode, ...]
@@ -91,27 +100,49 @@ class ClusterView:
         self.down_reason: str = ""
         self._synced: tuple[object, ...] | None = None
         self._kept: dict[str, tuple[float, object]] = {}
+        self._ttl = cache_s  # cache_s, or longer after a slow read
+        self._failures = 0  # reads in a row the controller did not answer
+        self._retry_at = 0.0  # time.monotonic() before which a down controller is not asked
 
     def read(self, *, fresh: bool = False) -> Snapshot | None:
-        """The cluster as last read, read again when older than `cache_s` (or `fresh`);
-        None when it has never answered."""
+        """The cluster as last read, read again when older than its time to live (or
+        `fresh`); None when it has never answered. The time to live is `cache_s`, longer
+        while the controller is slow (SLOW_READ_S: SLOW_READ_FACTOR × the read's own time),
+        and while it does not answer the reads back off (doubling from `cache_s` up to
+        BACKOFF_MAX × `cache_s`), fresh ones too: a struggling slurmctld is not hammered."""
         with self._lock:
             snap = self._snap
-            if snap is not None and not fresh and time.monotonic() - snap.at < self.cache_s:
+            now = time.monotonic()
+            if self.down_since is not None and now < self._retry_at:
+                return snap
+            if snap is not None and not fresh and now - snap.at < self._ttl:
                 return snap
             taken = self.clock()
             try:
                 nodes = [n for n in self.client.nodes() if self._ours(n)]
                 jobs = self.client.jobs()
             except SlurmUnavailable as exc:
+                self._failures += 1
+                wait = self.cache_s * min(2 ** (self._failures - 1), BACKOFF_MAX)
+                self._retry_at = time.monotonic() + wait
                 if self.down_since is None:
                     self.down_since = self.clock()
                     log.warning("the Slurm controller is not answering: %s", exc)
                 self.down_reason = str(exc)
                 return snap
+            took = time.monotonic() - now
             if self.down_since is not None:
                 log.warning("the Slurm controller answers again")
-            self.down_since, self.down_reason = None, ""
+            self.down_since, self.down_reason, self._failures = None, "", 0
+            self._ttl = (
+                max(self.cache_s, SLOW_READ_FACTOR * took) if took > SLOW_READ_S else self.cache_s
+            )
+            if took > SLOW_READ_S:
+                log.info(
+                    "the Slurm controller took %.1f s to answer; next read in %.0f s",
+                    took,
+                    self._ttl,
+                )
             self._snap = Snapshot(tuple(nodes), tuple(jobs), time.monotonic(), taken)
             return self._snap
 
