@@ -25,6 +25,7 @@ database password), and on this machine the bot's process sits right next to it,
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import posixpath
 import pwd
@@ -105,8 +106,10 @@ class Account:
             ) from None
         return cls(name, entry.pw_uid, entry.pw_gid, entry.pw_dir, _usable_shell(entry.pw_shell))
 
+    @functools.cached_property
     def groups(self) -> list[int]:
-        """Its supplementary groups (initgroups' list), without its primary one."""
+        """Its supplementary groups (initgroups' list), without its primary one: looked
+        up once (an NSS lookup), not at every command."""
         return [g for g in os.getgrouplist(self.name, self.gid) if g != self.gid]
 
     @classmethod
@@ -200,7 +203,7 @@ class LocalRunner:
                 group=self.account.gid if switch else None,
                 # Its groups too, as a login gets them (a lab's work directory is
                 # shared with the bot account through one).
-                extra_groups=self.account.groups() if switch else None,
+                extra_groups=self.account.groups if switch else None,
                 umask=0o022,
             )
         except OSError as exc:

@@ -290,6 +290,11 @@ def checkpoint_dir(home: str | Path, run_id: int) -> Path:
     return Path(home).resolve() / "checkpoints" / str(run_id)
 
 
+def holds_files(local: Path) -> bool:
+    """Whether a kept checkpoint directory has anything to resume from."""
+    return local.is_dir() and any(p.is_file() for p in local.rglob("*"))
+
+
 def save_for_resume(
     local: Path, run_id: int, copy: Callable[[Path], int], status: RunStatus
 ) -> int | None:
@@ -303,7 +308,7 @@ def save_for_resume(
     except (SshError, OSError) as exc:
         log.warning("could not keep run %s's checkpoint: %s", run_id, exc)
         return None
-    have = local.is_dir() and any(p.is_file() for p in local.rglob("*"))
+    have = holds_files(local)
     return status.checkpoint_step if have else None
 
 
@@ -336,7 +341,7 @@ def requeue_resumable(
         copied = copy(local)
     except (SshError, OSError) as exc:
         log.warning("could not copy run %s's checkpoint from %s: %s", run_id, host, exc)
-    have = local.is_dir() and any(p.is_file() for p in local.rglob("*"))
+    have = holds_files(local)
     step = status.checkpoint_step if status is not None else None
     if have and step is None and previous.get("dir"):
         step = previous.get("step")  # nothing newer was written; the old copy still holds

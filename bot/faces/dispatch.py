@@ -162,15 +162,14 @@ def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
     # What the providers add about prices (a cluster whose rate is not set).
     note = service.display.cost_note()
     if cmd.scope == "team":
-        bill = service.team_bill(cmd.period, priced_catalog(service.settings))
+        catalog = priced_catalog(service.settings)
+        bill = service.team_bill(cmd.period, catalog)
         view = team_cost_view(bill, cmd.period, service.settings.timezone)
         if cmd.period == "week":  # the week so far's wastes and what a setting would save
             from bot.faces.replay import team_week_blocks  # the simulator: only when asked
 
             view = views.View(
-                view.text,
-                view.blocks
-                + team_week_blocks(service, bill.window, priced_catalog(service.settings)),
+                view.text, view.blocks + team_week_blocks(service, bill.window, catalog)
             )
         return views.Reply(view).with_note(note)
     who = actor.key if cmd.scope == "me" else (cmd.user.key if cmd.user else None)

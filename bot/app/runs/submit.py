@@ -15,7 +15,7 @@ from sqlmodel import Session, col, select
 
 from bot.app import budgets, sources
 from bot.app.access import audit
-from bot.app.agentwatch import checkpoint_dir
+from bot.app.agentwatch import checkpoint_dir, holds_files
 from bot.app.ports import Actor, PlaceRequest
 from bot.app.runs.context import RECIPES, USAGE_RUN, FleetHost, RunContext, read_fleet
 from bot.domain import code_sources, views
@@ -144,7 +144,7 @@ class Submissions:
             )
         step = (old.metrics.get("summary") or {}).get("resume_step")
         local = checkpoint_dir(self.ctx.core.settings.home, cmd.resume)
-        if not isinstance(step, int) or not any(p.is_file() for p in local.rglob("*")):
+        if not isinstance(step, int) or not holds_files(local):
             raise UserError(
                 f"Run #{old.id} left no checkpoint to go on from (only a run that stopped at "
                 "its time limit after saving one does); start it afresh with `/gpu run`.",

@@ -134,10 +134,9 @@ class ClusterView:
             if self.down_since is not None:
                 log.warning("the Slurm controller answers again")
             self.down_since, self.down_reason, self._failures = None, "", 0
-            self._ttl = (
-                max(self.cache_s, SLOW_READ_FACTOR * took) if took > SLOW_READ_S else self.cache_s
-            )
+            self._ttl = self.cache_s
             if took > SLOW_READ_S:
+                self._ttl = max(self.cache_s, SLOW_READ_FACTOR * took)
                 log.info(
                     "the Slurm controller took %.1f s to answer; next read in %.0f s",
                     took,
