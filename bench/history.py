@@ -56,6 +56,7 @@ from sqlmodel import Session, col, select
 
 from bot.app.config import Settings
 from bot.app.digest import digest_for
+from bot.app.places import RunParts, Wiring
 from bot.app.ports import Actor
 from bot.app.rollups import (
     ClosedRow,
@@ -65,7 +66,7 @@ from bot.app.rollups import (
     Sums,
     write_rollups,
 )
-from bot.app.runs import LocalAccess, RunService
+from bot.app.runs import LocalAccess
 from bot.app.runtimes import keep_estimates, ran_s
 from bot.app.service import GpuService
 from bot.domain.commands import Release, Reserve
@@ -140,7 +141,16 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
     runs as a team with sweeps has them, and the present: RUNNING runs holding GPUs, and
     one person holding a GPU."""
     clock = BenchClock(NOW - timedelta(days=91))
-    svc = GpuService(engine, Settings(admins=("root",), status_cache_s=0.0), clock)
+    runs = RunParts(
+        LocalAccess(LocalRunner(), LOCAL_TARGET, Path(tempfile.mkdtemp()) / "runs"),
+        Catalog.load(),
+    )
+    svc = GpuService(
+        engine,
+        Settings(admins=("root",), status_cache_s=0.0),
+        clock,
+        lambda core: [Wiring("local", runs=runs)],
+    )
     svc.sync_hosts(_instances(hosts))  # opens each host's billed period 91 days ago
     for u in range(USERS):
         svc.actor(f"user{u:02d}")
@@ -287,11 +297,6 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
         budgeted.budget_usd = 1_000_000.0
         budgeted.budget_period = "month"
         s.add(budgeted)
-    svc.runs = RunService(
-        svc,
-        LocalAccess(LocalRunner(), LOCAL_TARGET, Path(tempfile.mkdtemp()) / "runs"),
-        Catalog.load(),
-    )
     svc.history_made = made  # type: ignore[attr-defined]
     return svc
 

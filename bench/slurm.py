@@ -206,7 +206,7 @@ def _status_at_scale(status_cache_s: float) -> dict[str, object]:
     from bot.app.service import GpuService
     from bot.domain.clock import SystemClock
     from bot.domain.commands import Status
-    from bot.providers import Displays, Parts
+    from bot.providers import Parts
     from bot.providers.slurm import SlurmProvider
     from db.migrate import upgrade
     from db.session import make_engine
@@ -219,9 +219,10 @@ def _status_at_scale(status_cache_s: float) -> dict[str, object]:
         settings = _settings(home, status_cache_s)
         client = _Recorded()
         provider = SlurmProvider(settings, {}, LocalRunner(), client=client)  # type: ignore[arg-type]
-        service = GpuService(engine, settings, SystemClock(), provider.supply)
-        service.display = Displays([provider])
-        provider.connect(service, Parts(settings, engine, LocalRunner(), None, None, False))
+        parts = Parts(settings, engine, LocalRunner(), None, None, False)
+        service = GpuService(
+            engine, settings, SystemClock(), lambda core: [provider.connect(core, parts)]
+        )
         actor = service.actor("alice")
         first = service.status(actor, Status()).view.text
         reads = client.reads

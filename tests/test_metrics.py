@@ -28,7 +28,6 @@ from sqlmodel import Session, col, select
 from bot.adapters import metrics
 from bot.app.config import Settings
 from bot.app.delivery import deliver
-from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
 from bot.domain import views
 from bot.domain.clock import VirtualClock
@@ -37,9 +36,7 @@ from bot.faces.slack.notifier import SlackNotifier, make_client
 from db.models import Notification, TrainingRun
 from db.session import make_engine, transaction
 from provisioning.base import GpuDevice, Instance
-from provisioning.catalog import Catalog
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import HOUR
+from tests.core.helpers import HOUR, runs_here
 from tests.fakes.slack_api import Call, FakeSlack
 from tests.provisioning_aws.conftest import AwsLab, aws_env, inprocess_lab  # noqa: F401
 
@@ -166,11 +163,8 @@ def seed(engine: Engine, tmp_path: Path) -> GpuService:
     """alice holds an A100, bob waits for two; three runs (queued, running, done); the
     grant and queue DMs wait in the outbox; two running hosts with prices, one stopped."""
     clock = VirtualClock(datetime.now(UTC) - timedelta(minutes=7))
-    svc = GpuService(engine, Settings(admins=("root",)), clock)
+    svc = GpuService(engine, Settings(admins=("root",)), clock, runs_here(tmp_path / "runs"))
     svc.sync_hosts(_hosts())
-    svc.runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
     svc.reserve(svc.actor("alice"), Reserve(count=1, model="A100", duration=HOUR))
     clock.advance(timedelta(minutes=1))
     svc.reserve(svc.actor("bob"), Reserve(count=2, model="A100", duration=HOUR))

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -448,21 +447,11 @@ def _text(text: str) -> views.View:
 
 # --- the worker's job ---------------------------------------------------------------------
 
-_CHECKERS: weakref.WeakKeyDictionary[GpuService, HostChecker] = weakref.WeakKeyDictionary()
-
-
-def attach(service: GpuService, checker: HostChecker) -> None:
-    _CHECKERS[service] = checker
-
-
-def checker_for(service: GpuService) -> HostChecker | None:
-    return _CHECKERS.get(service)
-
 
 def hostcheck_job(service: GpuService) -> None:
-    """The worker's periodic pass: hand out due checks and return at once."""
-    checker = checker_for(service)
-    if checker is not None:
+    """The worker's periodic pass: each place's checker hands out its due checks and
+    returns at once."""
+    for checker in service.places.checkers:
         checker.tick()
 
 

@@ -176,10 +176,10 @@ def samples_from(
 
 def collect(service: GpuService, *, timeout: float = PROBE_TIMEOUT_S) -> CollectReport:
     """Samples every busy host once. A host that fails is logged and skipped."""
-    access = service.runs.access if service.runs is not None else None
+    access = service.runs.access
     with transaction(service.engine, write=False) as s:
         hosts = busy_hosts(s)
-    if not hosts or access is None:
+    if not hosts:
         return CollectReport()
     span_s = max(1, round(service.settings.util_sample_s))
     stored = 0
@@ -652,9 +652,7 @@ def _why_nothing(service: GpuService, hosts: Sequence[Host], busy: set[str]) -> 
         f"No utilization samples for {where} yet:{idle} hosts are sampled only while a GPU "
         "on them is held or a run is running."
     ]
-    access = service.runs.access if service.runs is not None else None
-    if access is None:
-        return lines[0]
+    access = service.runs.access
     for h in hosts[:8]:
         seat = access.runner_for(h.name)
         if seat is None:

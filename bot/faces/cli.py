@@ -203,11 +203,10 @@ def submit(
         parsed = parse_text(f"run {' '.join(flags)} -- {shlex.join(command)}")
         assert isinstance(parsed, Run)
         runtime = build_runtime(settings, SystemClock())
-        if runtime.service.runs is not None:
-            # Asked before anything is copied: a refused user leaves nothing under staged/.
-            refusal = runtime.service.runs.gate.run_refusal(runtime.service.actor(name))
-            if refusal is not None:
-                raise UserError(refusal)
+        # Asked before anything is copied: a refused user leaves nothing under staged/.
+        refusal = runtime.service.runs.gate.run_refusal(runtime.service.actor(name))
+        if refusal is not None:
+            raise UserError(refusal)
         staged = stage(directory, settings.home)
     except (UserError, SourceError) as exc:
         typer.echo(f"gpubot: {exc}", err=True)

@@ -130,7 +130,7 @@ def _recommend(service: GpuService, actor: Actor, cmd: Command, key: str | None)
 
 
 def _runs(service: GpuService, what: str) -> RunService:
-    if service.runs is None:
+    if service.places.runs is None:  # a bot of listed hosts: reservations only
         raise UserError(
             f"`/gpu {what}` needs hosts that can run training; none is configured here."
         )

@@ -2,9 +2,10 @@
 
 The one composition root. The app upgrades its own schema on start (DESIGN: "the app
 upgrades itself"), makes the providers the settings name (bot.providers: GPUBOT_PROVIDER,
-or several in GPUBOT_PROVIDERS) and connects each to the service: it lists its hosts,
-and puts its runs, its fleet and its host checks on the service. Nothing else picks
-implementations; nothing else asks which provider it is.
+or several in GPUBOT_PROVIDERS) and hands their `connect` to the service, which calls
+each once as it is made: a provider lists its hosts and returns its wiring (its runs,
+holder, fleet, host checks, upkeep; bot.app.places), and the service keeps those frozen.
+Nothing else picks implementations; nothing else asks which provider it is.
 
 SSH and EC2 hosts share one `SshClient`; a `Resolver` says where to dial each host
 (tests pass one that maps instances to loopback sshd hosts).
@@ -26,11 +27,12 @@ from sqlalchemy.engine import Engine
 from bot.adapters.leader import Leadership, leadership_for
 from bot.app.config import ConfigError, Settings
 from bot.app.fleet import Fleet
+from bot.app.places import Wiring
 from bot.app.remote import Prepare, bootstrap_prepare
 from bot.app.rollups import backfill_rollups
 from bot.app.service import GpuService
 from bot.domain.clock import Clock, SystemClock
-from bot.providers import Displays, Parts, Provider, configured, for_compute
+from bot.providers import Parts, Provider, configured, for_compute
 from bot.providers.local import RUN_AS_MISSING
 from db.migrate import upgrade
 from db.session import make_engine
@@ -56,8 +58,11 @@ class Runtime:
     service: GpuService
     # The configured providers, owned ones first (bot.providers).
     providers: list[Provider] = field(default_factory=list)
-    # The cloud side (launch, reuse, reconcile, idle stop); None without a cloud provider.
-    fleet: Fleet | None = None
+
+    @property
+    def fleet(self) -> Fleet | None:
+        """The cloud side (launch, reuse, reconcile, idle stop); None without a cloud."""
+        return self.service.fleet
 
     @property
     def compute(self) -> Compute:
@@ -136,10 +141,10 @@ def build_runtime(
             f"GPUBOT_PROVIDERS names {len(providers)} providers; this bot runs one at a time "
             "for now: set GPUBOT_PROVIDER to one of them."
         )
-    service = GpuService(engine, settings, clock or SystemClock(), providers[0].supply)
-    service.display = Displays(providers)
     parts = Parts(settings, engine, runner, resolver, prepare, runs_as_self)
-    fleet = None
-    for provider in providers:
-        fleet = provider.connect(service, parts) or fleet
-    return Runtime(settings, engine, service, providers, fleet)
+
+    def wire(core: GpuService) -> list[Wiring]:
+        return [provider.connect(core, parts) for provider in providers]
+
+    service = GpuService(engine, settings, clock or SystemClock(), wire)
+    return Runtime(settings, engine, service, providers)

@@ -163,7 +163,7 @@ class Shell:
         """Blocks until the runs this shell started have ended (the worker finishes them
         and delivers their DMs meanwhile); a run left running would outlive the shell."""
         runs = self.service.runs
-        if runs is None or not self.run_ids:
+        if not self.run_ids:
             return
         left = runs.open_runs(self.run_ids)
         if left:

@@ -36,11 +36,10 @@ def tick_job(
         report = service.tick()
         if report.expired or report.warned or report.granted:
             log.info("tick: %s", report)
-        if service.runs is not None:
-            finished = service.runs.poll()
-            started = service.runs.dispatch()
-            if finished or started:
-                log.info("runs: %d finished, %d started", finished, started)
+        finished = service.runs.poll()
+        started = service.runs.dispatch()
+        if finished or started:
+            log.info("runs: %d finished, %d started", finished, started)
         if notifier is not None:
             deliver(service, notifier)
         TICK_SECONDS.observe(time.perf_counter() - tick_started)

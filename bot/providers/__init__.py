@@ -2,20 +2,20 @@
 
 `KINDS` lists every provider by the name GPUBOT_PROVIDER (or the list GPUBOT_PROVIDERS)
 gives it; `configured` makes the ones the settings name, `checks` runs their doctor
-lines, and `Displays` words each host as its own provider would. The composition root
-(bot.faces.runtime) connects the providers; nothing else asks which one it is.
+lines. The composition root (bot.faces.runtime) hands their `connect` to the service,
+which keeps what each returns (bot.app.places); nothing else asks which one it is.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
+from bot.app.places import Wiring
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
 from bot.app.prices import priced_catalog
-from bot.domain.readmodels import HostState
 from bot.providers.aws import AwsProvider
 from bot.providers.base import Note, Parts, Probes, Provider, ProviderKind, guarded
 from bot.providers.local import LocalProvider
@@ -29,12 +29,10 @@ from provisioning.hosts import LocalCompute, StaticHostsCompute
 from provisioning.ssh import SshRunner
 
 if TYPE_CHECKING:
-    from bot.app.fleet import Fleet
     from bot.app.service import GpuService
 
 __all__ = [
     "KINDS",
-    "Displays",
     "Note",
     "Parts",
     "Probes",
@@ -116,9 +114,9 @@ class _Listed(PlainDisplay):
     def supply(self) -> Supply:
         return FIXED_POOL
 
-    def connect(self, service: GpuService, parts: Parts) -> Fleet | None:
+    def connect(self, service: GpuService, parts: Parts) -> Wiring:
         service.sync_hosts(self._compute.list_instances())
-        return None
+        return Wiring(self.name, display=self)
 
 
 @functools.singledispatch
@@ -140,31 +138,3 @@ def _(compute: StaticHostsCompute, settings: Settings) -> Provider:
 @for_compute.register
 def _(compute: Ec2Compute, settings: Settings) -> Provider:
     return AwsProvider(compute)
-
-
-class Displays:
-    """`HostDisplay` over the configured providers: each host worded by its own."""
-
-    def __init__(self, providers: Sequence[Provider]) -> None:
-        self.providers = list(providers)
-
-    def _of(self, provider: str) -> Provider | None:
-        return next((p for p in self.providers if p.name == provider), None)
-
-    def note(self, host: HostState) -> str | None:
-        own = self._of(host.provider)
-        return own.note(host) if own is not None else None
-
-    def called(self, host_name: str, provider: str) -> str:
-        own = self._of(provider)
-        return own.called(host_name, provider) if own is not None else host_name
-
-    def empty_pool(self) -> str:
-        return self.providers[-1].empty_pool() if self.providers else "No hosts are configured."
-
-    def status_lines(self) -> list[str]:
-        return [line for p in self.providers for line in p.status_lines()]
-
-    def cost_note(self) -> str | None:
-        notes = [n for p in self.providers if (n := p.cost_note()) is not None]
-        return " ".join(notes) or None

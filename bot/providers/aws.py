@@ -26,14 +26,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
-from bot.app.fleet import CatalogSupply, Fleet, attach
+from bot.app.fleet import CatalogSupply, Fleet
 from bot.app.hostcheck import HostChecker
+from bot.app.places import RunParts, Wiring
 from bot.app.ports import PlainDisplay, Supply
 from bot.app.prices import priced_catalog
 from bot.app.remote import RemoteAccess
-from bot.app.runs import RunService
 from bot.app.runs.processes import ProcessExecutor
 from bot.domain import views
 from bot.providers.base import Parts, Probes, for_hosts
@@ -107,7 +106,7 @@ class AwsProvider(PlainDisplay):
     def supply(self) -> Supply:
         return CatalogSupply(self._compute.catalog)
 
-    def connect(self, service: GpuService, parts: Parts) -> Fleet | None:
+    def connect(self, service: GpuService, parts: Parts) -> Wiring:
         """The pool grows to what the catalog can launch; the fleet buys and stops. An
         instance's bootstrap runs on the host checker's threads, never in the fleet's job."""
         compute = self._compute
@@ -123,13 +122,17 @@ class AwsProvider(PlainDisplay):
             clock=service.clock,
         )
         executor = ProcessExecutor(access, service.clock, service.nudge, agents=(self.name,))
-        service.runs = RunService(service, access, compute.catalog, executor=executor)
         fleet = Fleet(service, compute, access, catalog=compute.catalog)
         checker = HostChecker(service, access, (), cloud=compute.name)
-        hostcheck.attach(service, checker)
         fleet.set_up_off_tick(checker.tick)
-        attach(service, fleet)
-        return fleet
+        return Wiring(
+            self.name,
+            display=self,
+            supply=self.supply,
+            runs=RunParts(access, compute.catalog, executor),
+            fleet=fleet,
+            checker=checker,
+        )
 
     def empty_pool(self) -> str:
         return views.GROWS_ON_DEMAND

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from sqlalchemy.engine import Engine
 
 from bot.app.config import Settings
+from bot.app.places import Wiring
 from bot.app.ports import Supply
 from bot.app.remote import Prepare, bootstrap_prepare
 from bot.domain.readmodels import HostState
@@ -30,7 +31,6 @@ from provisioning.checks import Check
 from provisioning.ssh import Resolver, SshRunner, SshTarget
 
 if TYPE_CHECKING:
-    from bot.app.fleet import Fleet
     from bot.app.service import GpuService
 
 # The EC2 checks for one set of settings (default: provisioning's read-only `check_aws`).
@@ -124,9 +124,10 @@ class Provider(Protocol):
         """What its pool can grow into (nothing, for a fixed one)."""
         ...
 
-    def connect(self, service: GpuService, parts: Parts) -> Fleet | None:
-        """Lists its hosts on the service and puts its runs (and fleet, host checks) on it;
-        returns the fleet, for a provider that buys machines."""
+    def connect(self, service: GpuService, parts: Parts) -> Wiring:
+        """Lists its hosts on the service and returns its wiring: how its runs run, its
+        holder, fleet, host checks and upkeep (bot.app.places). Called once, by the
+        service as it is made; it puts nothing on the service."""
         ...
 
     def note(self, host: HostState) -> str | None:

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
+from bot.app.places import RunParts, Wiring
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
 from bot.app.prices import priced_catalog
 from bot.app.runaccount import RunAccount, bot_pip_env, run_account_fix
-from bot.app.runs import LocalAccess, RunService
+from bot.app.runs import LocalAccess
 from bot.providers.base import Note, NvmlProbe, Parts, Probes, guarded
 from provisioning import shell
 from provisioning.catalog import Catalog
@@ -34,7 +35,6 @@ from provisioning.ssh import SshError, SshRunner
 from training.telemetry import NO_DRIVER, parse_snapshot
 
 if TYPE_CHECKING:
-    from bot.app.fleet import Fleet
     from bot.app.service import GpuService
 
 log = logging.getLogger(__name__)
@@ -87,16 +87,15 @@ class LocalProvider(PlainDisplay):
     def supply(self) -> Supply:
         return FIXED_POOL
 
-    def connect(self, service: GpuService, parts: Parts) -> Fleet | None:
+    def connect(self, service: GpuService, parts: Parts) -> Wiring:
         service.sync_hosts(self._compute.list_instances())
         refused = not parts.settings.run_as and not parts.runs_as_self
-        service.runs = RunService(
-            service,
+        runs = RunParts(
             local_access(parts.settings),
             self._catalog,
             refusal=RUN_AS_MISSING if refused else None,
         )
-        return None
+        return Wiring(self.name, display=self, runs=runs)
 
     def called(self, host_name: str, provider: str) -> str:
         return "this machine"

@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, ClassVar
 from sqlalchemy.engine import Engine
 from sqlmodel import select
 
-from bot.app import hostcheck
 from bot.app.config import ConfigError, Settings
 from bot.app.hostcheck import HostChecker
+from bot.app.places import RunParts, Wiring
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
 from bot.app.prices import priced_catalog
 from bot.app.remote import RemoteAccess
-from bot.app.runs import RunService
 from bot.app.runs.processes import ProcessExecutor
 from bot.domain.readmodels import HostState
 from bot.providers.base import SSH_TIMEOUT_S, Parts, Probes, for_hosts
@@ -36,7 +35,6 @@ from provisioning.hosts import HostEntryError, StaticHost, StaticHostsCompute, p
 from provisioning.ssh import SshClient, SshError, SshRunner, SshTarget, StaticResolver
 
 if TYPE_CHECKING:
-    from bot.app.fleet import Fleet
     from bot.app.service import GpuService
 
 
@@ -71,7 +69,7 @@ class SshProvider(PlainDisplay):
     def supply(self) -> Supply:
         return FIXED_POOL
 
-    def connect(self, service: GpuService, parts: Parts) -> Fleet | None:
+    def connect(self, service: GpuService, parts: Parts) -> Wiring:
         """Owned hosts over SSH: bootstrap, inventory and health run on the checker's
         threads, never in the tick."""
         service.sync_hosts(static_listing(parts.engine, self._compute))
@@ -85,10 +83,12 @@ class SshProvider(PlainDisplay):
             clock=service.clock,
         )
         executor = ProcessExecutor(access, service.clock, service.nudge, agents=(self.name,))
-        service.runs = RunService(service, access, self._catalog, executor=executor)
-        checker = HostChecker(service, access, self._compute.hosts, owner=self.name)
-        hostcheck.attach(service, checker)
-        return None
+        return Wiring(
+            self.name,
+            display=self,
+            runs=RunParts(access, self._catalog, executor),
+            checker=HostChecker(service, access, self._compute.hosts, owner=self.name),
+        )
 
     def note(self, host: HostState) -> str | None:
         if host.gpus and all(g.model == "cpu" for g in host.gpus):

@@ -16,10 +16,10 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.config import Settings
-from bot.app.fleet import CatalogSupply, Fleet, attach
+from bot.app.fleet import CatalogSupply, Fleet
+from bot.app.places import RunParts, Wiring
 from bot.app.remote import PreparedHost, RemoteAccess
-from bot.app.runs import RunService
-from bot.app.service import GpuService
+from bot.app.service import GpuService, Wire
 from bot.domain.clock import VirtualClock
 from db.models import Host, LaunchRequest, Notification
 from provisioning.base import Instance
@@ -93,7 +93,6 @@ def make_fleet(
     """A fleet attached to its service (the worker's job and `bot.app.runs` find it), with
     runs on the loopback host kept under `remote_root` (this machine's interpreter)."""
     clock = VirtualClock()
-    svc = GpuService(engine, Settings(admins=admins), clock, CatalogSupply(compute.catalog))
     client = SshClient(connect_timeout=5, command_timeout=20)
     prepared: list[str] = []
 
@@ -105,7 +104,24 @@ def make_fleet(
     # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about the fleet's money and lifecycle;
     # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     access = RemoteAccess(engine, client, resolver, prepare=prepare)
-    fleet = Fleet(svc, compute, access, catalog=compute.catalog)
-    attach(svc, fleet)
-    svc.runs = RunService(svc, access, compute.catalog)
+    svc = GpuService(engine, Settings(admins=admins), clock, cloud_place(compute, access))
+    fleet = svc.fleet
+    assert fleet is not None
     return FleetBench(service=svc, clock=clock, fleet=fleet, client=client, prepared=prepared)
+
+
+def cloud_place(compute: Any, access: RemoteAccess) -> Wire:
+    """A cloud place wired as bot.providers.aws wires EC2 (its fleet, supply and runs),
+    without the host checker: these tests prepare hosts themselves."""
+
+    def wire(core: GpuService) -> list[Wiring]:
+        return [
+            Wiring(
+                "aws",
+                supply=CatalogSupply(compute.catalog),
+                runs=RunParts(access, compute.catalog),
+                fleet=Fleet(core, compute, access, catalog=compute.catalog),
+            )
+        ]
+
+    return wire

@@ -32,8 +32,8 @@ from bot.faces.dispatch import handle_text
 from bot.faces.slack.membership import SlackMembership
 from db.models import TrainingRun
 from db.session import transaction
-from tests.core.helpers import actor, host, make_service
-from tests.core.test_runs import local_host, run_until, runs_for, state
+from tests.core.helpers import actor, host, make_service, runs_here
+from tests.core.test_runs import local_host, run_until, state
 from tests.fakes.slack_api import FakeSlack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,8 +181,10 @@ def test_run_settings_from_the_environment() -> None:
 def test_a_refused_user_queues_nothing_through_the_service(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)], run_users=("alice",))
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(
+        sqlite_engine, [local_host(1)], run_users=("alice",), places=runs_here(tmp_path / "runs")
+    )
+    runs = svc.runs
     reply = handle_text(svc, actor(svc, "mallory"), "/gpu run -- echo hi")
     assert reply.error and "Starting runs is limited" in reply.view.text
     assert "Usage:" not in reply.view.text  # a refusal is about who, not about syntax
@@ -235,8 +237,8 @@ SECRET_LINE = "alice-private-output-7f3a"
 @pytest.fixture
 def finished_run(engine: Engine, tmp_path: Path) -> Iterator[tuple[GpuService, int]]:
     """Alice's run, really run on this machine, that printed a line only she should see."""
-    svc, _ = make_service(engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     cmd = (sys.executable, "-c", f"print('{SECRET_LINE}')")
     rid = runs.submit(actor(svc, "alice"), Run(command=cmd)).extra["run_id"]
     run_until(runs, lambda: state(engine, rid).state == "succeeded")
@@ -263,8 +265,10 @@ def test_bob_cannot_read_alices_log_on_either_database(
 
 
 def test_shared_logs_open_every_log(sqlite_engine: Engine, tmp_path: Path) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)], shared_logs=True)
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(
+        sqlite_engine, [local_host(1)], shared_logs=True, places=runs_here(tmp_path / "runs")
+    )
+    runs = svc.runs
     cmd = (sys.executable, "-c", f"print('{SECRET_LINE}')")
     rid = runs.submit(actor(svc, "alice"), Run(command=cmd)).extra["run_id"]
     run_until(runs, lambda: state(sqlite_engine, rid).state == "succeeded")
@@ -282,8 +286,10 @@ def _audit_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_each_admin_action_leaves_one_line_with_actor_verb_target(
     sqlite_engine: Engine, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [host("gpu1", "A100", 2), local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(
+        sqlite_engine, [host("gpu1", "A100", 2), local_host(1)], places=runs_here(tmp_path / "runs")
+    )
+    runs = svc.runs
     alice, root = actor(svc, "alice"), actor(svc, "root")
     svc.reserve(alice, Reserve(count=1, model="A100"))
     svc.reserve(alice, Reserve(count=1, model="A100"))

@@ -87,7 +87,6 @@ class Bench:
         # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
         self.rt: Runtime = checked(build_runtime(load_settings(), ssh=self.client, prepare=prepare))
         runs = self.rt.service.runs
-        assert runs is not None
         self.runs = runs
 
     def target(self, name: str) -> SshTarget:
@@ -276,7 +275,6 @@ def local_rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Runtim
 
 def _drive(rt: Runtime, rid: int, until: Callable[[TrainingRun], bool]) -> TrainingRun:
     runs = rt.service.runs
-    assert runs is not None
     deadline = time.monotonic() + 120
     while True:
         with Session(rt.engine) as s:
@@ -293,7 +291,6 @@ def test_exit_75_requeues_with_the_checkpoint_which_the_next_start_uploads(
     local_rt: Runtime, tmp_path: Path
 ) -> None:
     runs = local_rt.service.runs
-    assert runs is not None
     script = tmp_path / "train.py"
     script.write_text(RESUMING_SCRIPT)
     alice = local_rt.service.actor("alice")
@@ -329,7 +326,6 @@ def test_a_run_that_always_asks_to_resume_fails_after_the_cap(
 ) -> None:
     monkeypatch.setattr(agentwatch, "MAX_RESUMES", 2)
     runs = local_rt.service.runs
-    assert runs is not None
     script = tmp_path / "always75.py"
     script.write_text("import sys\nsys.exit(75)\n")
     alice = local_rt.service.actor("alice")

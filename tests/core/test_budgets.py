@@ -20,7 +20,6 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.budgets import check_budget
-from bot.app.runs import LocalAccess, RunService
 from bot.app.service import Actor, GpuService
 from bot.domain.commands import Release, Reserve, Run
 from bot.domain.errors import UserError
@@ -28,9 +27,7 @@ from bot.faces.dispatch import handle_text
 from db.models import Notification, Reservation, TrainingRun, UsageInterval, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance
-from provisioning.catalog import Catalog
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import HOUR, actor, host, make_service
+from tests.core.helpers import HOUR, actor, host, make_service, runs_here
 
 # $21.96 an hour for 8 GPUs: $2.745 per GPU-hour.
 BOX = host("box", "A100", 8, hourly=21.96)
@@ -189,19 +186,11 @@ def priced_local(slots: int = 2, hourly: float = 4.0) -> Instance:
     )
 
 
-def runs_for(svc: GpuService, tmp_path: Path) -> RunService:
-    runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
-    svc.runs = runs
-    return runs
-
-
 def test_runs_are_checked_at_submit_and_again_before_placing(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [priced_local()])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [priced_local()], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     bob = actor(svc, "bob")
     set_budget(svc, "@bob 3/week")
     runs.submit(bob, Run(recipe="digits", max_duration=HOUR))  # $2 committed
@@ -241,8 +230,8 @@ def slow_inserts(engine: Engine, table: str, seconds: float) -> Iterator[None]:
 def test_two_runs_that_fit_alone_but_not_together_one_is_refused(
     engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(engine, [priced_local()])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(engine, [priced_local()], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     bob = actor(svc, "bob")
     set_budget(svc, "@bob 3/week")  # one $2 run fits, two do not
     barrier = threading.Barrier(2)
@@ -269,8 +258,8 @@ def test_two_runs_that_fit_alone_but_not_together_one_is_refused(
 
 
 def test_a_reservation_and_a_run_racing_one_is_refused(engine: Engine, tmp_path: Path) -> None:
-    svc, _ = make_service(engine, [priced_local()])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(engine, [priced_local()], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     bob = actor(svc, "bob")
     set_budget(svc, "@bob 3/week")
     barrier = threading.Barrier(2)

@@ -106,7 +106,7 @@ def _run(svc: GpuService, host: str, user: str, gpus: int, hours: int, **kw: obj
         run_id = run.id
     assert isinstance(svc.clock, VirtualClock)
     svc.clock.advance(timedelta(hours=hours))
-    assert svc.runs is None and run_id is not None
+    assert svc.places.runs is None and run_id is not None
     with transaction(svc.engine) as s:
         # Closed the way the bot closes them (rolled up in the same transaction).
         end_held(s, svc.clock.now(), run_id=run_id)

@@ -9,7 +9,6 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
-from bot.app.runs import LocalAccess, RunService
 from bot.domain.commands import Queue, Reserve, Run
 from bot.domain.estimates import (
     Estimate,
@@ -23,9 +22,7 @@ from bot.domain.estimates import (
 from bot.domain.views import Table
 from db.models import Gpu, Host, TrainingRun, UsageInterval
 from db.session import transaction
-from provisioning.catalog import Catalog
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import actor, host, make_service
+from tests.core.helpers import actor, host, make_service, runs_here
 
 NOW = 1_000_000.0
 P4D = 32.77  # $/h for 8 × A100: $4.09625 per GPU-hour
@@ -136,11 +133,10 @@ def test_the_earliest_host_wins_and_an_overdue_holder_is_about_to_go() -> None:
 
 
 def test_gpu_queue_shows_the_estimates(sqlite_engine: Engine, tmp_path: Path) -> None:
-    svc, clock = make_service(sqlite_engine, [host("gpu-a", "A100", 8, hourly=P4D)])
-    runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
+    svc, clock = make_service(
+        sqlite_engine, [host("gpu-a", "A100", 8, hourly=P4D)], places=runs_here(tmp_path / "runs")
     )
-    svc.runs = runs
+    runs = svc.runs
     svc.reserve(actor(svc, "alice"), Reserve(count=2, model="A100", duration=timedelta(hours=2)))
     now = clock.now()
     with transaction(sqlite_engine) as s:  # bob's run holds 4 GPUs; its status says 1h left

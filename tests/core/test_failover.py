@@ -27,14 +27,12 @@ from sqlmodel import Session, col, select
 
 from bot.adapters.leader import _ADVISORY_KEY
 from bot.app.config import Settings
-from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
 from bot.domain.clock import SystemClock
 from bot.domain.commands import Run
 from db.models import TrainingRun
 from provisioning.base import GpuDevice, Instance
-from provisioning.catalog import Catalog
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
+from tests.core.helpers import runs_here
 from tests.fakes.slack_api import FakeSlack
 from tests.slack.conftest import SignedClient
 
@@ -129,7 +127,7 @@ def workers() -> Iterator[list[WorkerProc]]:
 
 
 def service(engine: Engine, tmp_path: Path) -> GpuService:
-    svc = GpuService(engine, Settings(), SystemClock())
+    svc = GpuService(engine, Settings(), SystemClock(), runs_here(tmp_path / "runs"))
     local = Instance(
         name="local",
         provider="local",
@@ -137,9 +135,6 @@ def service(engine: Engine, tmp_path: Path) -> GpuService:
         gpus=tuple(GpuDevice(index=i, model="cpu") for i in range(SLOTS)),
     )
     svc.sync_hosts([local])
-    svc.runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
     return svc
 
 

@@ -13,9 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from bot.app.fleet import CatalogSupply
-from bot.app.runs import LocalAccess, RunService
 from bot.app.runwatch import Outcome, result_view
-from bot.app.service import GpuService
 from bot.domain import timefmt, views
 from bot.domain.charts import GpuSeries, utilization_chart
 from bot.domain.commands import VERBS, Cancel, Logs, Queue, Run, Status
@@ -24,8 +22,7 @@ from bot.faces.terminal import render
 from db.models import TrainingRun
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import actor, host, make_service
+from tests.core.helpers import actor, host, make_service, place, runs_here
 
 
 def last_table(view: views.View) -> views.Table:
@@ -34,21 +31,15 @@ def last_table(view: views.View) -> views.Table:
     return table
 
 
-def runs_for(svc: GpuService, tmp_path: Path) -> RunService:
-    runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
-    svc.runs = runs
-    return runs
-
-
 def booting(name: str, gpus: int, hourly: float) -> Instance:
     return replace(host(name, "A100", gpus, hourly=hourly), provider="aws", state="pending")
 
 
 def test_queue_me_counts_only_my_runs(sqlite_engine: Engine, tmp_path: Path) -> None:
-    svc, _ = make_service(sqlite_engine, [host("box", "A100", 1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(
+        sqlite_engine, [host("box", "A100", 1)], places=runs_here(tmp_path / "runs")
+    )
+    runs = svc.runs
     for who in ("alice", "alice", "bob"):
         runs.submit(actor(svc, who), Run(recipe="digits", model="A100"))
     mine = runs.queue(actor(svc, "bob"), Queue(mine_only=True)).view.text
@@ -68,8 +59,9 @@ def test_booting_instances_are_not_free(sqlite_engine: Engine) -> None:
 
 
 def test_an_empty_cloud_pool_says_the_first_request_launches(sqlite_engine: Engine) -> None:
-    svc, _ = make_service(sqlite_engine, [], provider="aws")
-    svc.supply = CatalogSupply(Catalog.load())  # a cloud's pool: it grows on demand
+    # A cloud's pool: it grows on demand.
+    cloud = place("aws", supply=CatalogSupply(Catalog.load()))
+    svc, _ = make_service(sqlite_engine, [], places=cloud, provider="aws")
     text = " ".join(
         getattr(b, "text", "") for b in svc.status(actor(svc, "a"), Status()).view.blocks
     )
@@ -80,8 +72,13 @@ def test_an_empty_cloud_pool_says_the_first_request_launches(sqlite_engine: Engi
 def test_queue_estimates_a_run_that_waits_for_a_booting_instance(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [booting("i-1", 1, 4.10)], provider="aws")
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(
+        sqlite_engine,
+        [booting("i-1", 1, 4.10)],
+        provider="aws",
+        places=runs_here(tmp_path / "runs"),
+    )
+    runs = svc.runs
     a = actor(svc, "alice")
     runs.submit(a, Run(recipe="digits", model="A100", max_duration=timedelta(hours=2)))
     table = last_table(runs.queue(a, Queue()).view)
@@ -107,8 +104,8 @@ def local_slot() -> Instance:
 def test_a_command_is_shown_as_typed_and_cut_with_an_ellipsis(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_slot()])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_slot()], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     a = actor(svc, "alice")
     reply = runs.submit(a, Run(command=("python", "-c", "print('hello')")))
     assert "`python -c \"print('hello')\"`" in reply.view.text
@@ -148,8 +145,8 @@ def test_a_run_stopped_at_its_max_says_so(sqlite_engine: Engine) -> None:
 def test_cancelling_a_command_claims_no_checkpoint_and_its_log_says_why_none(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_slot()])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_slot()], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     a = actor(svc, "alice")
     rid = runs.submit(a, Run(command=(sys.executable, "-c", "import time; time.sleep(30)")))
     later = runs.submit(a, Run(recipe="digits"))

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.runs import LocalAccess, RunService
+from bot.app.runs import RunService
 from bot.app.runwatch import Outcome, result_view
 from bot.app.service import GpuService
 from bot.domain import views
@@ -27,9 +27,7 @@ from bot.faces.slack.blocks import render_blocks
 from bot.faces.terminal import render
 from db.models import Notification, TrainingRun
 from provisioning.base import GpuDevice, Instance
-from provisioning.catalog import Catalog
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import actor, host, make_service
+from tests.core.helpers import actor, host, make_service, runs_here
 
 NEGATIVE = re.compile(
     r"(?<![\w/.:-])-\d+(?:\.\d+)?\s+(?:running|waiting|free|of|ahead|GPUs?|hosts?)\b"
@@ -73,13 +71,10 @@ def team(sqlite_engine: Engine, tmp_path: Path) -> tuple[GpuService, RunService]
         [host("box", "A100", 2, hourly=8.20), host("lab", "V100", 1), booting, local],
         timezone="Europe/Paris",
         home=tmp_path,
+        places=runs_here(tmp_path / "runs"),
     )
     clock.set(datetime(2026, 12, 3, 13, 0, tzinfo=UTC))
-    runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
-    svc.runs = runs
-    return svc, runs
+    return svc, svc.runs
 
 
 # Who says what, in order; every line is a reply a new team meets in its first hour.

@@ -24,7 +24,6 @@ from bot.app.rollups import (
     fair_share_usage,
     stored_rollups,
 )
-from bot.app.runs import LocalAccess, RunService
 from bot.app.runtimes import keep_estimates, note_run_ended
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock
@@ -43,9 +42,7 @@ from db.models import (
     User,
 )
 from db.session import lock_pool, transaction
-from provisioning.catalog import Catalog
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import HOUR, actor, host, make_service, statements
+from tests.core.helpers import HOUR, actor, host, make_service, runs_here, statements
 
 
 def _history(svc: GpuService, clock: VirtualClock) -> None:
@@ -119,10 +116,9 @@ def _full_scans(
 
 def _busy_service(engine: Engine, tmp_path: Path) -> tuple[GpuService, VirtualClock]:
     svc, clock = make_service(
-        engine, [host("a", "A100", 4, hourly=8.0), host("b", "A100", 4, hourly=8.0)]
-    )
-    svc.runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
+        engine,
+        [host("a", "A100", 4, hourly=8.0), host("b", "A100", 4, hourly=8.0)],
+        places=runs_here(tmp_path / "runs"),
     )
     _history(svc, clock)
     with transaction(engine) as s:
@@ -193,12 +189,11 @@ def test_an_idle_hosts_last_use_is_read_from_the_host_ended_index(
     from (host_id, ended_at), where it is one entry per host, not from the host's rows
     (a million after a busy year)."""
     svc, clock = make_service(
-        engine, [host("a", "A100", 4, hourly=8.0), host("b", "A100", 4, hourly=8.0)]
+        engine,
+        [host("a", "A100", 4, hourly=8.0), host("b", "A100", 4, hourly=8.0)],
+        places=runs_here(tmp_path / "runs"),
     )
-    runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
-    svc.runs = runs
+    runs = svc.runs
     bob = actor(svc, "bob")
     svc.reserve(bob, Reserve(count=4, duration=HOUR))
     svc.reserve(bob, Reserve(count=4, duration=HOUR))
@@ -231,12 +226,11 @@ def _count(engine: Engine, ask: Callable[[], object]) -> int:
 
 def _counts(engine: Engine, tmp_path: Path, hosts: int) -> dict[str, int]:
     svc, clock = make_service(
-        engine, [host(f"h{i:02d}", "A100", 4, hourly=8.0) for i in range(hosts)]
+        engine,
+        [host(f"h{i:02d}", "A100", 4, hourly=8.0) for i in range(hosts)],
+        places=runs_here(tmp_path / "runs"),
     )
-    runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
-    svc.runs = runs
+    runs = svc.runs
     alice, bob = actor(svc, "alice"), actor(svc, "bob")
     svc.reserve(alice, Reserve(count=2, duration=HOUR))
     svc.reserve(bob, Reserve(count=1, duration=HOUR))
@@ -290,9 +284,10 @@ def test_start_up_backfills_rollups_once_after_the_upgrade(engine: Engine) -> No
 def _busy_with_runs(engine: Engine, tmp_path: Path, n: int) -> tuple[GpuService, VirtualClock]:
     """`n` hosts of 4 GPUs, each held whole by a running recipe (movable: the tick weighs
     it) with a few minutes of GPU samples, after 10 * n finished runs."""
-    svc, clock = make_service(engine, [host(f"h{i:02d}", "A100", 4, hourly=8.0) for i in range(n)])
-    svc.runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
+    svc, clock = make_service(
+        engine,
+        [host(f"h{i:02d}", "A100", 4, hourly=8.0) for i in range(n)],
+        places=runs_here(tmp_path / "runs"),
     )
     for who in ("alice", "bob"):
         actor(svc, who)

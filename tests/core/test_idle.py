@@ -17,8 +17,14 @@ from bot.domain.clock import VirtualClock
 from bot.domain.commands import Reserve
 from bot.faces.dispatch import handle_text
 from db.models import Notification, Reservation, UsageInterval
-from tests.core.helpers import actor, make_service
-from tests.core.test_utilization import RecordedRunner, gpu_a, snapshot_json, with_access
+from tests.core.helpers import actor, make_service, place
+from tests.core.test_utilization import (
+    MapAccess,
+    RecordedRunner,
+    gpu_a,
+    snapshot_json,
+    with_access,
+)
 
 # gpu-a: 8× A100 at $32.77/h, so each GPU's share is $4.09625/h.
 PER_GPU = 32.77 / 8
@@ -28,11 +34,12 @@ class Lab:
     """One host, a runner whose GPUs show what the test sets, and a clock to move."""
 
     def __init__(self, engine: Engine) -> None:
-        self.svc, self.clock = make_service(engine, [gpu_a()])
+        access = MapAccess()
+        self.svc, self.clock = make_service(engine, [gpu_a()], places=place("ssh", access))
         self.engine = engine
         self.gpus: dict[int, tuple[int, int]] = {i: (0, 0) for i in range(8)}
         self.runner = RecordedRunner(snapshot_json(self.gpus))
-        with_access(self.svc, gpu_a=self.runner)
+        with_access(access, gpu_a=self.runner)
 
     def set(self, util: int, mem_mb: int = 0, indexes: range = range(8)) -> None:
         for i in indexes:

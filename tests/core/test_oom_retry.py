@@ -15,8 +15,8 @@ from sqlmodel import Session, col, select
 from bot.app.runs import RunService, runner_command
 from bot.domain.commands import Run
 from db.models import TrainingRun, UsageInterval
-from tests.core.helpers import actor, make_service
-from tests.core.test_runs import dms_to, local_host, run_until, runs_for, state
+from tests.core.helpers import actor, make_service, runs_here
+from tests.core.test_runs import dms_to, local_host, run_until, state
 
 # Runs out of memory the first time (no marker yet), then trains at the batch it is given.
 SCRIPT = """\
@@ -34,8 +34,8 @@ out.write_text(f"{batch} {os.environ.get('GPUBOT_BATCH_SCALE')}")
 
 
 def submit(tmp_path: Path, engine: Engine, mode: str) -> tuple[RunService, int]:
-    svc, _ = make_service(engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     script = tmp_path / "oom.py"
     script.write_text(SCRIPT)
     cmd = Run(

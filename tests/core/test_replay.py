@@ -2,8 +2,8 @@
 small trace against a simulated cloud and runner (tests/core/replay_world.py), takes the
 same actions at the same times as `gpubot simulate` on that trace and those settings.
 
-The worker is wired as the runtime wires a cloud (`bot.faces.runtime._cloud_wiring`:
-RemoteAccess, RunService, Fleet attached) on SQLite, and driven as `bot.faces.worker`
+The worker is wired as the runtime wires a cloud (bot.providers.aws's `connect`: one
+place with its RemoteAccess, runs and Fleet) on SQLite, and driven as `bot.faces.worker`
 drives it: every `tick_seconds` the fleet job (`fleet_job`: refresh, provision, idle
 stop) and the tick (`tick_job`: reservations, poll, dispatch); a submission is followed
 at once by a nudged tick, as `faces.dispatch` asks for one.
@@ -31,10 +31,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from bot.app.config import Settings
-from bot.app.fleet import CatalogSupply, Fleet, attach, fleet_job
+from bot.app.fleet import CatalogSupply, Fleet, fleet_job
 from bot.app.history_trace import history_trace
+from bot.app.places import RunParts, Wiring
 from bot.app.remote import PreparedHost, RemoteAccess
-from bot.app.runs import RunService, scheduler_config
+from bot.app.runs import scheduler_config
 from bot.app.runs.inputs import scheduler_inputs
 from bot.app.runtimes import history_of_kept
 from bot.app.service import GpuService
@@ -221,12 +222,20 @@ def worker_actions(
     work = {j.job_id: j.duration_s for j in trace}
     runner = ReplayRunner(clock, t0, lambda run_id: work[job_of[run_id]], RESUME_S)
     # The runtime's cloud wiring (bot.faces.runtime._cloud_wiring), with this world's ports.
-    svc = GpuService(engine, settings, clock, CatalogSupply(catalog))
     access = RemoteAccess(engine, runner, NamedResolver(), prepare=prepared)
-    svc.runs = RunService(svc, access, catalog)
+
+    def wire(core: GpuService) -> list[Wiring]:
+        fleet = Fleet(core, cloud, access, catalog=catalog)
+        return [
+            Wiring(
+                "aws", supply=CatalogSupply(catalog), runs=RunParts(access, catalog), fleet=fleet
+            )
+        ]
+
+    svc = GpuService(engine, settings, clock, wire)
     starts = svc.runs.ctx.starts
-    fleet = Fleet(svc, cloud, access, catalog=catalog)
-    attach(svc, fleet)
+    fleet = svc.fleet
+    assert fleet is not None
 
     arrivals = sorted(trace, key=lambda j: (j.submit_s, j.job_id))
     t = 0.0

@@ -123,7 +123,6 @@ def as_account(bot: Bot, monkeypatch: pytest.MonkeyPatch, run_account: str) -> I
 def drive(rt: Runtime, run_id: int, timeout: float = 180.0) -> TrainingRun:
     """The worker's part: dispatch and poll until the run has finished."""
     runs = rt.service.runs
-    assert runs is not None
     deadline = time.monotonic() + timeout
     while True:
         runs.dispatch()

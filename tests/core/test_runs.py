@@ -23,7 +23,7 @@ from db.models import Notification, TrainingRun, UsageInterval
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import actor, make_service
+from tests.core.helpers import actor, make_service, place, runs_here
 
 
 def local_host(slots: int) -> Instance:
@@ -33,14 +33,6 @@ def local_host(slots: int) -> Instance:
         state="ready",
         gpus=tuple(GpuDevice(index=i, model="cpu") for i in range(slots)),
     )
-
-
-def runs_for(svc: GpuService, tmp_path: Path) -> RunService:
-    runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
-    svc.runs = runs
-    return runs
 
 
 def run_until(runs: RunService, done: Callable[[], bool], timeout: float = 120.0) -> None:
@@ -70,8 +62,8 @@ def dms_to(engine: Engine, who: str) -> list[str]:
 def test_a_user_command_runs_reports_and_finishes_with_a_dm(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     script = tmp_path / "train.py"
     script.write_text(
         "import training\nfor step in range(3):\n    training.report(step=step, loss=1.0/(step+1))\nprint('hello from train.py')\n"
@@ -95,8 +87,8 @@ def test_a_user_command_runs_reports_and_finishes_with_a_dm(
 
 
 def test_a_failing_command_tells_the_owner_why(sqlite_engine: Engine, tmp_path: Path) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     cmd = (sys.executable, "-c", "import sys; print('loading data'); sys.exit('disk full')")
     rid = runs.submit(actor(svc, "bob"), Run(command=cmd)).extra["run_id"]
     run_until(runs, lambda: state(sqlite_engine, rid).state == "failed")
@@ -114,8 +106,8 @@ def test_a_failing_command_tells_the_owner_why(sqlite_engine: Engine, tmp_path: 
 def test_cancel_stops_a_running_run_and_frees_its_slot(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     a = actor(svc, "alice")
     rid = runs.submit(a, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))).extra[
         "run_id"
@@ -133,16 +125,16 @@ def test_cancel_stops_a_running_run_and_frees_its_slot(
 
 
 def test_runs_wait_for_gpus_held_by_a_reservation(sqlite_engine: Engine, tmp_path: Path) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     svc.reserve(actor(svc, "alice"), Reserve())
     rid = runs.submit(actor(svc, "bob"), Run(recipe="digits")).extra["run_id"]
     assert runs.dispatch() == 0 and state(sqlite_engine, rid).state == "queued"
 
 
 def test_impossible_runs_are_refused_up_front(sqlite_engine: Engine, tmp_path: Path) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(2)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(2)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     with pytest.raises(UserError, match="the most on one host is 2"):
         runs.submit(actor(svc, "a"), Run(recipe="digits", gpus=3))
     with pytest.raises(UserError, match="No host here has A100"):
@@ -163,8 +155,10 @@ def test_a_run_naming_no_model_on_an_empty_cloud_pool_is_told_what_it_can_launch
     from bot.domain.clock import VirtualClock
 
     catalog = Catalog.load()
-    svc = GpuService(sqlite_engine, Settings(), VirtualClock(), CatalogSupply(catalog))
-    runs = RunService(svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), catalog)
+    here = LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs")
+    cloud = place("local", here, catalog=catalog, supply=CatalogSupply(catalog))
+    svc = GpuService(sqlite_engine, Settings(), VirtualClock(), cloud)
+    runs = svc.runs
     with pytest.raises(UserError) as refused:
         runs.submit(actor(svc, "a"), Run(command=("python", "train.py")))
     text = refused.value.text
@@ -189,8 +183,8 @@ def test_a_run_naming_no_model_on_an_empty_cloud_pool_is_told_what_it_can_launch
 def test_the_same_submission_delivered_twice_queues_once(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     first = runs.submit(actor(svc, "a"), Run(recipe="digits"), request_key="slack:t1")
     again = runs.submit(actor(svc, "a"), Run(recipe="digits"), request_key="slack:t1")
     assert first.extra["run_id"] == again.extra["run_id"]
@@ -198,12 +192,10 @@ def test_the_same_submission_delivered_twice_queues_once(
 
 @pytest.mark.postgres
 def test_two_workers_dispatch_each_run_exactly_once(pg_engine: Engine, tmp_path: Path) -> None:
-    svc, _ = make_service(pg_engine, [local_host(4)])
-    runs_a = runs_for(svc, tmp_path)
-    svc_b = GpuService(pg_engine, svc.settings, svc.clock)
-    runs_b = RunService(
-        svc_b, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
+    svc, _ = make_service(pg_engine, [local_host(4)], places=runs_here(tmp_path / "runs"))
+    runs_a = svc.runs
+    svc_b = GpuService(pg_engine, svc.settings, svc.clock, runs_here(tmp_path / "runs"))
+    runs_b = svc_b.runs
     ids = [
         runs_a.submit(actor(svc, f"u{i}"), Run(command=(sys.executable, "-c", "pass"))).extra[
             "run_id"
@@ -249,8 +241,8 @@ def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
     preempted run back on the GPU once the claimant is done."""
     from datetime import timedelta
 
-    svc, clock = make_service(engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     alice, bob = actor(svc, "alice"), actor(svc, "bob")
     hog = runs.submit(
         alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
@@ -286,8 +278,8 @@ def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
 def test_runs_that_cannot_resume_are_never_preempted(sqlite_engine: Engine, tmp_path: Path) -> None:
     from datetime import timedelta
 
-    svc, clock = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     alice, bob = actor(svc, "alice"), actor(svc, "bob")
     hog = runs.submit(
         alice, Run(command=(sys.executable, "-c", "import time; time.sleep(600)"))
@@ -312,8 +304,8 @@ def test_a_run_whose_owner_says_it_checkpoints_is_preempted_and_requeued(
     from datetime import timedelta
 
     engine = sqlite_engine
-    svc, clock = make_service(engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     alice, bob = actor(svc, "alice"), actor(svc, "bob")
     script = (
         "import signal, sys, time\n"
@@ -347,8 +339,8 @@ def test_the_worker_predicts_run_times_from_the_teams_finished_runs(
     from db.session import transaction
 
     engine = sqlite_engine
-    svc, clock = make_service(engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     alice = actor(svc, "alice")
     with transaction(engine, write=False) as s:
         queue, fleet, _, _ = scheduler_inputs(runs.ctx, s, clock.now())
@@ -392,8 +384,8 @@ def test_a_run_sent_back_in_line_carries_how_long_it_ran_to_the_scheduler(
     from bot.domain import views
     from db.session import transaction
 
-    svc, clock = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     alice = svc.actor("alice")
     with transaction(sqlite_engine) as s:
         row = TrainingRun(
@@ -437,8 +429,10 @@ def test_a_run_stopped_at_its_limit_keeps_its_checkpoint_and_resume_goes_on_from
     from training.status import parse_status
 
     engine = sqlite_engine  # the resume is the same on either database
-    svc, _ = make_service(engine, [local_host(1)], home=str(tmp_path / "home"))
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(
+        engine, [local_host(1)], home=str(tmp_path / "home"), places=runs_here(tmp_path / "runs")
+    )
+    runs = svc.runs
     alice, bob = actor(svc, "alice"), actor(svc, "bob")
     ask = Run(recipe="digits", options=(("epochs", 10000.0),), max_duration=timedelta(seconds=10))
     first = int(runs.submit(alice, ask).extra["run_id"])

@@ -16,16 +16,13 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from bot.adapters.leader import AdvisoryLeadership, LeaseLeadership, worker_running
-from bot.app.runs import LocalAccess, RunService
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock
 from bot.faces.dispatch import handle_text
 from bot.faces.worker import Worker
 from db.models import Notification, TrainingRun, UsageInterval
 from provisioning.base import GpuDevice, Instance
-from provisioning.catalog import Catalog
-from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from tests.core.helpers import actor, make_service
+from tests.core.helpers import actor, make_service, runs_here
 
 WAIT_S = 120.0  # a guard against a hang, not a speed assertion
 
@@ -34,10 +31,7 @@ def one_slot(engine: Engine, tmp_path: Path) -> tuple[GpuService, Worker]:
     slot = Instance(
         name="local", provider="local", state="ready", gpus=(GpuDevice(index=0, model="cpu"),)
     )
-    svc, _ = make_service(engine, [slot])
-    svc.runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
+    svc, _ = make_service(engine, [slot], places=runs_here(tmp_path / "runs"))
     worker = Worker(svc, None, interval_s=3600.0, extra_jobs=[])
     return svc, worker
 
@@ -117,10 +111,9 @@ def test_a_run_is_billed_to_when_its_process_ended_not_to_when_it_was_polled(
     svc, clock = make_service(
         sqlite_engine,
         [Instance(name="local", provider="local", state="ready", gpus=(GpuDevice(0, "cpu"),))],
+        places=runs_here(tmp_path / "runs"),
     )
-    svc.runs = runs = RunService(
-        svc, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path / "runs"), Catalog.load()
-    )
+    runs = svc.runs
     rid = handle_text(svc, actor(svc, "alice"), f"/gpu run -- {sys.executable} -c pass").extra[
         "run_id"
     ]

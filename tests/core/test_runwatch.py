@@ -24,8 +24,8 @@ from bot.domain.views import Table
 from bot.faces.dispatch import handle_text
 from bot.faces.terminal import TerminalNotifier
 from db.models import GpuSample, Notification, TrainingRun
-from tests.core.helpers import actor, make_service
-from tests.core.test_runs import dms_to, local_host, run_until, runs_for, state
+from tests.core.helpers import actor, make_service, runs_here
+from tests.core.test_runs import dms_to, local_host, run_until, state
 
 SCRIPT = """\
 import os, sys, time
@@ -70,8 +70,8 @@ def finish(runs: RunService, engine: Engine, tmp_path: Path, run_id: int, go: st
 def test_a_script_reporting_nan_gets_one_alert_while_it_runs(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     # One NaN, the last report: the alert counts what was seen when it was made, and the
     # run's watcher may have a tick read the status between two quick reports.
     losses = "2.3,1.5,nan"
@@ -96,8 +96,8 @@ def test_a_script_reporting_nan_gets_one_alert_while_it_runs(
 def test_a_diverging_script_is_warned_and_its_result_says_so(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     losses = "2.3,2.1,3.5,8.0,20.0"
     rid = user_run(runs, svc, tmp_path, "bob", losses)
     run_until(runs, lambda: bool(alerts(sqlite_engine, rid)))
@@ -116,8 +116,8 @@ def test_telemetry_of_idle_and_full_gpus_raises_alerts(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
     """The samples the sampling job attributes to the run (GpuSample.run_id) are read."""
-    svc, clock = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     losses = "2.3,2.0,1.8"
     rid = user_run(runs, svc, tmp_path, "alice", losses)
     run_until(runs, lambda: step_seen(sqlite_engine, rid, 3))
@@ -146,8 +146,8 @@ def test_telemetry_of_idle_and_full_gpus_raises_alerts(
 def test_a_run_that_stops_reporting_is_noticed_on_the_virtual_clock(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, clock = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     losses = "2.3,2.0"
     rid = user_run(runs, svc, tmp_path, "bob", losses)
     run_until(runs, lambda: step_seen(sqlite_engine, rid, 2))
@@ -165,8 +165,8 @@ def test_a_run_that_stops_reporting_is_noticed_on_the_virtual_clock(
 def test_the_live_message_is_edited_once_a_minute_within_slacks_limits(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, clock = make_service(sqlite_engine, [local_host(2)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(sqlite_engine, [local_host(2)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     a = user_run(runs, svc, tmp_path, "alice", "2.3,2.0,1.8")
     b = user_run(runs, svc, tmp_path, "bob", "2.2,1.9")
     run_until(runs, lambda: step_seen(sqlite_engine, a, 3) and step_seen(sqlite_engine, b, 2))
@@ -231,8 +231,8 @@ def test_the_live_message_shows_the_first_figures_at_once_then_every_minute(
 ) -> None:
     """Its first figures as soon as the runner has measured some steps, not a minute
     later (a 47-second run used to get one update, at step 0); and it says so."""
-    svc, clock = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     rid = user_run(runs, svc, tmp_path, "alice", "2.3,2.0")
     run_until(runs, lambda: step_seen(sqlite_engine, rid, 2))
     [first] = _edits(sqlite_engine)  # the clock has not moved: no minute has passed
@@ -251,8 +251,8 @@ def test_the_live_message_shows_the_first_figures_at_once_then_every_minute(
 def test_a_script_that_reports_nothing_gets_its_first_update_after_a_minute(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, clock = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, clock = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     go = tmp_path / "go-quiet"
     script = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
     rid = int(
@@ -272,8 +272,8 @@ def test_digits_at_an_absurd_learning_rate_ends_with_a_warning(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
     """The issue's case: `/gpu run --recipe digits --lr 100000` used to say "finished"."""
-    svc, _ = make_service(sqlite_engine, [local_host(1)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     reply = handle_text(svc, actor(svc, "alice"), "/gpu run --recipe digits --lr 100000 --epochs 2")
     rid = int(reply.extra["run_id"])
     run_until(runs, lambda: state(sqlite_engine, rid).finished_at is not None, timeout=300)
@@ -296,8 +296,8 @@ def test_digits_at_an_absurd_learning_rate_ends_with_a_warning(
 def test_a_sweep_runs_its_variants_side_by_side_and_ranks_them_in_one_table(
     sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    svc, _ = make_service(sqlite_engine, [local_host(2)])
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(sqlite_engine, [local_host(2)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
     reply = handle_text(
         svc, actor(svc, "carol"), "/gpu run --sweep lr=100000,0.001 --recipe digits --epochs 2"
     )

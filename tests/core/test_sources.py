@@ -35,8 +35,8 @@ from bot.domain.errors import UserError
 from db.models import TrainingRun
 from db.session import make_engine
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshTarget
-from tests.core.helpers import actor, make_service
-from tests.core.test_runs import local_host, run_until, runs_for, state
+from tests.core.helpers import actor, make_service, runs_here
+from tests.core.test_runs import local_host, run_until, state
 from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
 
@@ -417,8 +417,10 @@ def test_a_run_from_git_and_one_from_a_host_path_run_in_their_code(
     sqlite_engine: Engine, bare_repo: tuple[Path, str, str], tmp_path: Path
 ) -> None:
     bare, _, _ = bare_repo
-    svc, _ = make_service(sqlite_engine, [local_host(1)], home=tmp_path / "home")
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(
+        sqlite_engine, [local_host(1)], home=tmp_path / "home", places=runs_here(tmp_path / "runs")
+    )
+    runs = svc.runs
     alice = actor(svc, "alice")
     cmd = Run(command=("python", "train.py"), source=f"git:file://{bare}@v1")
     with pytest.raises(UserError, match="only https:// and git@"):
@@ -461,8 +463,10 @@ def test_a_path_that_is_shell_code_runs_nothing_through_the_service_and_worker(
     runs."""
     from bot.faces.dispatch import handle_text
 
-    svc, _ = make_service(sqlite_engine, [local_host(1)], home=tmp_path / "home")
-    runs = runs_for(svc, tmp_path)
+    svc, _ = make_service(
+        sqlite_engine, [local_host(1)], home=tmp_path / "home", places=runs_here(tmp_path / "runs")
+    )
+    runs = svc.runs
     alice = actor(svc, "alice")
     pwned = tmp_path / "pwned"
     missing = f"{tmp_path}/x';touch {pwned};'"
@@ -541,7 +545,6 @@ def test_staged_and_git_runs_on_a_static_ssh_host(
     # tests/provisioning/test_isolated_hosts.py bootstraps a real stranger.
     rt = checked(build_runtime(load_settings(), ssh=client, prepare=lambda runner, target: remote))
     runs = rt.service.runs
-    assert runs is not None
     runs.allow_file_git = True
     proj = tmp_path / "proj"
     proj.mkdir()

@@ -22,8 +22,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from bot.app.config import Settings
 from bot.app.ports import HostSeat, Interpreter, bot_python
-from bot.app.runs import RunService
 from bot.app.service import GpuService
 from bot.app.utilization import (
     CHART_WINDOW,
@@ -39,16 +39,14 @@ from bot.domain.commands import Reserve
 from bot.faces.dispatch import handle_text
 from bot.faces.terminal import render
 from bot.faces.worker import periodic_jobs
-from bot.providers import Displays
 from bot.providers.local import LocalProvider
 from db.models import Gpu, GpuSample, Host, Notification, TrainingRun, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance
-from provisioning.catalog import Catalog
 from provisioning.hosts import LocalCompute
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.ssh import RunResult, SshClient, SshError, SshRunner, SshTarget
-from tests.core.helpers import actor, host, make_service
+from tests.core.helpers import actor, host, make_service, place
 from tests.e2e.shell_driver import run_shell
 from tests.ssh_hosts import SshLab
 from training.telemetry import GpuProcess, GpuSnapshot, HostSnapshot, take_snapshot
@@ -169,12 +167,11 @@ class MapAccess:
         return HostSeat(got[0], got[1], self.runs_dir, lambda: self.python)
 
 
-def with_access(svc: GpuService, **runners: SshRunner | tuple[SshRunner, SshTarget]) -> MapAccess:
-    access = MapAccess()
+def with_access(access: MapAccess, **runners: SshRunner | tuple[SshRunner, SshTarget]) -> MapAccess:
+    """`access` (the service's place's) reaches these hosts through these runners."""
     for name, r in runners.items():
         name = name.replace("_", "-")
         access.runners[name] = r if isinstance(r, tuple) else (r, SshTarget(host=name, name=name))
-    svc.runs = RunService(svc, access, Catalog.load())
     return access
 
 
@@ -201,9 +198,10 @@ def gpu_a(count: int = 8) -> Instance:
 
 
 def test_recorded_snapshot_becomes_samples_attributed_to_their_holders(engine: Engine) -> None:
-    svc, clock = make_service(engine, [gpu_a()])
+    access = MapAccess()
+    svc, clock = make_service(engine, [gpu_a()], places=place("ssh", access))
     runner = RecordedRunner(A100_HOST_JSON)
-    with_access(svc, gpu_a=runner)
+    with_access(access, gpu_a=runner)
     alice, bob, carol = actor(svc, "alice"), actor(svc, "bob"), actor(svc, "carol")
     res_alice = svc.reserve(alice, Reserve(count=2, model="A100")).view.text
     res_bob = svc.reserve(bob, Reserve(count=4, model="A100")).view.text
@@ -239,8 +237,9 @@ def test_recorded_snapshot_becomes_samples_attributed_to_their_holders(engine: E
 
 
 def test_a_host_without_a_driver_stores_nothing_and_says_so(engine: Engine) -> None:
-    svc, _ = make_service(engine, [gpu_a(1)])
-    with_access(svc, gpu_a=RecordedRunner(NO_DRIVER_JSON))
+    access = MapAccess()
+    svc, _ = make_service(engine, [gpu_a(1)], places=place("ssh", access))
+    with_access(access, gpu_a=RecordedRunner(NO_DRIVER_JSON))
     svc.reserve(actor(svc, "alice"), Reserve())
     report = collect(svc)
     assert report.no_driver == ("gpu-a",) and report.samples == 0 and rows(engine) == []
@@ -249,11 +248,16 @@ def test_a_host_without_a_driver_stores_nothing_and_says_so(engine: Engine) -> N
 def test_only_busy_hosts_are_asked_and_a_silent_host_is_skipped(
     engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    svc, _ = make_service(engine, [gpu_a(8), host("gpu-b", "A100", 8), host("gpu-c", "A100", 8)])
+    access = MapAccess()
+    svc, _ = make_service(
+        engine,
+        [gpu_a(8), host("gpu-b", "A100", 8), host("gpu-c", "A100", 8)],
+        places=place("ssh", access),
+    )
     a = RecordedRunner(A100_HOST_JSON)
     b = RecordedRunner(SshError("gpu-b: connection refused"))
     c = RecordedRunner(A100_HOST_JSON)
-    with_access(svc, gpu_a=a, gpu_b=b, gpu_c=c)
+    with_access(access, gpu_a=a, gpu_b=b, gpu_c=c)
     assert collect(svc).hosts == 0 and not a.commands  # nothing held: nobody is asked
     for _ in range(3):  # 8 + 8 GPUs held: the best fit fills gpu-a, then gpu-b
         svc.reserve(actor(svc, "alice"), Reserve(count=8 if _ < 2 else 1, model="A100"))
@@ -265,8 +269,9 @@ def test_only_busy_hosts_are_asked_and_a_silent_host_is_skipped(
 
 
 def test_a_garbled_answer_is_a_failure_not_a_crash(sqlite_engine: Engine) -> None:
-    svc, _ = make_service(sqlite_engine, [gpu_a(1)])
-    with_access(svc, gpu_a=RecordedRunner('{"schema_version": 99}'))
+    access = MapAccess()
+    svc, _ = make_service(sqlite_engine, [gpu_a(1)], places=place("ssh", access))
+    with_access(access, gpu_a=RecordedRunner('{"schema_version": 99}'))
     svc.reserve(actor(svc, "alice"), Reserve())
     report = collect(svc)
     assert report.samples == 0 and "cannot read" in report.failed[0]
@@ -276,8 +281,9 @@ def test_a_gpu_without_a_utilization_reading_gets_no_sample(sqlite_engine: Engin
     """Stored as 0% it would look idle, and idle detection would take it from its holder."""
     doc = json.loads(A100_HOST_JSON)
     doc["gpus"][3]["util_pct"] = None  # nvidia-smi said [N/A]
-    svc, _ = make_service(sqlite_engine, [gpu_a()])
-    with_access(svc, gpu_a=RecordedRunner(json.dumps(doc)))
+    access = MapAccess()
+    svc, _ = make_service(sqlite_engine, [gpu_a()], places=place("ssh", access))
+    with_access(access, gpu_a=RecordedRunner(json.dumps(doc)))
     svc.reserve(actor(svc, "alice"), Reserve(count=8))
     assert collect(svc).samples == 7
     assert [r.gpu_index for r in rows(sqlite_engine)] == [0, 1, 2, 4, 5, 6, 7]
@@ -296,10 +302,11 @@ def test_the_real_probe_on_this_machine_says_no_driver_end_to_end(
     engine: Engine, tmp_path: Path
 ) -> None:
     _no_gpu_here()
-    svc, _ = make_service(engine, [local_instance()])
-    with_access(svc, local=(LocalRunner(), LOCAL_TARGET))
+    access = MapAccess()
     # As the runtime wires it: the local provider words its host "this machine".
-    svc.display = Displays([LocalProvider(svc.settings, LocalCompute(probe=list))])
+    words = LocalProvider(Settings(), LocalCompute(probe=list))
+    svc, _ = make_service(engine, [local_instance()], places=place("local", access, display=words))
+    with_access(access, local=(LocalRunner(), LOCAL_TARGET))
     alice = actor(svc, "alice")
     before = render(handle_text(svc, alice, "/gpu util").view)
     assert "No utilization samples for local yet: nothing has been held or run" in before
@@ -344,8 +351,9 @@ def test_collection_over_real_ssh(sqlite_engine: Engine, stranger_lab: SshLab) -
         script = f"#!/bin/sh\ncat <<'EOF'\n{A100_HOST_JSON}\nEOF\n"
         client.write_file(target, fake_python, script.encode(), mode=0o755)
         assert os.stat(fake_python).st_mode & stat.S_IXUSR
-        svc, _ = make_service(sqlite_engine, [gpu_a()])
-        access = with_access(svc, gpu_a=(client, target))
+        access = MapAccess()
+        svc, _ = make_service(sqlite_engine, [gpu_a()], places=place("ssh", access))
+        access = with_access(access, gpu_a=(client, target))
         access.python = Interpreter(fake_python)
         svc.reserve(actor(svc, "alice"), Reserve(count=8))
         report = collect(svc)
@@ -502,8 +510,9 @@ def sample_minutes(svc: GpuService, minutes: int) -> None:
 
 
 def test_gpu_util_shows_the_table_and_dms_the_chart(engine: Engine) -> None:
-    svc, _ = make_service(engine, [gpu_a()])
-    with_access(svc, gpu_a=RecordedRunner(A100_HOST_JSON))
+    access = MapAccess()
+    svc, _ = make_service(engine, [gpu_a()], places=place("ssh", access))
+    with_access(access, gpu_a=RecordedRunner(A100_HOST_JSON))
     alice = actor(svc, "alice")
     nothing_yet = render(handle_text(svc, alice, "/gpu util").view)
     assert "gpu-a: 8 GPUs answer now, 5 working; samples start when one is held." in nothing_yet
@@ -532,9 +541,12 @@ def test_gpu_util_shows_the_table_and_dms_the_chart(engine: Engine) -> None:
 
 
 def test_the_channel_snapshot_posts_once_per_slot_and_only_while_busy(engine: Engine) -> None:
-    svc, clock = make_service(engine, [gpu_a()], util_post_interval=timedelta(hours=1))
+    access = MapAccess()
+    svc, clock = make_service(
+        engine, [gpu_a()], util_post_interval=timedelta(hours=1), places=place("ssh", access)
+    )
     runner = RecordedRunner(A100_HOST_JSON)
-    with_access(svc, gpu_a=runner)
+    with_access(access, gpu_a=runner)
     assert snapshot_job(svc) is False  # nothing held, nothing sampled
     alice = actor(svc, "alice")
     svc.reserve(alice, Reserve(count=1, model="A100"))

@@ -23,7 +23,7 @@ import pytest
 from sqlmodel import Session, select
 
 from bot.app.config import load_settings
-from bot.app.hostcheck import BACKOFF_FIRST, CHECK_EVERY, HostChecker, backoff, checker_for
+from bot.app.hostcheck import BACKOFF_FIRST, CHECK_EVERY, HostChecker, backoff
 from bot.app.remote import PreparedHost, bootstrap_prepare
 from bot.app.utilization import probe
 from bot.domain.clock import VirtualClock
@@ -69,8 +69,8 @@ def _runtime(
     monkeypatch.setenv("GPUBOT_SSH_HOSTS", hosts)
     clock = VirtualClock(START)
     rt = build_runtime(load_settings(), clock=clock, ssh=client, prepare=prepare)  # type: ignore[arg-type]
-    checker = checker_for(rt.service)
-    assert checker is not None
+    checker = rt.service.places.checker("ssh")
+    assert isinstance(checker, HostChecker)
     return rt, clock, checker
 
 
@@ -350,8 +350,8 @@ def test_a_declared_host_that_never_answers_is_checking_then_unreachable_and_nev
     monkeypatch.setenv("GPUBOT_SSH_HOSTS", f"dead=nobody@127.0.0.1:{dead_port.port}/1xT4")
     clock = VirtualClock(START)
     rt = build_runtime(load_settings(), clock=clock, ssh=client, prepare=_no_bootstrap(tmp_path))  # type: ignore[arg-type]
-    checker = checker_for(rt.service)
-    assert checker is not None
+    checker = rt.service.places.checker("ssh")
+    assert isinstance(checker, HostChecker)
     svc, alice = rt.service, rt.service.actor("alice")
 
     # Declared with its GPUs, but it has not answered: checking, nothing granted on it,

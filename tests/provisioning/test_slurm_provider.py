@@ -101,7 +101,6 @@ def test_someone_without_a_cluster_account_is_refused_and_nothing_runs(
 ) -> None:
     svc = slurm_rt.service
     runs = svc.runs
-    assert runs is not None
     carol = svc.actor("carol")
     asks: list[Callable[[], object]] = [
         lambda: svc.reserve(carol, Reserve(1, "A100")),
@@ -215,7 +214,6 @@ def test_a_controller_that_stops_answering_is_one_line_and_loses_nothing(
 
 def _step(rt: Runtime) -> Callable[[], None]:
     runs = rt.service.runs
-    assert runs is not None
 
     def step() -> None:
         rt.service.tick()
@@ -237,7 +235,6 @@ def test_a_digits_run_is_its_owners_job_and_its_result_dm_says_its_accuracy(
 ) -> None:
     svc = slurm_rt.service
     runs = svc.runs
-    assert runs is not None
     reply = runs.submit(svc.actor("alice"), Run(recipe="digits", model="A100")).view.text
     assert "No --max: Slurm gives it partition short's default time, 10m" in reply, reply
     rid = 1
@@ -267,7 +264,6 @@ def test_a_run_slurm_ends_itself_says_how_and_is_billed_to_its_end(
     vanished'; its GPUs are billed from Slurm's start to Slurm's end."""
     svc = slurm_rt.service
     runs = svc.runs
-    assert runs is not None
     rid = int(
         runs.submit(svc.actor("bob"), Run(command=("sleep", "300"), model="A100")).extra["run_id"]
     )
@@ -290,7 +286,6 @@ def test_a_run_that_ends_while_the_bot_is_stopped_is_billed_to_its_real_end(
 ) -> None:
     svc = slurm_rt.service
     runs = svc.runs
-    assert runs is not None
     rid = int(
         runs.submit(svc.actor("alice"), Run(command=("sleep", "4"), model="A100")).extra["run_id"]
     )
@@ -326,7 +321,6 @@ def test_a_run_that_pends_in_slurm_is_queued_there_and_cancel_ends_its_job(
     (as its owner), and /gpu cost bills the reservation that held the GPUs at the rate."""
     svc = slurm_rt.service
     runs = svc.runs
-    assert runs is not None
     alice, bob = svc.actor("alice"), svc.actor("bob")
     assert "Reserved" in svc.reserve(alice, Reserve(4, "A100", timedelta(minutes=20))).view.text
     rid = int(runs.submit(bob, Run(recipe="digits", model="A100")).extra["run_id"])
@@ -359,7 +353,6 @@ def test_the_cluster_environment_is_made_from_an_interpreter_every_account_runs(
     """The bot's own python3 lies under root's 0700 home here: the environment is made from
     one every job account can execute, and job accounts cannot change it."""
     runs = slurm_rt.service.runs
-    assert runs is not None
     rid = int(runs.submit(slurm_rt.service.actor("bob"), Run(command=("true",))).extra["run_id"])
     _until(lambda: _run(slurm_rt, rid).finished_at is not None, "the run ended", _step(slurm_rt))
     assert _run(slurm_rt, rid).state == "succeeded", _run(slurm_rt, rid).metrics
@@ -381,7 +374,6 @@ def test_a_run_slurm_preempts_saves_resumes_and_its_wait_is_not_billed(
     finishes as one run; its owner is told; the time it waited is not billed."""
     svc = slurm_rt.service
     runs = svc.runs
-    assert runs is not None
     # 300 epochs: ~6,600 steps, about a minute alone and several under the suite's load;
     # the preemption comes within seconds of its first steps.
     ask = Run(recipe="digits", model="A100", options=(("epochs", 300.0),))
@@ -461,7 +453,6 @@ def test_a_run_at_slurms_limit_saves_its_checkpoint_and_resumes_from_it(
         rt = build_runtime(load_settings())
     try:
         runs = rt.service.runs
-        assert runs is not None
         alice = rt.service.actor("alice")
         ask = Run(recipe="digits", model="A100", options=(("epochs", 10000.0),))
         reply = runs.submit(alice, ask)

@@ -123,7 +123,6 @@ def test_a_spot_notice_requeues_the_run_and_it_resumes_on_another_host(
 ) -> None:
     rt, client = runtime
     runs = rt.service.runs
-    assert runs is not None
     alice = rt.service.actor("alice")
     rid = runs.submit(alice, Run(recipe="digits", model="cpu", precision="fp32")).extra["run_id"]
     groups: list[int] = []

@@ -126,7 +126,6 @@ def test_a_slow_upload_blocks_no_tick_and_shows_in_the_queue(
     clock = VirtualClock(START)
     rt = env(client, clock)
     runs = rt.service.runs
-    assert runs is not None
     alice, bob = rt.service.actor("alice"), rt.service.actor("bob")
     source = _project(tmp_path, rt.settings.home)
     slow = runs.submit(
@@ -167,7 +166,6 @@ def test_an_upload_that_fails_ends_the_run_with_the_reason_and_frees_its_slot(
     client = GatedClient(then="fail")
     rt = env(client, VirtualClock(START))
     runs = rt.service.runs
-    assert runs is not None
     source = _project(tmp_path, rt.settings.home)
     rid = runs.submit(
         rt.service.actor("alice"),
@@ -191,7 +189,6 @@ def test_a_worker_killed_mid_upload_loses_nothing_the_next_one_uploads_it_again(
     dying = GatedClient(then="die")
     first = env(dying, VirtualClock(START))
     runs = first.service.runs
-    assert runs is not None
     source = _project(tmp_path, first.settings.home)
     rid = runs.submit(
         first.service.actor("alice"),
@@ -230,7 +227,6 @@ def test_a_start_that_outlives_its_workers_lead_stops_what_it_started(
     slow = GatedClient()
     first = env(slow, VirtualClock(START))
     runs = first.service.runs
-    assert runs is not None
     proj = tmp_path / "proj"
     proj.mkdir()
     marker = tmp_path / "started-by-the-old-leader"

@@ -447,7 +447,6 @@ def test_a_queued_run_gets_an_instance_launched_and_runs_there(
     seed(b)
     reserve(b, "alice")  # the one T4 is taken for 2h
     runs = b.service.runs
-    assert runs is not None
     script = tmp_path / "train.py"
     script.write_text("import training\ntraining.report(step=1, loss=0.5)\nprint('trained')\n")
     rid = runs.submit(
@@ -497,7 +496,6 @@ def test_a_run_larger_than_any_instance_gets_instances_of_one_type(
     hold it in equal shares, once each; a reservation that size is still refused."""
     b = bench
     runs = b.service.runs
-    assert runs is not None
     rid = runs.submit(
         b.service.actor("bob"), Run(command=(sys.executable, "-c", "pass"), gpus=gpus, model=model)
     ).extra["run_id"]

@@ -35,13 +35,12 @@ import torch
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app import hostcheck
 from bot.app.billing import IDLE_ROW, shown_cents, team_bill
 from bot.app.config import Settings
-from bot.app.fleet import CatalogSupply, Fleet, attach
+from bot.app.fleet import CatalogSupply, Fleet
 from bot.app.hostcheck import HostChecker
+from bot.app.places import RunParts, Wiring
 from bot.app.remote import RemoteAccess, bootstrap_prepare
-from bot.app.runs import RunService
 from bot.app.service import GpuService
 from bot.app.utilization import CollectReport, collect
 from bot.domain.clock import VirtualClock
@@ -121,7 +120,6 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     engine = sqlite_engine
     compute = server_lab.compute()
     clock = VirtualClock()
-    svc = GpuService(engine, Settings(admins=("root",)), clock, CatalogSupply(compute.catalog))
     home = isolated_lab.hosts["lab-b"].root
     assert list(home.iterdir()) == []  # a new machine: nothing of ours, nothing at all
     # What the EC2 wiring (bot.faces.runtime) prepares an instance with, its metadata
@@ -131,14 +129,28 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     access = RemoteAccess(
         engine, client, LoopbackResolver(new_host), prepare=prepare, wait_for_prepare=False
     )
-    fleet = Fleet(svc, compute, access, catalog=compute.catalog)
-    # Wired as bot.faces.runtime wires EC2: the instance's bootstrap runs on the host
-    # checker's threads, handed out by the fleet's pass, never inside it.
-    checker = HostChecker(svc, access, (), cloud=compute.name)
-    hostcheck.attach(svc, checker)
-    fleet.set_up_off_tick(checker.tick)
-    attach(svc, fleet)
-    svc.runs = runs = RunService(svc, access, compute.catalog)
+
+    def wire(core: GpuService) -> list[Wiring]:
+        # Wired as bot.providers.aws wires EC2: the instance's bootstrap runs on the host
+        # checker's threads, handed out by the fleet's pass, never inside it.
+        fleet = Fleet(core, compute, access, catalog=compute.catalog)
+        checker = HostChecker(core, access, (), cloud=compute.name)
+        fleet.set_up_off_tick(checker.tick)
+        return [
+            Wiring(
+                compute.name,
+                supply=CatalogSupply(compute.catalog),
+                runs=RunParts(access, compute.catalog),
+                fleet=fleet,
+                checker=checker,
+            )
+        ]
+
+    svc = GpuService(engine, Settings(admins=("root",)), clock, wire)
+    runs = svc.runs
+    fleet = svc.fleet
+    checker = svc.places.checker(compute.name)
+    assert fleet is not None and isinstance(checker, HostChecker)
     assert _managed(server_lab) == []
     started_at = clock.now()
 

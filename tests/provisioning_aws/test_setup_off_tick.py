@@ -135,7 +135,6 @@ def test_a_slow_bootstrap_holds_neither_the_fleet_nor_another_hosts_grant_and_di
     b.service.reserve(b.service.actor("alice"), Reserve(count=1, model="V100", duration=2 * HOUR))
     b.service.tick()
     runs = b.service.runs
-    assert runs is not None
     script = tmp_path / "train.py"
     script.write_text("print('trained')\n")
     rid = runs.submit(

@@ -18,7 +18,7 @@ from urllib.parse import quote, urlencode
 import pytest
 from sqlalchemy.engine import Engine
 
-from bot.app.service import GpuService
+from bot.app.service import GpuService, Wire
 from bot.domain.clock import VirtualClock
 from bot.faces.slack.app import SlackFace, build_face
 from bot.faces.slack.notifier import SlackNotifier, make_client
@@ -206,6 +206,7 @@ def make_stack(
     ack_deadline_s: float = 8.0,
     deliver_after_commands: bool = True,
     secret: str | None = None,
+    places: Wire | None = None,
 ) -> tuple[SlackFace, HttpServer, SlackStack]:
     """A Slack face over a real socket. Its ack deadline is long (production's is 0.5 s,
     bot.faces.slack.app.ACK_DEADLINE_S), under the client's 10 s: a test of what a reply
@@ -220,6 +221,7 @@ def make_stack(
         slack_bot_token=fake.bot_token,
         slack_signing_secret=secret,
         slack_api_url=fake.url,
+        places=places,
     )
     notifier = SlackNotifier(make_client(service.settings), service.settings.channel)
     face = build_face(

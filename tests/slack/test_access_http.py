@@ -20,8 +20,8 @@ from bot.faces.slack.app import build_face
 from bot.faces.slack.notifier import SlackNotifier, make_client
 from bot.faces.slack.server import HttpServer
 from db.models import TrainingRun
-from tests.core.helpers import make_service
-from tests.core.test_runs import local_host, runs_for
+from tests.core.helpers import make_service, runs_here
+from tests.core.test_runs import local_host
 from tests.fakes.slack_api import FakeSlack
 from tests.slack.conftest import ADMIN, ALICE, BOB, GPU_CHANNEL, HttpReply, SignedClient
 
@@ -67,8 +67,8 @@ def stack(
         slack_bot_token=fake_slack.bot_token,
         slack_signing_secret=secret,
         slack_api_url=fake_slack.url,
+        places=runs_here(tmp_path / "runs"),
     )
-    runs_for(service, tmp_path)
     fake_slack.add_usergroup(GROUP, [CAROL])
     notifier = SlackNotifier(make_client(service.settings), service.settings.channel)
     face = build_face(

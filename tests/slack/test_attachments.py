@@ -17,8 +17,14 @@ from bot.domain.commands import Reserve
 from bot.faces.dispatch import handle_text
 from bot.faces.slack.notifier import SlackNotifier, make_client
 from bot.faces.terminal import render
-from tests.core.helpers import actor, make_service
-from tests.core.test_utilization import A100_HOST_JSON, RecordedRunner, gpu_a, sample_minutes
+from tests.core.helpers import actor, make_service, place
+from tests.core.test_utilization import (
+    A100_HOST_JSON,
+    MapAccess,
+    RecordedRunner,
+    gpu_a,
+    sample_minutes,
+)
 from tests.core.test_utilization import with_access as access_with
 from tests.fakes.slack_api import FakeSlack
 
@@ -27,14 +33,16 @@ UPLOAD_FLOW = ["chat.postMessage", "files.getUploadURLExternal", "files.complete
 
 
 def busy_service(fake: FakeSlack, engine: Engine) -> tuple[GpuService, SlackNotifier]:
+    access = MapAccess()
     svc, _ = make_service(
         engine,
         [gpu_a()],
         slack_bot_token=fake.bot_token,
         slack_api_url=fake.url,
         util_post_interval=timedelta(hours=1),
+        places=place("ssh", access),
     )
-    access_with(svc, gpu_a=RecordedRunner(A100_HOST_JSON))
+    access_with(access, gpu_a=RecordedRunner(A100_HOST_JSON))
     svc.reserve(svc.actor(ALICE, "alice"), Reserve(count=2, model="A100"))
     sample_minutes(svc, 20)
     return svc, SlackNotifier(make_client(svc.settings), svc.settings.channel)

@@ -7,13 +7,16 @@ import http.client
 import json
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy.engine import Engine
 
 from bot.app.delivery import deliver
 from bot.faces.slack.modal import GPUS, LIMIT, MODEL, PRECISION, WHAT
-from tests.core.helpers import host, wait_for
+from tests.core.helpers import host, runs_here, wait_for
 from tests.fakes.slack_api import FakeSlack
 from tests.slack.conftest import (
     ALICE,
@@ -345,16 +348,23 @@ def test_grant_dm_follows_the_release_when_the_worker_runs_here(stack: SlackStac
     assert any(b["type"] == "actions" for b in msg.blocks or [])  # Release / Extend on the DM
 
 
-def test_a_queued_run_shows_on_home_and_its_cancel_button_works(
-    stack: SlackStack, tmp_path: Any
-) -> None:
-    from bot.app.runs import LocalAccess, RunService
-    from provisioning.catalog import Catalog
-    from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-
-    stack.service.runs = RunService(
-        stack.service, LocalAccess(LocalRunner(), LOCAL_TARGET, tmp_path), Catalog.load()
+@pytest.fixture
+def runs_stack(
+    fake_slack: FakeSlack, sqlite_engine: Engine, tmp_path: Path
+) -> Iterator[SlackStack]:
+    """The `stack`'s one host, and runs that run on this machine under tmp_path."""
+    face, server, st = make_stack(
+        fake_slack, sqlite_engine, [host("gpu1", "A100", 1)], places=runs_here(tmp_path)
     )
+    try:
+        yield st
+    finally:
+        server.stop()
+        face.shutdown()
+
+
+def test_a_queued_run_shows_on_home_and_its_cancel_button_works(runs_stack: SlackStack) -> None:
+    stack = runs_stack
     body = stack.client.command("run --recipe digits").json()
     assert "Run #1 queued (next in line): recipe digits" in body["text"]
     assert stack.fake.message_problems(body) == []

@@ -20,8 +20,8 @@ from bot.faces.slack.app import build_face
 from bot.faces.slack.notifier import SlackNotifier, make_client
 from bot.faces.slack.server import HttpServer
 from db.models import Notification, TrainingRun
-from tests.core.helpers import actor, make_service
-from tests.core.test_runs import local_host, run_until, runs_for, state
+from tests.core.helpers import actor, make_service, runs_here
+from tests.core.test_runs import local_host, run_until, state
 from tests.core.test_runwatch import SCRIPT
 from tests.fakes.slack_api import FakeSlack
 from tests.slack.conftest import SignedClient
@@ -33,12 +33,16 @@ def test_the_live_message_is_updated_in_place_and_the_result_follows(
     fake_slack: FakeSlack, engine: Engine, tmp_path: Path
 ) -> None:
     svc, clock = make_service(
-        engine, [local_host(1)], slack_bot_token=fake_slack.bot_token, slack_api_url=fake_slack.url
+        engine,
+        [local_host(1)],
+        slack_bot_token=fake_slack.bot_token,
+        slack_api_url=fake_slack.url,
+        places=runs_here(tmp_path / "runs"),
     )
     notifier = SlackNotifier(
         make_client(svc.settings), svc.settings.channel, StoredDeliveryLog(engine, clock)
     )
-    runs = runs_for(svc, tmp_path)
+    runs = svc.runs
     script = tmp_path / "report.py"
     script.write_text(SCRIPT)
     go = tmp_path / "go"
@@ -93,8 +97,9 @@ def test_a_sweep_from_slack_ends_with_one_table_in_the_owners_dm(
         slack_bot_token=fake_slack.bot_token,
         slack_signing_secret=secret,
         slack_api_url=fake_slack.url,
+        places=runs_here(tmp_path / "runs"),
     )
-    runs = runs_for(svc, tmp_path)
+    runs = svc.runs
     notifier = SlackNotifier(
         make_client(svc.settings), svc.settings.channel, StoredDeliveryLog(sqlite_engine, clock)
     )

@@ -66,7 +66,6 @@ __all__ = [
     "Fleet",
     "Limits",
     "ReconcileReport",
-    "attach",
     "fleet_job",
     "fleet_trigger",
     "launchable",
@@ -177,12 +176,6 @@ class Fleet:
 
     def limits(self, s: Session, instance_type: str) -> Limits:
         return self.buyer.limits(s, instance_type)
-
-
-def attach(service: GpuService, fleet: Fleet) -> None:
-    """Makes `fleet` the one the worker's job drives for this service, and the one its
-    runs hand the scheduler's Launch/Start to (through `GpuService.fleet`, a port)."""
-    service.fleet = fleet
 
 
 def fleet_trigger(settings: Any) -> dict[str, Any]:

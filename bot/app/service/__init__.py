@@ -35,17 +35,10 @@ from sqlmodel import Session, col, select
 from bot.app.billing import TeamBill, note_host_state
 from bot.app.config import Settings
 from bot.app.held import GpuCount
-from bot.app.ports import (
-    FIXED_POOL,
-    GpuRef,
-    Holder,
-    HostDisplay,
-    NoHolder,
-    PlainDisplay,
-    Provisioner,
-    Supply,
-)
+from bot.app.places import Places, Wiring
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
+from bot.app.ports import GpuRef, Holder, HostDisplay, HostSeat, Supply
+from bot.app.runs import RunService
 from bot.app.service.common import IN_FLIGHT, OutboxItem, TickReport
 from bot.app.service.grants import Grants
 from bot.app.service.notices import Notices
@@ -63,9 +56,15 @@ from provisioning.base import Instance
 from provisioning.catalog import Catalog
 
 if TYPE_CHECKING:
-    from bot.app.runs import RunService
+    from bot.app.fleet import Fleet
 
-__all__ = ["IN_FLIGHT", "Actor", "GpuService", "OutboxItem", "TickReport"]
+__all__ = ["IN_FLIGHT", "NO_RUNS", "Actor", "GpuService", "OutboxItem", "TickReport", "Wire"]
+
+# The composition root's connect: the providers' wirings, made with the service they serve.
+Wire = Callable[["GpuService"], Sequence[Wiring]]
+
+# What `/gpu run` says where no configured place can run anything (a bot of listed hosts).
+NO_RUNS = "`/gpu run` needs hosts that can run training; none is configured here."
 
 # Built once: every command reads its user by key, and building the query was a tenth
 # of a reserve's CPU.
@@ -82,27 +81,14 @@ class GpuService:
     class: the parts reach each other only through it)."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, clock: Clock, supply: Supply = FIXED_POOL
+        self, engine: Engine, settings: Settings, clock: Clock, wire: Wire | None = None
     ) -> None:
+        """`wire`: the places, connected to this service while it is made (the
+        composition root's, bot.faces.runtime; a test's own); none: a pool of whatever
+        hosts are synced, reservations only."""
         self.engine = engine
         self.settings = settings
         self.clock = clock
-        # What the pool can grow into (a cloud's catalog); a fixed pool refuses what no
-        # host fits, a cloud queues it for the fleet to launch.
-        self.supply = supply
-        # How hosts read in replies: the providers' words, set by the runtime.
-        self.display: HostDisplay = PlainDisplay()
-        # Who holds GPUs for reservations a cluster grants (a Slurm provider's); nobody
-        # where gpubot grants every GPU itself.
-        self.holder: Holder = NoHolder()
-        # The providers' periodic upkeep (a cluster's nodes and others' holds re-read),
-        # which the worker runs every few seconds (bot.faces.worker).
-        self.upkeep: list[Callable[[], object]] = []
-        # Training runs (bot.app.runs.RunService), set by the runtime when hosts can run them.
-        self.runs: RunService | None = None
-        # The fleet (bot.app.fleet.Fleet), attached by the runtime when a cloud provider is
-        # configured: runs hand it the scheduler's Launch/Start.
-        self.fleet: Provisioner | None = None
         # Who wants to hear that work appeared or GPUs came free (the worker in this
         # process: it places runs at once instead of on its next tick).
         self._on_work: list[Callable[[], None]] = []
@@ -111,6 +97,53 @@ class GpuService:
         self.reservations = Reservations(self, self.grants)
         self.board = StatusBoard(self)
         self.notices = Notices(self)
+        # The places, connected once (a provider lists its hosts on the service as it
+        # connects, so the parts above come first) and never changed after.
+        self.places = Places(wire(self) if wire is not None else ())
+        own = self.places.runs
+        self._runs = (
+            RunService(self, own.access, own.catalog, refusal=own.refusal, executor=own.executor)
+            if own is not None
+            # No place runs: it quotes nothing, so the shipped catalog (model names), which
+            # a broken refreshed price file cannot make fail at start.
+            else RunService(self, _NoHosts(), Catalog.load(), refusal=NO_RUNS)
+        )
+
+    # --- what the places decide (read-only: bot.app.places) ---------------------------
+
+    @property
+    def runs(self) -> RunService:
+        """Training runs on the place that runs them; where none can, a run service that
+        refuses `/gpu run` (NO_RUNS) and shows an empty line."""
+        return self._runs
+
+    @property
+    def supply(self) -> Supply:
+        """What the pool can grow into (a cloud's catalog); a fixed pool refuses what no
+        host fits, a cloud queues it for the fleet to launch."""
+        return self.places.supply
+
+    @property
+    def display(self) -> HostDisplay:
+        """How hosts read in replies: each in its own provider's words."""
+        return self.places.display
+
+    @property
+    def holder(self) -> Holder:
+        """Who holds GPUs for reservations a cluster grants; nobody where gpubot grants
+        every GPU itself."""
+        return self.places.holder
+
+    @property
+    def fleet(self) -> Fleet | None:
+        """The fleet of the place that buys machines: runs hand it the scheduler's
+        Launch/Start. None where no place buys."""
+        return self.places.fleet
+
+    @property
+    def upkeep(self) -> tuple[Callable[[], object], ...]:
+        """The places' periodic upkeep, which the worker runs every few seconds."""
+        return self.places.upkeep
 
     def on_work(self, listener: Callable[[], None]) -> None:
         self._on_work.append(listener)
@@ -332,3 +365,10 @@ class GpuService:
 
     def mark_failed(self, item_id: int, error: str, retry_after: timedelta) -> None:
         return self.notices.mark_failed(item_id, error, retry_after)
+
+
+class _NoHosts:
+    """The host access of a service no place runs for: it reaches nothing."""
+
+    def runner_for(self, host_name: str) -> HostSeat | None:
+        return None

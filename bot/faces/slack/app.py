@@ -272,7 +272,7 @@ class SlackFace:
 
     def run_channel_refusal(self, line: str, channel: str | None) -> str | None:
         """Why `/gpu run` is not taken from this channel (GPUBOT_RUN_CHANNELS), if it isn't."""
-        if _verb(line) != "run" or self.service.runs is None:
+        if _verb(line) != "run":
             return None
         return self.service.runs.gate.channel_refusal(channel)
 
@@ -373,8 +373,8 @@ def build_face(
         request_verification_enabled=True,
     )
     quick = _quick_client(client)
-    if service.runs is not None:  # who may run: with Slack's user groups (bot.app.access)
-        service.runs.gate = RunGate(settings, SlackMembership(quick))
+    # Who may run: with Slack's user groups (bot.app.access).
+    service.runs.gate = RunGate(settings, SlackMembership(quick))
     face = SlackFace(
         service=service,
         settings=settings,

@@ -57,7 +57,7 @@ def home_view(service: GpuService, actor: Actor) -> views.View:
 
 def _runs_blocks(service: GpuService, actor: Actor) -> list[views.Block]:
     """The caller's queued and running runs, as `/gpu queue me` shows them."""
-    if service.runs is None:
+    if service.places.runs is None:
         return [views.Text("This gpubot has no hosts that can run training.")]
     mine = service.runs.queue(actor, Queue(mine_only=True)).view
     tables = [b for b in mine.blocks if isinstance(b, views.Table)]

@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
+from bot.app.places import RunParts, Wiring
 from bot.app.ports import FIXED_POOL, Supply
 from bot.app.prices import priced_catalog
 from bot.app.remote import PreparedHost, bootstrap_prepare
 from bot.app.runaccount import bot_pip_env
-from bot.app.runs import RunService
 from bot.domain.readmodels import HostState
 from bot.domain.timefmt import when
 from bot.providers.base import Note, Parts, Probes
@@ -68,7 +68,6 @@ from provisioning.slurm import SUBMIT_MODES, JobSpec, SlurmClient, SlurmError
 from provisioning.ssh import SshRunner, SshTarget, parse_address
 
 if TYPE_CHECKING:
-    from bot.app.fleet import Fleet
     from bot.app.service import GpuService
 
 log = logging.getLogger(__name__)
@@ -199,7 +198,7 @@ class SlurmProvider:
     def supply(self) -> Supply:
         return FIXED_POOL
 
-    def connect(self, service: GpuService, parts: Parts) -> Fleet | None:
+    def connect(self, service: GpuService, parts: Parts) -> Wiring:
         cluster = ClusterView(
             self.client,
             cache_s=self.cache_s,
@@ -214,7 +213,6 @@ class SlurmProvider:
             cluster.sync_hosts(parts.engine, name, service.sync_hosts)
 
         upkeep()  # listed at start; then the worker's upkeep every cache period
-        service.upkeep.append(upkeep)
         env = ClusterEnv(lambda: self._prepare(parts))
         lab = Lab(
             cluster,
@@ -246,8 +244,7 @@ class SlurmProvider:
             submit_as=self.submit_as,
         )
         access = ClusterSeat(cluster, self.files, self.target, env, self.workdir)
-        service.runs = RunService(service, access, self._catalog, executor=executor)
-        service.holder = SlurmHolder(
+        holder = SlurmHolder(
             service,
             cluster,
             lab,
@@ -257,7 +254,13 @@ class SlurmProvider:
             rates=self.rates,
             workdir=self.workdir,
         )
-        return None
+        return Wiring(
+            name,
+            display=self,
+            runs=RunParts(access, self._catalog, executor),
+            holder=holder,
+            upkeep=(upkeep,),
+        )
 
     def _prepare(self, parts: Parts) -> PreparedHost:
         """The cluster's Python, once, under the work directory: the bootstrap's venv and

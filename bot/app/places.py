@@ -1,0 +1,185 @@
+"""The places GPUs come from, as the service holds them: each provider's wiring, in the
+team's order, frozen when the service is made.
+
+A provider's `connect` (bot.providers) returns one `Wiring`: how its runs are run (their
+host access, catalog and executor), who holds the GPUs of the reservations it grants (a
+cluster's holder), what it can grow into (a cloud's supply), its fleet, its host checker,
+its periodic upkeep and its words for its hosts. The composition root (bot.faces.runtime)
+hands the service the providers' connects; the service calls them once, while it is
+being made, and keeps what they return as `Places`. Nothing is put on the service
+afterwards, and nobody asks whether a part "is set yet": a place without a holder has
+`NoHolder`, one that cannot run has none of the run parts, and `Places` says so.
+
+`Places` routes what has a key to the place it belongs to: a host's words and its checks
+by the host's provider. What has no key yet (a new run, a new reservation: which place
+takes it) is the first place's that can; several places with runs, holders or fleets of
+their own at once wait for the ordering of issue 37's part 2, and are refused here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from bot.app.ports import (
+    FIXED_POOL,
+    Holder,
+    HostAccess,
+    HostDisplay,
+    NoHolder,
+    PlainDisplay,
+    Supply,
+)
+from bot.domain.readmodels import HostState
+from provisioning.catalog import Catalog
+
+if TYPE_CHECKING:
+    from bot.app.fleet import Fleet
+    from bot.app.runs.executor import RunExecutor
+
+
+class Checker(Protocol):
+    """A place's host checks (bot.app.hostcheck.HostChecker): the worker hands out the
+    due ones every few seconds and returns at once."""
+
+    def tick(self) -> object: ...
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """How a place runs training runs: its hosts' shells, the models and prices its
+    scheduler knows, and where claimed runs run (process groups on the hosts `access`
+    reaches when `executor` is None)."""
+
+    access: HostAccess
+    catalog: Catalog
+    executor: RunExecutor | None = None
+    # Why runs are not accepted there at all (bot.app.runs.context.RunContext.refusal).
+    refusal: str | None = None
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """One place, connected: what its provider's `connect` returns."""
+
+    # The provider's name: the `provider` of the host rows it lists.
+    name: str
+    # How its hosts read in replies (the provider itself, which is a HostDisplay).
+    display: HostDisplay = field(default_factory=PlainDisplay)
+    supply: Supply = FIXED_POOL
+    runs: RunParts | None = None
+    # Who holds the GPUs of reservations it grants (a cluster's jobs); nobody where
+    # gpubot grants its GPUs itself.
+    holder: Holder = field(default_factory=NoHolder)
+    # The cloud side (launch, reuse, reconcile, idle stop) of a place that buys machines.
+    fleet: Fleet | None = None
+    checker: Checker | None = None
+    # Its periodic upkeep (a cluster's nodes and others' holds re-read), which the worker
+    # runs every few seconds (bot.faces.worker).
+    upkeep: tuple[Callable[[], object], ...] = ()
+
+
+class ConflictingPlaces(ValueError):
+    """Two places would both decide what only one may decide today."""
+
+
+T = TypeVar("T")
+
+
+def _one(wirings: Sequence[Wiring], what: str, pick: Callable[[Wiring], T | None]) -> T | None:
+    found = [(w.name, got) for w in wirings if (got := pick(w)) is not None]
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise ConflictingPlaces(
+            f"{names} each bring {what}; one place at a time does until places are ordered"
+        )
+    return found[0][1] if found else None
+
+
+class Places:
+    """The connected places, in the team's order (owned ones first is the team's call)."""
+
+    def __init__(self, wirings: Sequence[Wiring]) -> None:
+        names = [w.name for w in wirings]
+        if len(set(names)) != len(names):
+            raise ConflictingPlaces(f"a place is named twice: {', '.join(names)}")
+        self.wirings: tuple[Wiring, ...] = tuple(wirings)
+        self._by_name = {w.name: w for w in self.wirings}
+        self.runs: RunParts | None = _one(self.wirings, "training runs", lambda w: w.runs)
+        self.holder: Holder = (
+            _one(
+                self.wirings,
+                "a holder of reservations",
+                lambda w: None if isinstance(w.holder, NoHolder) else w.holder,
+            )
+            or NoHolder()
+        )
+        self.fleet: Fleet | None = _one(self.wirings, "a fleet", lambda w: w.fleet)
+        self.supply: Supply = _AnySupply(tuple(w.supply for w in self.wirings))
+        self.display: HostDisplay = _Words(self)
+        self.upkeep: tuple[Callable[[], object], ...] = tuple(
+            job for w in self.wirings for job in w.upkeep
+        )
+        self.checkers: tuple[Checker, ...] = tuple(
+            w.checker for w in self.wirings if w.checker is not None
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(w.name for w in self.wirings)
+
+    def of(self, provider: str) -> Wiring | None:
+        """The place a host row's `provider` names, or None (a host of a provider that is
+        no longer configured)."""
+        return self._by_name.get(provider)
+
+    def checker(self, provider: str) -> Checker | None:
+        place = self.of(provider)
+        return place.checker if place is not None else None
+
+
+class _AnySupply:
+    """What the places together can grow into: what any of them can."""
+
+    def __init__(self, supplies: tuple[Supply, ...]) -> None:
+        self._supplies = supplies
+
+    def can_have(self, model: str, gpus: int) -> bool:
+        return any(s.can_have(model, gpus) for s in self._supplies)
+
+    def can_run(self, model: str, gpus: int) -> bool:
+        return any(s.can_run(model, gpus) for s in self._supplies)
+
+    def offered(self) -> list[str]:
+        return sorted({m for s in self._supplies for m in s.offered()})
+
+
+class _Words:
+    """`HostDisplay` over the places: each host worded by its own provider."""
+
+    def __init__(self, places: Places) -> None:
+        self._places = places
+
+    def _of(self, provider: str) -> HostDisplay | None:
+        place = self._places.of(provider)
+        return place.display if place is not None else None
+
+    def note(self, host: HostState) -> str | None:
+        own = self._of(host.provider)
+        return own.note(host) if own is not None else None
+
+    def called(self, host_name: str, provider: str) -> str:
+        own = self._of(provider)
+        return own.called(host_name, provider) if own is not None else host_name
+
+    def empty_pool(self) -> str:
+        wirings = self._places.wirings
+        return wirings[-1].display.empty_pool() if wirings else "No hosts are configured."
+
+    def status_lines(self) -> list[str]:
+        return [line for w in self._places.wirings for line in w.display.status_lines()]
+
+    def cost_note(self) -> str | None:
+        notes = [n for w in self._places.wirings if (n := w.display.cost_note()) is not None]
+        return " ".join(notes) or None
