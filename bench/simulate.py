@@ -13,7 +13,7 @@ load, the mean efficiency over the mean bound), printed as fair/bound beside fai
 queue over fifo's. And beside each efficiency, the same measured only from the first
 submission to the last (`arrival_window_efficiency`): a finite trace ends with days of
 its longest jobs running alone, a drain a team that keeps submitting never has; the
-goals are judged on the whole-trace figure. Three worlds (the simulator's contract, README): ``honest`` — no
+goals are judged on the whole-trace figure. Three worlds (the simulator's contract, docs/SIMULATOR.md): ``honest`` — no
 run time known, half the jobs checkpointable every 30 minutes, preemption in the
 worker's steps
 (`--estimates none --checkpointable 0.5 --checkpoint-every 1800`); ``honest_none`` — the

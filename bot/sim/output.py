@@ -1,5 +1,5 @@
 """`gpubot simulate`'s files and table: the schedule and the instances as the simulator
-contract's CSVs (README), and the summary it prints."""
+contract's CSVs (docs/SIMULATOR.md), and the summary it prints."""
 
 from __future__ import annotations
 

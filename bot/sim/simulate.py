@@ -32,7 +32,7 @@ would change its duration and thus the figures.
 Preemption (``fair`` only, ``--no-preempt`` turns it off): the scheduler may stop a
 running job with a checkpoint and start it again later or elsewhere (fair-share
 preemption, defragmentation, consolidation; see `bot.domain.scheduling`). What the scheduler
-knows and what a preemption costs is the simulator's contract (`World`, README):
+knows and what a preemption costs is the simulator's contract (`World`, docs/SIMULATOR.md):
 ``--estimates none`` (default) hides every run time from it, as production knows none
 without a user's --max; ``--checkpointable F`` picks the jobs that may be preempted by
 a hash of their id; a preempted segment keeps whole multiples of ``--checkpoint-every``
