@@ -29,13 +29,13 @@ from bot.app.ports import (
     HostDisplay,
     NoHolder,
     PlainDisplay,
+    Provisioner,
     Supply,
 )
 from bot.domain.readmodels import HostState
 from provisioning.catalog import Catalog
 
 if TYPE_CHECKING:
-    from bot.app.fleet import Fleet
     from bot.app.runs.executor import RunExecutor
 
 
@@ -72,8 +72,9 @@ class Wiring:
     # Who holds the GPUs of reservations it grants (a cluster's jobs); nobody where
     # gpubot grants its GPUs itself.
     holder: Holder = field(default_factory=NoHolder)
-    # The cloud side (launch, reuse, reconcile, idle stop) of a place that buys machines.
-    fleet: Fleet | None = None
+    # The cloud side (launch, reuse, reconcile, idle stop) of a place that buys machines
+    # (bot.app.fleet.Fleet).
+    fleet: Provisioner | None = None
     checker: Checker | None = None
     # Its periodic upkeep (a cluster's nodes and others' holds re-read), which the worker
     # runs every few seconds (bot.faces.worker).
@@ -115,7 +116,7 @@ class Places:
             )
             or NoHolder()
         )
-        self.fleet: Fleet | None = _one(self.wirings, "a fleet", lambda w: w.fleet)
+        self.fleet: Provisioner | None = _one(self.wirings, "a fleet", lambda w: w.fleet)
         self.supply: Supply = _AnySupply(tuple(w.supply for w in self.wirings))
         self.display: HostDisplay = _Words(self)
         self.upkeep: tuple[Callable[[], object], ...] = tuple(

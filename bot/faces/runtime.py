@@ -62,7 +62,8 @@ class Runtime:
     @property
     def fleet(self) -> Fleet | None:
         """The cloud side (launch, reuse, reconcile, idle stop); None without a cloud."""
-        return self.service.fleet
+        fleet = self.service.fleet
+        return fleet if isinstance(fleet, Fleet) else None
 
     @property
     def compute(self) -> Compute:

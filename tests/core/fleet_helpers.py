@@ -106,7 +106,7 @@ def make_fleet(
     access = RemoteAccess(engine, client, resolver, prepare=prepare)
     svc = GpuService(engine, Settings(admins=admins), clock, cloud_place(compute, access))
     fleet = svc.fleet
-    assert fleet is not None
+    assert isinstance(fleet, Fleet)
     return FleetBench(service=svc, clock=clock, fleet=fleet, client=client, prepared=prepared)
 
 

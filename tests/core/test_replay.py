@@ -235,7 +235,7 @@ def worker_actions(
     svc = GpuService(engine, settings, clock, wire)
     starts = svc.runs.ctx.starts
     fleet = svc.fleet
-    assert fleet is not None
+    assert isinstance(fleet, Fleet)
 
     arrivals = sorted(trace, key=lambda j: (j.submit_s, j.job_id))
     t = 0.0

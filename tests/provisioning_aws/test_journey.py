@@ -150,7 +150,7 @@ def test_run_digits_on_an_empty_ec2_pool_from_launch_to_terminate_and_the_bill(
     runs = svc.runs
     fleet = svc.fleet
     checker = svc.places.checker(compute.name)
-    assert fleet is not None and isinstance(checker, HostChecker)
+    assert isinstance(fleet, Fleet) and isinstance(checker, HostChecker)
     assert _managed(server_lab) == []
     started_at = clock.now()
 

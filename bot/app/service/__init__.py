@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING
 
 from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Engine
@@ -37,7 +36,7 @@ from bot.app.config import Settings
 from bot.app.held import GpuCount
 from bot.app.places import Places, Wiring
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
-from bot.app.ports import GpuRef, Holder, HostDisplay, HostSeat, Supply
+from bot.app.ports import GpuRef, Holder, HostDisplay, HostSeat, Provisioner, Supply
 from bot.app.runs import RunService
 from bot.app.service.common import IN_FLIGHT, OutboxItem, TickReport
 from bot.app.service.grants import Grants
@@ -54,9 +53,6 @@ from db.models import HOST_READY, Gpu, Host, User
 from db.session import is_postgres, lock_pool, retrying, transaction
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
-
-if TYPE_CHECKING:
-    from bot.app.fleet import Fleet
 
 __all__ = ["IN_FLIGHT", "NO_RUNS", "Actor", "GpuService", "OutboxItem", "TickReport", "Wire"]
 
@@ -135,7 +131,7 @@ class GpuService:
         return self.places.holder
 
     @property
-    def fleet(self) -> Fleet | None:
+    def fleet(self) -> Provisioner | None:
         """The fleet of the place that buys machines: runs hand it the scheduler's
         Launch/Start. None where no place buys."""
         return self.places.fleet
