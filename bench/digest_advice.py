@@ -5,7 +5,7 @@ under 2 s for a week of 100 rented 8-GPU hosts and 50 people. The week (and the 
 before, for "vs last wk") is written as the bot writes it: every host running all week in
 billed periods, runs and reservations placed on free GPUs as usage intervals, hourly
 utilization samples of the reservations, the rollups rebuilt from the intervals
-(`bot.app.rollups.rebuild_rollups`, what `gpubot db rebuild-rollups` does). Then
+(`bot.app.money.rollups.rebuild_rollups`, what `gpubot db rebuild-rollups` does). Then
 `digest_for` is timed without the advice and with it (the simulator behind the port, as
 the CLI and the worker hand it), and the text view with both; each the median of the
 history bench's repeats (GPUBOT_BENCH_HISTORY_REPEATS), beside its yardstick (a fixed
@@ -27,10 +27,10 @@ from pathlib import Path
 from sqlmodel import Session
 
 from bench.history import _median_ms as _history_median_ms
-from bot.app.advice import replay_jobs, week_wastes
 from bot.app.config import Settings
-from bot.app.digest import digest_for, digest_view
-from bot.app.rollups import rebuild_rollups
+from bot.app.money.advice import replay_jobs, week_wastes
+from bot.app.money.digest import digest_for, digest_view
+from bot.app.money.rollups import rebuild_rollups
 from bot.app.runs.context import scheduler_config
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock

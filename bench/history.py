@@ -4,7 +4,7 @@ A synthetic history (50 people on H hosts of 8 GPUs, N closed usage intervals sp
 over the 90 days before "now"; each host's GPUs split into lanes whose work runs back to
 back with gaps: reservations, and training runs of the lane's size, a run per ten
 intervals or so, with their metrics, as a team with sweeps has them) is bulk inserted,
-streamed, with its rollups, fair-share counters and run times (`bot.app.rollups`'s
+streamed, with its rollups, fair-share counters and run times (`bot.app.money.rollups`'s
 rebuild, the same arithmetic the bot uses when intervals close and runs end). The present
 is the same at every size: 36 runs going on whole hosts, one person holding a GPU. Then the
 real use cases run through the service with a virtual clock: an idle worker tick, `/gpu
@@ -55,10 +55,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
 from bot.app.config import Settings
-from bot.app.digest import digest_for
-from bot.app.places import RunParts, Wiring
-from bot.app.ports import Actor
-from bot.app.rollups import (
+from bot.app.money.digest import digest_for
+from bot.app.money.rollups import (
     ClosedRow,
     FairShareCounters,
     HourlyRollups,
@@ -66,6 +64,8 @@ from bot.app.rollups import (
     Sums,
     write_rollups,
 )
+from bot.app.places import RunParts, Wiring
+from bot.app.ports import Actor
 from bot.app.runs import LocalAccess
 from bot.app.runtimes import keep_estimates, ran_s
 from bot.app.service import GpuService
@@ -170,9 +170,9 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
     # rows (which would otherwise be most of the bench's peak memory): the lanes' streams
     # are merged by start and go, in one pass, into the tables in chunks (the driver's
     # executemany on SQLite, COPY on PostgreSQL: db.session.insert_rows), into the hourly
-    # rollups (bot.app.rollups.HourlyRollups, the bot's own arithmetic, written by the
+    # rollups (bot.app.money.rollups.HourlyRollups, the bot's own arithmetic, written by the
     # rebuild's own write_rollups) and, put back in the order they end by a small heap,
-    # into the fair-share counters (bot.app.rollups.FairShareCounters).
+    # into the fair-share counters (bot.app.money.rollups.FairShareCounters).
     lanes: list[tuple[int, tuple[int, ...]]] = []
     for n, host_id in enumerate(sorted(by_host)):
         ids = by_host[host_id]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench import environment
 from bot.app.config import load_settings
-from bot.app.remote import PreparedHost
+from bot.app.hosts.remote import PreparedHost
 from bot.app.service.common import OutboxItem
 from bot.faces.dispatch import handle_text
 from bot.faces.runtime import Runtime, build_runtime

@@ -1,5 +1,5 @@
 """Exponential decay, the same in Python and in SQL: the fair-share counters
-(`bot.app.rollups`) are brought forward inside the upsert that adds to them, so a
+(`bot.app.money.rollups`) are brought forward inside the upsert that adds to them, so a
 release writes its users' counters without reading them first.
 
 Why one function in three forms: the counters are compared with a rebuild from the raw

@@ -54,7 +54,7 @@ HOST_TERMINATED = "terminated"
 HOST_UNREACHABLE = "unreachable"
 # A cluster's node: its scheduler grants its GPUs, not gpubot's grant pass (Host.market).
 MARKET_CLUSTER = "cluster"
-# A host the team declared that has not answered its first check yet (bot.app.hostcheck):
+# A host the team declared that has not answered its first check yet (bot.app.hosts.hostcheck):
 # nothing is granted or placed on it until it has.
 HOST_CHECKING = "checking"
 
@@ -107,7 +107,7 @@ class Host(SQLModel, table=True):
     # idle stop and the scheduler's idle times count as the simulator does, so a
     # never-used instance is not stopped sooner for having booted slowly.
     ready_at: datetime | None = _ts(nullable=True)
-    # Health of an SSH host (bot.app.hostcheck): since when it has not answered (None: it
+    # Health of an SSH host (bot.app.hosts.hostcheck): since when it has not answered (None: it
     # does), why in words ("unreachable: …", "setup failed: …"), how many checks in a
     # row failed, and when the next one may dial it (backing off while it fails).
     down_since: datetime | None = _ts(nullable=True)
@@ -361,7 +361,7 @@ class HostPeriod(SQLModel, table=True):
 class GpuSample(SQLModel, table=True):
     """One GPU's utilization at one moment, as the host's telemetry probe saw it.
 
-    Kept as a rolling history, thinned with age (bot.app.utilization): minute samples for the
+    Kept as a rolling history, thinned with age (bot.app.watching.utilization): minute samples for the
     recent hours, coarser ones after. `span_s` says how long a sample stands for, so an
     average over thinned history still weighs time correctly.
     """
@@ -431,10 +431,10 @@ class UsageRollup(SQLModel, table=True):
     read a row per person, market and instance type however many intervals, hosts or runs
     it holds (the runs' own figures are in `RunRollup`).
 
-    Written in the transaction that closes the interval (bot.app.rollups), from the same meter
+    Written in the transaction that closes the interval (bot.app.money.rollups), from the same meter
     as `bot.domain.metering` (readings telescope, so hour pieces add up to the whole exactly).
     `covered_micro` is the same time at the host's own GPU share over its billed periods,
-    so the idle overhead is the instances' bill less it; `bot.app.rollups.rebuild_rollups`
+    so the idle overhead is the instances' bill less it; `bot.app.money.rollups.rebuild_rollups`
     recomputes every row from the raw intervals.
     """
 

@@ -71,7 +71,7 @@ class SshNotAllowed(SshError):
 class SshUnreachable(SshError):
     """The host did not take the connection (refused, silent, key or login refused) or the
     link died under an operation: the host is not answering, as opposed to a command that
-    ran there and failed or took too long. Callers back off dialling it (bot.app.remote)."""
+    ran there and failed or took too long. Callers back off dialling it (bot.app.hosts.remote)."""
 
 
 @dataclass(frozen=True)

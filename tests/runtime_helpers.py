@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from sqlmodel import Session, col, select
 
-from bot.app.hostcheck import HostChecker
+from bot.app.hosts.hostcheck import HostChecker
 from bot.app.runs import RunService
 from bot.faces.runtime import Runtime
 from db.models import Notification, TrainingRun
@@ -18,7 +18,7 @@ from db.models import Notification, TrainingRun
 def checked(rt: Runtime) -> Runtime:
     """The runtime after its declared hosts' first checks have run and finished, as the
     worker's first host-check pass does at start: a static host is granted on and placed
-    on only once a check has reached it (bot.app.hostcheck)."""
+    on only once a check has reached it (bot.app.hosts.hostcheck)."""
     for checker in rt.service.places.checkers:
         assert isinstance(checker, HostChecker)
         checker.tick()

@@ -1,6 +1,6 @@
 """The charts: real PNGs of the promised size, read back by their IHDR header and by
 matplotlib; not blank; the same input gives the same bytes. The digest's cost chart
-draws the pixels it drew when `bot.app.digest` held its own drawing code."""
+draws the pixels it drew when `bot.app.money.digest` held its own drawing code."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ PEOPLE = (
     CostBar("Maximilian von Longname", Decimal("3.50"), Decimal("9.99")),
 )
 COST_TITLE = "GPU cost by person, 2026-W02 ($86.78 in all)"
-# sha256 of the decoded RGBA pixels that bot.app.digest.digest_chart drew for this input
+# sha256 of the decoded RGBA pixels that bot.app.money.digest.digest_chart drew for this input
 # before the drawing moved here (commit 27ed1bf), on matplotlib 3.11.2. Text is drawn a
 # little differently by other matplotlib releases, so the pin holds for that one only.
 COST_PIXELS_BEFORE_THE_MOVE = "b1cb828c9cf1ebdb3ce9863443b7bcadd924e8ebc0d2a93fec6fa21d01c2fbd6"

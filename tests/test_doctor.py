@@ -474,7 +474,7 @@ def test_a_bad_setting_is_a_config_failure_line(cli: tuple[typer.Typer, Path]) -
 
 def test_the_run_environment_note_names_the_directories_to_open(tmp_path: Path) -> None:
     """What keeps the run account from the bot's virtualenv is named, with the exact fix."""
-    from bot.app.runaccount import closed_dirs
+    from bot.app.hosts.runaccount import closed_dirs
 
     private = tmp_path / "private"
     venv = private / "checkout" / ".venv"

@@ -6,7 +6,7 @@ for days because nobody is left to stop it. So every GPU host runs this small lo
 our `training` package, and does three things on its own:
 
 * **Dead-man switch.** The bot renews a *lease* file on every poll of the host (see
-  `Lease`; `bot.app.hostagent.renew_lease` writes it). When the host has had no reservation,
+  `Lease`; `bot.app.hosts.hostagent.renew_lease` writes it). When the host has had no reservation,
   no run and no GPU activity for ``--idle`` seconds *and* the lease has not been renewed
   for longer than ``--lease`` seconds, the agent runs the stop command (default
   ``shutdown -h now``: an EC2 instance then *stops*, it is not terminated) once per boot,

@@ -37,7 +37,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import col, select
 
-from bot.app.held import held_gpu_ids
+from bot.app.watching.held import held_gpu_ids
 from bot.domain.clock import Clock, SystemClock
 from db.models import (
     HOST_STOPPED,

@@ -2,7 +2,7 @@
 the delivery facts a notifier stores beside each row (DeliveryLog).
 
 The one place that knows the row's shape and the dedupe rule, for the service and for the
-modules that run inside its transactions without holding it (bot.app.budgets).
+modules that run inside its transactions without holding it (bot.app.money.budgets).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 
 class Checker(Protocol):
-    """A place's host checks (bot.app.hostcheck.HostChecker): the worker hands out the
+    """A place's host checks (bot.app.hosts.hostcheck.HostChecker): the worker hands out the
     due ones every few seconds and returns at once."""
 
     def tick(self) -> object: ...

@@ -1,15 +1,15 @@
 """What the use cases are written against, so that the arrows between them point one way.
 
 `GpuService` (bot.app.service) is the core: reservations, the grant pass, usage metering and
-the outbox. Runs (bot.app.runs), the host watch (bot.app.agentwatch), budgets (bot.app.budgets) and
+the outbox. Runs (bot.app.runs), the host watch (bot.app.hosts.agentwatch), budgets (bot.app.money.budgets) and
 the fleet build on it, and the core holds the runs and the fleet the runtime hangs on it.
 Each side names what it needs of the other here, as a Protocol, instead of importing the
 other's module: that mutual import was the `service ↔ runs ↔ fleet ↔ budgets ↔
 agentwatch` cycle. `Actor`, the value every use case takes, lives here for the same
-reason (bot.app.access and bot.app.budgets need it and sit below the service).
+reason (bot.app.access and bot.app.money.budgets need it and sit below the service).
 
 Sync code, no I/O here; the implementations are the real classes (GpuService, Fleet,
-LocalAccess, bot.app.remote.RemoteAccess), whose tests use them directly.
+LocalAccess, bot.app.hosts.remote.RemoteAccess), whose tests use them directly.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from sqlmodel import Session
 
     from bot.app.config import Settings
-    from bot.app.history_trace import HistoryRun
+    from bot.app.money.history_trace import HistoryRun
     from bot.domain import views
     from bot.domain.clock import Clock
     from bot.domain.readmodels import HostState
@@ -352,7 +352,7 @@ class Core(Protocol):
         ...
 
 
-# --- the week's replay (bot.app.advice) -------------------------------------------------
+# --- the week's replay (bot.app.money.advice) -------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A run's code source as the grammar and the database see it: ``git:<url>@<ref>``,
 ``path:<dir>``, ``staged:<id>``, parsed and checked. Pure, so the `/gpu` grammar can
 refuse a bad URL before anything is queued; fetching, staging and copying the code are
-`bot.app.sources`."""
+`bot.app.hosts.sources`."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ VERBS: dict[str, VerbSpec] = {
             "/gpu run --path /data/proj --gpus 8 --gpu a100 --max 4h --spot -- torchrun train.py",
             "/gpu run --resume 42 --max 2h",
         ),
-        # bot.app.sources: where the command's code comes from.
+        # bot.app.hosts.sources: where the command's code comes from.
         "The command starts in its code: `--git` clones the repository (https:// or git@, "
         "at a branch, tag or full commit) on the host; `--path` runs in a directory already "
         "on the host; from a terminal, `gpubot submit DIR -- COMMAND` uploads a local "
@@ -215,7 +215,7 @@ class Run:
     precision: str = "auto"
     max_duration: timedelta | None = None
     spot: bool = False
-    # Where the code comes from (bot.app.sources): "git:<url>@<ref>", "path:<dir>",
+    # Where the code comes from (bot.app.hosts.sources): "git:<url>@<ref>", "path:<dir>",
     # "staged:<id>"; "" runs the command in the run's own directory.
     source: str = ""
     # A recipe's own settings (`--lr`, `--batch-size`, `--epochs`) as (name, value) pairs.
@@ -749,7 +749,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
 
 
 def _run_source(opts: dict[str, str], recipe: str | None, ctx: _Ctx) -> str:
-    """`--git`/`--path` as the stored source text (bot.app.sources checks them)."""
+    """`--git`/`--path` as the stored source text (bot.app.hosts.sources checks them)."""
     from bot.domain.code_sources import SourceError, parse_git, parse_path
 
     if "--git" in opts and "--path" in opts:

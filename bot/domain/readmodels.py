@@ -34,7 +34,7 @@ class HostState:
     market: str
     hourly_usd: float
     gpus: tuple[GpuState, ...]
-    # Set while bot.app.hostcheck has it marked down: since when, and why in words.
+    # Set while bot.app.hosts.hostcheck has it marked down: since when, and why in words.
     down_since: datetime | None = None
     down_reason: str | None = None
     # Its provider's word on it in /gpu status ("CPU only: …"), or None.

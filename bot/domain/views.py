@@ -486,7 +486,7 @@ def host_trouble(
     state: str, down_since: datetime | None, reason: str | None, now: datetime, tz: str
 ) -> str | None:
     """What is wrong with a host, in the words every reply uses (status, the queue, a
-    reservation left waiting), or None when nothing is: down (bot.app.hostcheck marked
+    reservation left waiting), or None when nothing is: down (bot.app.hosts.hostcheck marked
     it), not answered its first check yet, or ready but not answering its last dial (it
     answered before, so it stays ready until its checks fail: one lost dial is no outage)."""
     if state == "checking":

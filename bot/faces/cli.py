@@ -27,8 +27,8 @@ from bot.adapters.logs import log_format as resolve_log_format
 from bot.adapters.logs import setup_logging
 from bot.adapters.metrics import OpsApp
 from bot.app.config import ConfigError, Settings, load_settings
-from bot.app.digest import digest_for, digest_view, post_digest, write_csv
-from bot.app.prices import priced_catalog
+from bot.app.money.digest import digest_for, digest_view, post_digest, write_csv
+from bot.app.money.prices import priced_catalog
 from bot.domain.clock import SystemClock
 from bot.domain.errors import UserError
 from bot.faces.doctor import doctor
@@ -157,7 +157,7 @@ def _login() -> str:
         return ""
 
 
-# `gpubot submit` (bot.app.sources): a local directory staged and run as a /gpu run.
+# `gpubot submit` (bot.app.hosts.sources): a local directory staged and run as a /gpu run.
 @app.command()
 def submit(
     directory: Path = typer.Argument(..., help="The project directory to upload."),
@@ -183,7 +183,7 @@ def submit(
     import dataclasses
     import shlex
 
-    from bot.app.sources import stage
+    from bot.app.hosts.sources import stage
     from bot.domain.code_sources import SourceError
     from bot.domain.commands import Run
     from bot.faces.dispatch import execute, parse_text
@@ -332,7 +332,7 @@ def db_upgrade() -> None:
 def db_rebuild_rollups() -> None:
     """Recomputes the cost rollups and fair-share counters from the raw usage intervals
     (after upgrading from a version without them, or to repair them)."""
-    from bot.app.rollups import rebuild_rollups
+    from bot.app.money.rollups import rebuild_rollups
     from db.session import lock_pool, transaction
 
     settings = _settings()
@@ -355,7 +355,7 @@ def hosts_forget(
     Refused while GPUs on it are held or runs run there. Take it out of GPUBOT_SSH_HOSTS
     too, or the next start lists it again.
     """
-    from bot.app.hostadmin import forget_host
+    from bot.app.hosts.hostadmin import forget_host
     from bot.providers import owners
     from provisioning.ssh import SshClient
 

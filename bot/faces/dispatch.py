@@ -10,15 +10,15 @@ import logging
 from collections.abc import Callable
 from functools import lru_cache
 
-from bot.app.billing import team_cost_view
-from bot.app.budgets import budget_command
 from bot.app.fleet import pool as fleet_pool
-from bot.app.idle import keep as idle_keep
-from bot.app.prices import priced_catalog
-from bot.app.recommend import recommend_view
+from bot.app.money.billing import team_cost_view
+from bot.app.money.budgets import budget_command
+from bot.app.money.prices import priced_catalog
+from bot.app.money.recommend import recommend_view
 from bot.app.runs import RunService
 from bot.app.service import Actor, GpuService
-from bot.app.utilization import util_reply
+from bot.app.watching.idle import keep as idle_keep
+from bot.app.watching.utilization import util_reply
 from bot.domain import views
 from bot.domain.commands import (
     Budget,
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 @lru_cache(maxsize=1)
 def _catalog() -> Catalog:
-    # Model names only (bot.app.prices: a refresh does not change them).
+    # Model names only (bot.app.money.prices: a refresh does not change them).
     return Catalog.load()
 
 

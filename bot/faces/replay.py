@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from bot.app.advice import report_blocks, report_for
-from bot.app.digest import digest_job
-from bot.app.history_trace import HistoryRun
+from bot.app.money.advice import report_blocks, report_for
+from bot.app.money.digest import digest_job
+from bot.app.money.history_trace import HistoryRun
+from bot.app.money.prices import priced_catalog
 from bot.app.ports import ReplayOutcome
-from bot.app.prices import priced_catalog
 from bot.domain.scheduling import SchedulerConfig
 from bot.sim.simulate import TraceJob, run_simulation
 from provisioning.catalog import Catalog

@@ -27,9 +27,9 @@ from sqlalchemy.engine import Engine
 from bot.adapters.leader import Leadership, leadership_for
 from bot.app.config import ConfigError, Settings
 from bot.app.fleet import Fleet
+from bot.app.hosts.remote import Prepare, bootstrap_prepare
+from bot.app.money.rollups import backfill_rollups
 from bot.app.places import Wiring
-from bot.app.remote import Prepare, bootstrap_prepare
-from bot.app.rollups import backfill_rollups
 from bot.app.service import GpuService
 from bot.domain.clock import Clock, SystemClock
 from bot.providers import Parts, Provider, configured, for_compute

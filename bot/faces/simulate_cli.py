@@ -1,6 +1,6 @@
 """`gpubot simulate`: the command line of the simulator (bot.sim.simulate), here among the
 faces because it reads settings and, with `--history`, the team's runs from the
-database (bot.app.history_trace) — which the simulator itself must never import."""
+database (bot.app.money.history_trace) — which the simulator itself must never import."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def _history_jobs(window: str, prices: Path | None, gpu_type: str) -> list[Trace
     from datetime import UTC, datetime
 
     from bot.app.config import ConfigError, load_settings
-    from bot.app.history_trace import history_trace
+    from bot.app.money.history_trace import history_trace
     from bot.domain.durations import parse_duration
     from bot.faces.runtime import open_database
 

@@ -16,9 +16,12 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from bot.adapters.leader import Leadership
 from bot.adapters.metrics import TICK_SECONDS, note_tick
-from bot.app import digest, fleet, hostcheck, idle, utilization
+from bot.app import fleet
 from bot.app.delivery import Notifier, deliver
+from bot.app.hosts import hostcheck
+from bot.app.money import digest
 from bot.app.service import GpuService
+from bot.app.watching import idle, utilization
 from bot.domain.errors import new_ref
 from bot.faces.replay import weekly_digest_job
 

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
+from bot.app.money.prices import priced_catalog
 from bot.app.places import Wiring
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
-from bot.app.prices import priced_catalog
 from bot.providers.aws import AwsProvider
 from bot.providers.base import Note, Parts, Probes, Provider, ProviderKind, guarded
 from bot.providers.local import LocalProvider

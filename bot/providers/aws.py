@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
 from bot.app.fleet import CatalogSupply, Fleet
-from bot.app.hostcheck import HostChecker
+from bot.app.hosts.hostcheck import HostChecker
+from bot.app.hosts.remote import RemoteAccess
+from bot.app.money.prices import priced_catalog
 from bot.app.places import RunParts, Wiring
 from bot.app.ports import PlainDisplay, Supply
-from bot.app.prices import priced_catalog
-from bot.app.remote import RemoteAccess
 from bot.app.runs.processes import ProcessExecutor
 from bot.domain import views
 from bot.providers.base import Parts, Probes, for_hosts

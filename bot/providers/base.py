@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from sqlalchemy.engine import Engine
 
 from bot.app.config import Settings
+from bot.app.hosts.remote import Prepare, bootstrap_prepare
 from bot.app.places import Wiring
 from bot.app.ports import Supply
-from bot.app.remote import Prepare, bootstrap_prepare
 from bot.domain.readmodels import HostState
 from provisioning.aws import Ec2Settings
 from provisioning.base import Compute

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
+from bot.app.hosts.runaccount import RunAccount, bot_pip_env, run_account_fix
+from bot.app.money.prices import priced_catalog
 from bot.app.places import RunParts, Wiring
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
-from bot.app.prices import priced_catalog
-from bot.app.runaccount import RunAccount, bot_pip_env, run_account_fix
 from bot.app.runs import LocalAccess
 from bot.providers.base import Note, NvmlProbe, Parts, Probes, guarded
 from provisioning import shell

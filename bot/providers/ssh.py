@@ -3,7 +3,7 @@
 Settings: GPUBOT_SSH_HOSTS, a comma list of `[name=][user@]host[:port][/4xA100[+2xT4]]`;
 GPUBOT_SSH_USER, the login where an entry names none (default root); GPUBOT_SSH_KEY, the
 private key (default: ssh-agent and ~/.ssh). The hosts are owned (no hourly bill), each
-bootstrapped and checked off the tick (bot.app.hostcheck): `checking` until a check
+bootstrapped and checked off the tick (bot.app.hosts.hostcheck): `checking` until a check
 answers, their runs process groups reached over SSH with the host agent beside them.
 """
 
@@ -18,11 +18,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import select
 
 from bot.app.config import ConfigError, Settings
-from bot.app.hostcheck import HostChecker
+from bot.app.hosts.hostcheck import HostChecker
+from bot.app.hosts.remote import RemoteAccess
+from bot.app.money.prices import priced_catalog
 from bot.app.places import RunParts, Wiring
 from bot.app.ports import FIXED_POOL, PlainDisplay, Supply
-from bot.app.prices import priced_catalog
-from bot.app.remote import RemoteAccess
 from bot.app.runs.processes import ProcessExecutor
 from bot.domain.readmodels import HostState
 from bot.providers.base import SSH_TIMEOUT_S, Parts, Probes, for_hosts
@@ -115,7 +115,7 @@ class SshProvider(PlainDisplay):
 
 def static_listing(engine: Engine, compute: StaticHostsCompute) -> list[Instance]:
     """The static hosts as configured, without dialling any. A host that has never
-    answered a check (new, or only ever down) is `checking` until bot.app.hostcheck's
+    answered a check (new, or only ever down) is `checking` until bot.app.hosts.hostcheck's
     first check answers: declaring its GPUs does not make it reachable, and nothing is
     granted on it meanwhile. A host given without a GPU list gets them from that check
     (its bootstrap, then its inventory: a bare `python3` there cannot import

@@ -17,8 +17,8 @@ from sqlmodel import Session, col, select
 
 from bot.app.config import Settings
 from bot.app.fleet import CatalogSupply, Fleet
+from bot.app.hosts.remote import PreparedHost, RemoteAccess
 from bot.app.places import RunParts, Wiring
-from bot.app.remote import PreparedHost, RemoteAccess
 from bot.app.service import GpuService, Wire
 from bot.domain.clock import VirtualClock
 from db.models import Host, LaunchRequest, Notification

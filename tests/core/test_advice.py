@@ -1,4 +1,4 @@
-"""The digest's largest wastes and its replayed advice (bot.app.advice), on histories
+"""The digest's largest wastes and its replayed advice (bot.app.money.advice), on histories
 written into a real database: one with an instance left idle most of the week under a
 long idle stop, and one with nothing to save. The saving the digest claims is checked by
 replaying the same history through the simulator on the path `gpubot simulate
@@ -18,9 +18,9 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.advice import MIN_SAVING_USD, WeekReport
 from bot.app.config import Settings
-from bot.app.digest import (
+from bot.app.money.advice import MIN_SAVING_USD, WeekReport
+from bot.app.money.digest import (
     chart_bars,
     digest_chart,
     digest_csv,
@@ -29,8 +29,8 @@ from bot.app.digest import (
     digest_view,
     write_csv,
 )
-from bot.app.history_trace import history_trace
-from bot.app.rollups import rebuild_rollups
+from bot.app.money.history_trace import history_trace
+from bot.app.money.rollups import rebuild_rollups
 from bot.app.runs.context import scheduler_config
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock

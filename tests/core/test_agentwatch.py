@@ -1,4 +1,4 @@
-"""bot.app.agentwatch in the worker's poll: lease renewal and runs lost in a reboot.
+"""bot.app.hosts.agentwatch in the worker's poll: lease renewal and runs lost in a reboot.
 
 Real sshd hosts on loopback (127.0.0.2, 127.0.0.3) declared as static hosts, the worker's
 own `build_runtime` → `RunService.poll`/`dispatch`, and the real host agent run over SSH
@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 from sqlmodel import Session, col, select
 
-from bot.app import agentwatch
 from bot.app.config import load_settings
-from bot.app.hostagent import host_holds
-from bot.app.remote import PreparedHost
+from bot.app.hosts import agentwatch
+from bot.app.hosts.hostagent import host_holds
+from bot.app.hosts.remote import PreparedHost
 from bot.domain.commands import Reserve, Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import Host, TrainingRun, UsageInterval

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.billing import host_periods, load_usages, shown_cents, team_bill, window_costs
 from bot.app.config import Settings
-from bot.app.rollups import (
+from bot.app.money.billing import host_periods, load_usages, shown_cents, team_bill, window_costs
+from bot.app.money.rollups import (
     computed_rollups,
     day_sums,
     rebuild_rollups,

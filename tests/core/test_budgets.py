@@ -19,7 +19,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.budgets import check_budget
+from bot.app.money.budgets import check_budget
 from bot.app.service import Actor, GpuService
 from bot.domain.commands import Release, Reserve, Run
 from bot.domain.errors import UserError
@@ -308,7 +308,7 @@ def test_what_is_committed_is_everything_the_person_holds_waits_for_or_queued(
     $4), 2 H100 queued with a --max of an hour ($8): $44. Bob's run is not Alice's."""
     from datetime import timedelta
 
-    from bot.app.budgets import committed_usd
+    from bot.app.money.budgets import committed_usd
     from db.models import Gpu, Host
 
     svc, clock = make_service(

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from bot.app.config import Settings
 from bot.app.delivery import deliver
-from bot.app.digest import (
+from bot.app.money.digest import (
     digest_chart,
     digest_csv,
     digest_for,
@@ -31,8 +31,8 @@ from bot.app.digest import (
     parse_week,
     post_digest,
 )
-from bot.app.held import end_held
 from bot.app.service import GpuService
+from bot.app.watching.held import end_held
 from bot.domain.charts import COST_HEIGHT_PX as CHART_H
 from bot.domain.charts import COST_WIDTH_PX as CHART_W
 from bot.domain.clock import VirtualClock

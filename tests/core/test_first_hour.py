@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from bot.app.fleet import CatalogSupply
-from bot.app.runwatch import Outcome, result_view
+from bot.app.watching.runwatch import Outcome, result_view
 from bot.domain import timefmt, views
 from bot.domain.charts import GpuSeries, utilization_chart
 from bot.domain.commands import VERBS, Cancel, Logs, Queue, Run, Status

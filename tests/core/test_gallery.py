@@ -18,8 +18,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.runs import RunService
-from bot.app.runwatch import Outcome, result_view
 from bot.app.service import GpuService
+from bot.app.watching.runwatch import Outcome, result_view
 from bot.domain import views
 from bot.domain.commands import VERBS
 from bot.faces.dispatch import handle_text

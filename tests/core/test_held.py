@@ -1,4 +1,4 @@
-"""bot.app.held: "held now" is an interval with no end, narrowed by host, reservation or run,
+"""bot.app.watching.held: "held now" is an interval with no end, narrowed by host, reservation or run,
 on both databases; an ended interval never counts, and ending a holder's GPUs touches
 only that holder's intervals."""
 
@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 
-from bot.app.held import (
+from bot.app.watching.held import (
     attained_s,
     end_held,
     held_for_scheduler,

@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, select
 
-from bot.app.digest import digest_for
-from bot.app.rollups import (
+from bot.app.money.digest import digest_for
+from bot.app.money.rollups import (
     FAIR_SHARE_HALF_LIFE_S,
     backfill_rollups,
     fair_share_usage,

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 from typer.testing import CliRunner
 
-from bot.app.history_trace import history_trace
+from bot.app.money.history_trace import history_trace
 from bot.sim.simulate import parse_trace, run_simulation
 from db.models import Gpu, Host, TrainingRun, UsageInterval, User
 from provisioning.catalog import Catalog

@@ -10,8 +10,8 @@ from datetime import timedelta
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.idle import ACTION_KEEP, ACTION_RELEASE, Point, assess, coverage_s, idle_job
-from bot.app.utilization import collect
+from bot.app.watching.idle import ACTION_KEEP, ACTION_RELEASE, Point, assess, coverage_s, idle_job
+from bot.app.watching.utilization import collect
 from bot.domain import views
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Reserve

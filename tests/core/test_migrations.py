@@ -12,7 +12,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel
 
 import db.models  # noqa: F401
-from bot.app.rollups import Sums, stored_rollups
+from bot.app.money.rollups import Sums, stored_rollups
 from db.migrate import alembic_config, current_revision, head_revision, upgrade
 
 

@@ -1,4 +1,4 @@
-"""The price catalog is loaded one way (bot.app.prices): whatever shows or bills a
+"""The price catalog is loaded one way (bot.app.money.prices): whatever shows or bills a
 dollar figure reads the refreshed file when there is one. The digest and the team's bill
 once read the shipped snapshot while `/gpu prices` quoted the refreshed file."""
 
@@ -8,14 +8,14 @@ import re
 from pathlib import Path
 
 from bot.app.config import Settings
-from bot.app.prices import priced_catalog
+from bot.app.money.prices import priced_catalog
 from provisioning.catalog import HEADER, SHIPPED_PRICES, Catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The loads that are not `priced_catalog`, each for a reason bot.app.prices gives.
+# The loads that are not `priced_catalog`, each for a reason bot.app.money.prices gives.
 ALLOWED = {
-    "bot/app/prices.py": "the one way itself",
+    "bot/app/money/prices.py": "the one way itself",
     "bot/sim/simulate.py": "an explicit --prices file",
     "bot/faces/simulate_cli.py": "an explicit --prices file",
     "bot/faces/cli.py": "the refresh's base file",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import Engine
 
-from bot.app.recommend import THROUGHPUT_TFLOPS, rank, recommend_view
+from bot.app.money.recommend import THROUGHPUT_TFLOPS, rank, recommend_view
 from bot.domain.commands import VERBS, Recommend, parse
 from bot.domain.errors import UserError
 from bot.faces.dispatch import handle_text

@@ -32,9 +32,9 @@ from sqlmodel import Session, select
 
 from bot.app.config import Settings
 from bot.app.fleet import CatalogSupply, Fleet, fleet_job
-from bot.app.history_trace import history_trace
+from bot.app.hosts.remote import PreparedHost, RemoteAccess
+from bot.app.money.history_trace import history_trace
 from bot.app.places import RunParts, Wiring
-from bot.app.remote import PreparedHost, RemoteAccess
 from bot.app.runs import scheduler_config
 from bot.app.runs.inputs import scheduler_inputs
 from bot.app.runtimes import history_of_kept

@@ -1,5 +1,5 @@
 """Runs in the rollups: the team's rows are per person, a run's own rows are kept beside
-them (bot.app.rollups.RunRollup), and what they say is what metering the raw intervals
+them (bot.app.money.rollups.RunRollup), and what they say is what metering the raw intervals
 says: the kept rows equal a rebuild from the intervals, and the dearest runs of a window
 (the digest's) are those of the raw intervals, also over windows whose edges are off the
 hour and with runs still going."""
@@ -13,11 +13,11 @@ from decimal import Decimal
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.billing import dearest_runs, load_usages, team_bill, window_costs
-from bot.app.digest import build_digest, last_complete_week
-from bot.app.held import end_held, held_gpu_ids
-from bot.app.rollups import computed_rollups, rebuild_rollups, stored_rollups
+from bot.app.money.billing import dearest_runs, load_usages, team_bill, window_costs
+from bot.app.money.digest import build_digest, last_complete_week
+from bot.app.money.rollups import computed_rollups, rebuild_rollups, stored_rollups
 from bot.app.service import GpuService
+from bot.app.watching.held import end_held, held_gpu_ids
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Reserve
 from bot.domain.metering import Window, cost_by_ref, cost_by_user

@@ -33,7 +33,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.config import load_settings
-from bot.app.runaccount import prepare_run_account
+from bot.app.hosts.runaccount import prepare_run_account
 from bot.app.runs import RunService
 from bot.domain.commands import Logs, Release, Reserve, Run
 from bot.domain.errors import UserError
@@ -292,7 +292,7 @@ def test_a_run_account_that_cannot_read_the_bot_venv_gets_torch_of_its_own(
     closed = tmp_path / "closed" / "site-packages"
     closed.mkdir(parents=True)
     (tmp_path / "closed").chmod(0o700)  # what the run account cannot enter
-    monkeypatch.setattr("bot.app.runaccount.site.getsitepackages", lambda: [str(closed)])
+    monkeypatch.setattr("bot.app.hosts.runaccount.site.getsitepackages", lambda: [str(closed)])
     for name, value in pip_env().items():
         monkeypatch.setenv(name, value)
     runner = LocalRunner(run_as=run_account)

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.rollups import backfill_rollups
+from bot.app.money.rollups import backfill_rollups
 from bot.app.runtimes import estimates, note_run_ended, rebuild_run_times
 from bot.domain.clock import VirtualClock
 from bot.domain.scheduling import RunHistory

@@ -1,4 +1,4 @@
-"""Watching real runs (bot.app.runwatch): health alerts to the owner once each while the run
+"""Watching real runs (bot.app.watching.runwatch): health alerts to the owner once each while the run
 goes on, the live message edited in place on the virtual clock's cadence, the result DM
 with its chart, and a sweep's table. User scripts report through `training.report`;
 each waits for a file the test writes, so nothing depends on how fast this machine is."""

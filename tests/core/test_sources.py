@@ -1,4 +1,4 @@
-"""Where a run's code comes from (bot.app.sources): the --git/--path grammar, staging a
+"""Where a run's code comes from (bot.app.hosts.sources): the --git/--path grammar, staging a
 local directory, `gpubot submit` end to end on this machine, and a git source cloned
 from a bare repository in tmp on a real sshd host (file:// only because the test
 allows it; nothing dials the network).
@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from bot.app.sources import prepare_code, stage
+from bot.app.hosts.sources import prepare_code, stage
 from bot.domain.code_sources import (
     GitSource,
     PathSource,
@@ -529,7 +529,7 @@ def test_staged_and_git_runs_on_a_static_ssh_host(
     import time
 
     from bot.app.config import load_settings
-    from bot.app.remote import PreparedHost
+    from bot.app.hosts.remote import PreparedHost
     from bot.faces.runtime import build_runtime
 
     host = lab.hosts["gpu-b"]

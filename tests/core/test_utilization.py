@@ -25,7 +25,7 @@ from sqlmodel import Session, col, select
 from bot.app.config import Settings
 from bot.app.ports import HostSeat, Interpreter, bot_python
 from bot.app.service import GpuService
-from bot.app.utilization import (
+from bot.app.watching.utilization import (
     CHART_WINDOW,
     TIERS,
     Sample,

@@ -1,6 +1,6 @@
 """The dead-man switch over real SSH: the bot renews the lease, the host agent decides.
 
-The host is the real sshd on 127.0.0.2. The bot's side is `bot.app.hostagent` over the real
+The host is the real sshd on 127.0.0.2. The bot's side is `bot.app.hosts.hostagent` over the real
 `SshClient`; the agent runs on the host as the worker would start it (``--once`` over
 `run` for step-by-step checks, `start_detached` for the daemon). Time comes from a file
 on the host, so hours pass in a test without sleeping; "stopping the host" appends a line
@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import Engine
 
-from bot.app.hostagent import (
+from bot.app.hosts.hostagent import (
     HostHolds,
     ReservationHold,
     RunHold,

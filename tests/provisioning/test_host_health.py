@@ -1,4 +1,4 @@
-"""Static hosts' health (bot.app.hostcheck) against real sshd hosts, on the virtual clock.
+"""Static hosts' health (bot.app.hosts.hostcheck) against real sshd hosts, on the virtual clock.
 
 A host's sshd is killed and started again, as a reboot or a network drop would; the
 checks run on the checker's threads and the tests wait for them (`HostChecker.wait`)
@@ -23,9 +23,9 @@ import pytest
 from sqlmodel import Session, select
 
 from bot.app.config import load_settings
-from bot.app.hostcheck import BACKOFF_FIRST, CHECK_EVERY, HostChecker, backoff
-from bot.app.remote import PreparedHost, bootstrap_prepare
-from bot.app.utilization import probe
+from bot.app.hosts.hostcheck import BACKOFF_FIRST, CHECK_EVERY, HostChecker, backoff
+from bot.app.hosts.remote import PreparedHost, bootstrap_prepare
+from bot.app.watching.utilization import probe
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Queue, Release, Reserve, Run, Status
 from bot.faces.runtime import Runtime, build_runtime
@@ -269,7 +269,7 @@ def test_a_host_without_a_gpu_list_is_probed_after_its_bootstrap_with_its_own_py
     status = rt.service.status(rt.service.actor("dave"), Status()).view
     assert any("CPU only: no NVIDIA GPU found" in str(b) for b in status.blocks)
 
-    # Telemetry as bot.app.utilization asks for it runs with the interpreter the host's
+    # Telemetry as bot.app.watching.utilization asks for it runs with the interpreter the host's
     # seat hands out: its venv and code, not the bare system python3.
     assert rt.service.runs is not None
     seat = rt.service.runs.access.runner_for("lab-a")
@@ -325,7 +325,7 @@ def _worker_minutes(rt: Runtime, clock: VirtualClock, checker: HostChecker, minu
     """The worker's jobs on the virtual clock, as `gpubot worker` schedules them with a 2 s
     tick: the tick (grants, poll, dispatch) every 2 s, samples and idle checks every
     `util_sample_s`, host checks every 15 s; each check finished before time moves on."""
-    from bot.app import idle, utilization
+    from bot.app.watching import idle, utilization
     from bot.faces.worker import tick_job
 
     sample_every = int(rt.settings.util_sample_s)
@@ -402,7 +402,7 @@ def test_a_ready_host_that_stops_answering_is_dialled_only_by_its_checks(
     rt.service.reserve(rt.service.actor("alice"), Reserve(1, "T4"))  # busy: it is sampled
     stranger_b.stop()
     client.close()  # the cached connection would hide the stop until it noticed
-    from bot.app import utilization
+    from bot.app.watching import utilization
 
     utilization.sample_job(rt.service)  # a tick's dial, not a check's
     host = _host(rt, "gpu-b")

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, select
 
-from bot.app import runwatch
 from bot.app.config import load_settings
-from bot.app.remote import PreparedHost
+from bot.app.hosts.remote import PreparedHost
 from bot.app.runs import RunService
+from bot.app.watching import runwatch
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Cancel, Run
 from bot.faces.runtime import Runtime, build_runtime

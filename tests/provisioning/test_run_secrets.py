@@ -19,7 +19,7 @@ import pytest
 from sqlmodel import Session
 
 from bot.app.config import load_settings
-from bot.app.remote import PreparedHost
+from bot.app.hosts.remote import PreparedHost
 from bot.domain.commands import Logs, Run
 from bot.faces.dispatch import execute
 from bot.faces.runtime import build_runtime

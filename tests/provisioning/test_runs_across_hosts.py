@@ -20,7 +20,7 @@ import pytest
 from sqlmodel import Session, col, select
 
 from bot.app.config import load_settings
-from bot.app.remote import PreparedHost
+from bot.app.hosts.remote import PreparedHost
 from bot.app.runs import RunService
 from bot.app.runs.context import STARTING_GRACE
 from bot.domain.commands import Run

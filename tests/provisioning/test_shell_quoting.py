@@ -29,8 +29,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from bot.app import sources
-from bot.app.remote import PreparedHost
+from bot.app.hosts import sources
+from bot.app.hosts.remote import PreparedHost
 from bot.app.runs import command_text, runner_command
 from bot.domain import code_sources
 from db.models import TrainingRun
@@ -444,7 +444,7 @@ def test_pid_and_signal_builders_take_numbers_and_known_names_only() -> None:
         ssh.kill_group_command_line(1234, "TERM; probe")
 
 
-# --- bot.app.sources: the code a run starts in -----------------------------------------------------
+# --- bot.app.hosts.sources: the code a run starts in -----------------------------------------------------
 
 GIT_ENV = ["GIT_TERMINAL_PROMPT", "GIT_SSH_COMMAND"]
 

@@ -36,9 +36,9 @@ from typing import Any
 import pytest
 from sqlmodel import Session, select
 
-from bot.app.billing import note_host_state
 from bot.app.config import load_settings
-from bot.app.remote import PreparedHost
+from bot.app.hosts.remote import PreparedHost
+from bot.app.money.billing import note_host_state
 from bot.domain.commands import Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import HOST_STOPPED, HOST_UNREACHABLE, Host

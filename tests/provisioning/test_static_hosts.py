@@ -21,7 +21,7 @@ import pytest
 from sqlmodel import Session, select
 
 from bot.app.config import ConfigError, load_settings
-from bot.app.remote import PreparedHost, home_prepare
+from bot.app.hosts.remote import PreparedHost, home_prepare
 from bot.domain.commands import Logs, Reserve, Run, Status
 from bot.faces.runtime import build_runtime
 from db.models import Gpu, Host, TrainingRun

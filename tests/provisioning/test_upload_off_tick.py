@@ -21,9 +21,9 @@ import pytest
 from sqlmodel import Session, col, select
 
 from bot.app.config import load_settings
-from bot.app.remote import PreparedHost
+from bot.app.hosts.remote import PreparedHost
+from bot.app.hosts.sources import stage
 from bot.app.runs import STARTING_GRACE, RunService
-from bot.app.sources import stage
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Queue, Run
 from bot.faces.runtime import Runtime, build_runtime

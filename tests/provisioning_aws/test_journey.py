@@ -35,14 +35,14 @@ import torch
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.billing import IDLE_ROW, shown_cents, team_bill
 from bot.app.config import Settings
 from bot.app.fleet import CatalogSupply, Fleet
-from bot.app.hostcheck import HostChecker
+from bot.app.hosts.hostcheck import HostChecker
+from bot.app.hosts.remote import RemoteAccess, bootstrap_prepare
+from bot.app.money.billing import IDLE_ROW, shown_cents, team_bill
 from bot.app.places import RunParts, Wiring
-from bot.app.remote import RemoteAccess, bootstrap_prepare
 from bot.app.service import GpuService
-from bot.app.utilization import CollectReport, collect
+from bot.app.watching.utilization import CollectReport, collect
 from bot.domain.clock import VirtualClock
 from bot.domain.metering import Window, to_cents
 from bot.faces.dispatch import handle_text

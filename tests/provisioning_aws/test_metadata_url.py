@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bot.app.config import load_settings
-from bot.app.remote import bootstrap_prepare
+from bot.app.hosts.remote import bootstrap_prepare
 from bot.faces.runtime import build_runtime
 from provisioning.bootstrap import DEFAULT_METADATA_URL
 from tests.provisioning_aws.conftest import AwsLab

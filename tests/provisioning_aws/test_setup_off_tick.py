@@ -18,8 +18,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from bot.app.hostcheck import BACKOFF_FIRST, HostChecker
-from bot.app.remote import PreparedHost
+from bot.app.hosts.hostcheck import BACKOFF_FIRST, HostChecker
+from bot.app.hosts.remote import PreparedHost
 from bot.domain.commands import Reserve, Run
 from db.models import (
     HOST_PENDING,

@@ -10,9 +10,9 @@ from datetime import timedelta
 from sqlalchemy.engine import Engine
 
 from bot.app.delivery import deliver
-from bot.app.idle import idle_job
 from bot.app.service import GpuService
-from bot.app.utilization import snapshot_job
+from bot.app.watching.idle import idle_job
+from bot.app.watching.utilization import snapshot_job
 from bot.domain.commands import Reserve
 from bot.faces.dispatch import handle_text
 from bot.faces.slack.notifier import SlackNotifier, make_client

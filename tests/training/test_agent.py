@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from bot.app.hostagent import AgentReport, LostRun, read_agent_report
+from bot.app.hosts.hostagent import AgentReport, LostRun, read_agent_report
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from tests.training.conftest import REPO, runner_cmd, runner_env
 from training.agent import (
@@ -241,7 +241,7 @@ def test_a_spot_notice_sigterms_the_run_which_checkpoints_and_exits_75(
     assert again["signalled"] == []
     assert host.doc(INTERRUPTION_NAME) == record
 
-    # The worker's read (bot.app.hostagent, here through the local runner).
+    # The worker's read (bot.app.hosts.hostagent, here through the local runner).
     report = host.report()
     assert report.interrupted_runs == ("41",) and report.interruption == record
     # After the host's next boot that notice is history, not news.

@@ -50,8 +50,8 @@ from bot.app.fleet.idlestop import IdleStopper
 from bot.app.fleet.pool import POOL_USAGE, CatalogSupply, launchable, pool, pool_view
 from bot.app.fleet.provision import Buyer
 from bot.app.fleet.reconcile import Reconciler
-from bot.app.prices import priced_catalog
-from bot.app.remote import RemoteAccess
+from bot.app.hosts.remote import RemoteAccess
+from bot.app.money.prices import priced_catalog
 from bot.app.service import GpuService
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
@@ -136,7 +136,7 @@ class Fleet:
         self.ctx.after_launch = hook
 
     def set_up_off_tick(self, nudge: Callable[[], object]) -> None:
-        """Hands instances' bootstraps to an off-tick pool (bot.app.hostcheck): the cycle
+        """Hands instances' bootstraps to an off-tick pool (bot.app.hosts.hostcheck): the cycle
         only launches and reconciles; `nudge` hands out the setups due and returns at
         once. Until this is called, refresh prepares instances inline."""
         self.ctx.setup = nudge

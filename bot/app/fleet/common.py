@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlmodel import select
 
-from bot.app.remote import RemoteAccess
+from bot.app.hosts.remote import RemoteAccess
 from bot.app.service import GpuService
 from bot.domain import views
 from db.models import HOST_PENDING, HOST_READY, HOST_TERMINATED, HOST_UNREACHABLE, LaunchRequest
@@ -54,7 +54,7 @@ class FleetContext:
     access: RemoteAccess
     catalog: Catalog
     after_launch: Callable[[Instance], None] | None = None
-    # The off-tick setup pool's nudge (bot.app.hostcheck.HostChecker.tick): hands out the
+    # The off-tick setup pool's nudge (bot.app.hosts.hostcheck.HostChecker.tick): hands out the
     # bootstrap of instances not ready yet and returns at once. None: refresh prepares them
     # inline, under the fleet's lock (tests about something else).
     setup: Callable[[], object] | None = None

@@ -16,7 +16,7 @@ from typing import Any
 from sqlmodel import col, func, select
 
 from bot.app.fleet.common import BOOT_TIMEOUT, FleetContext, text_view
-from bot.app.held import held_gpu_ids
+from bot.app.watching.held import held_gpu_ids
 from bot.domain.durations import format_duration
 from db.models import (
     HOST_PENDING,

@@ -11,7 +11,7 @@ from sqlmodel import col, func, select
 
 from bot.app.access import audit
 from bot.app.fleet.common import RUNNING_STATES
-from bot.app.prices import priced_catalog
+from bot.app.money.prices import priced_catalog
 from bot.app.service import Actor, GpuService
 from bot.domain import views
 from bot.domain.commands import Pool

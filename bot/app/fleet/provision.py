@@ -14,7 +14,6 @@ from datetime import datetime
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from bot.app.budgets import check_budget
 from bot.app.fleet.common import (
     LAUNCH_READY_MIN,
     LAUNCH_RETRY_AFTER,
@@ -32,7 +31,8 @@ from bot.app.fleet.common import (
     text_view,
 )
 from bot.app.fleet.pool import instances_for
-from bot.app.held import held_gpu_ids
+from bot.app.money.budgets import check_budget
+from bot.app.watching.held import held_gpu_ids
 from bot.domain import views
 from bot.domain.best_fit import best_fit
 from bot.domain.durations import format_duration
@@ -414,7 +414,7 @@ class Buyer:
 
         The request itself is left out of "committed" (it waits at no known price yet) and
         priced here instead: its GPUs' share of the cheapest allowed type for its length
-        (a run without `--max`: one hour, as bot.app.budgets counts queued runs)."""
+        (a run without `--max`: one hour, as bot.app.money.budgets counts queued runs)."""
         user = s.exec(select(User).where(User.key == want.owner)).first()
         if user is None or user.budget_usd is None:
             return None

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 from sqlmodel import col, select
 
-from bot.app.billing import note_host_state
 from bot.app.fleet.common import (
     PENDING_GRACE,
     REQ_PENDING,
@@ -20,7 +19,8 @@ from bot.app.fleet.common import (
     mark_launched,
     text_view,
 )
-from bot.app.held import end_held
+from bot.app.money.billing import note_host_state
+from bot.app.watching.held import end_held
 from db.models import (
     HOST_PENDING,
     HOST_READY,
@@ -57,7 +57,7 @@ class Reconciler:
         A running instance becomes a ready host only once SSH answers and the host is
         prepared (bootstrap, once per host and process); until then it is pending (billed,
         not grantable), or down after a failed setup. A host already ready is not probed
-        again. With an off-tick setup (`ctx.setup`, bot.app.hostcheck) nothing is dialled
+        again. With an off-tick setup (`ctx.setup`, bot.app.hosts.hostcheck) nothing is dialled
         here: the instance stays as the setup left it and the setup pool is nudged, so a
         70 s bootstrap never holds the fleet's lock; without one (tests about something
         else) the instance is prepared here, inline.
@@ -193,7 +193,7 @@ class Reconciler:
                     run.state = RUN_QUEUED
                     run.started_at = None
                     run.host_id = None
-                    # A checkpoint the worker already copied off (bot.app.agentwatch) goes with it.
+                    # A checkpoint the worker already copied off (bot.app.hosts.agentwatch) goes with it.
                     resume = run.placement.get("resume_from")
                     run.placement = {"resume_from": resume} if resume else {}
                     start = (

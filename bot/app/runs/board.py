@@ -8,12 +8,12 @@ from datetime import datetime, timedelta
 
 from sqlmodel import Session, col, select
 
-from bot.app import runwatch
 from bot.app.access import audit
-from bot.app.held import who_holds
 from bot.app.ports import Actor
-from bot.app.runfigures import costs_so_far, gpus_now
 from bot.app.runs.context import FleetHost, RunContext, read_fleet
+from bot.app.watching import runwatch
+from bot.app.watching.held import who_holds
+from bot.app.watching.runfigures import costs_so_far, gpus_now
 from bot.domain import estimates, views
 from bot.domain.commands import Logs, Queue
 from bot.domain.durations import format_duration
@@ -73,7 +73,7 @@ class RunBoard:
                 else {}
             )
             down, ready_models = self._down_hosts(fleet)
-            # The running runs' figures, all at once (bot.app.runfigures): two statements,
+            # The running runs' figures, all at once (bot.app.watching.runfigures): two statements,
             # not two per run.
             going = {r.id for r in shown if r.state == RUN_RUNNING and r.id is not None}
             going -= {r.id for r in shown if r.placement.get("stage")}
@@ -117,7 +117,7 @@ class RunBoard:
                 if run.placement.get("stage"):
                     progress = str(run.placement["stage"])  # "uploading code" (dispatch)
                 elif run.state == RUN_RUNNING and run.id is not None:
-                    # The live message's line (bot.app.runwatch), from the last poll's figures.
+                    # The live message's line (bot.app.watching.runwatch), from the last poll's figures.
                     usd, _ = spent[run.id]
                     progress = runwatch.progress_line(s, run, None, now, usd, gpus.get(run.id, ""))
                 table.append(
@@ -165,7 +165,7 @@ class RunBoard:
     def _down_hosts(
         fleet: list[FleetHost],
     ) -> tuple[list[tuple[FleetHost, set[str]]], set[str]]:
-        """Hosts marked down (bot.app.hostcheck) or not answered yet, with their GPU models,
+        """Hosts marked down (bot.app.hosts.hostcheck) or not answered yet, with their GPU models,
         and the models some ready host offers: a run waits on such a host when only it
         has its model."""
         down: list[tuple[FleetHost, set[str]]] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bot.app import sources
+from bot.app.hosts import sources
 from db.models import TrainingRun
 from provisioning import shell
 
@@ -70,7 +70,7 @@ def runner_command(
         if batch is not None:
             env["GPUBOT_BATCH_SIZE"] = str(batch)
         head += shell.env_prefix(env)
-    if run.source:  # bot.app.sources: the command starts in its code directory
+    if run.source:  # bot.app.hosts.sources: the command starts in its code directory
         head += sources.in_code_dir(run.source, placement["dir"]) + " "
     # run.command is the owner's own shell text (`command_text`), run as they typed it.
     return shell.join(parts) + " -- " + head + run.command

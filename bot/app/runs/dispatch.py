@@ -22,12 +22,13 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from bot.app import budgets, sources
-from bot.app.held import held_gpu_ids
+from bot.app.hosts import sources
+from bot.app.money import budgets
 from bot.app.runs.context import RunContext
 from bot.app.runs.executor import StartFailed, Unavailable
 from bot.app.runs.inputs import anything_to_decide, scheduler_inputs
 from bot.app.runs.records import RunRecords
+from bot.app.watching.held import held_gpu_ids
 from bot.domain import code_sources, views
 from bot.domain.scheduling import Launch, Place, Preempt, Start, decide, preempt_slot
 from db.models import (
@@ -149,7 +150,7 @@ class Dispatcher:
 
         The same path as a spot notice: the run is marked interrupted, gets SIGTERM, saves
         a checkpoint and exits 75; poll then copies the checkpoint off and requeues it
-        (bot.app.agentwatch), and the owner gets a DM saying why and from which step it will
+        (bot.app.hosts.agentwatch), and the owner gets a DM saying why and from which step it will
         resume. Its GPUs are placed on a later tick, once they are really free."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine) as s:
@@ -284,7 +285,7 @@ class Dispatcher:
             assert run is not None
             node = _node_placement("", [], runs_dir / str(run_id))
             placement = {k: v for k, v in node.items() if k not in ("host", "gpu_indexes", "cpu")}
-            if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
+            if run.placement.get("resume_from"):  # bot.app.hosts.agentwatch: its saved checkpoint
                 placement["resume_from"] = run.placement["resume_from"]
             placement["stage"] = "handed to the cluster"
             run.placement = placement
@@ -359,7 +360,7 @@ class Dispatcher:
                 taken.append((host, free, runs_dir))
                 share = gpu_share(host.hourly_usd, self.ctx.core.gpu_count(s, host.id))
                 rate += Decimal(str(share)) * len(free)
-            # Budget (bot.app.budgets): re-checked before placing; over budget → cancelled, DM.
+            # Budget (bot.app.money.budgets): re-checked before placing; over budget → cancelled, DM.
             refusal = budgets.run_refusal(s, run, rate, now, self.ctx.core.settings)
             if refusal is not None:
                 run.state, run.finished_at = RUN_CANCELLED, now
@@ -386,7 +387,7 @@ class Dispatcher:
                 placement["nodes"] = nodes
                 port = rendezvous_port(run_id, _ports_in_use(s, rendezvous_host))
                 placement["rdzv"] = f"{rendezvous_host}:{port}"
-            if run.placement.get("resume_from"):  # bot.app.agentwatch: its saved checkpoint
+            if run.placement.get("resume_from"):  # bot.app.hosts.agentwatch: its saved checkpoint
                 placement["resume_from"] = run.placement["resume_from"]
             # What `/gpu queue` says until the runner starts (bot.app.runs.starts).
             if run.source:
@@ -433,7 +434,7 @@ class Dispatcher:
     def _prepare_code(
         self, run_id: int, runner: SshRunner, target: SshTarget, run_dir: str, log_path: str
     ) -> None:
-        """Puts the run's code on the host (bot.app.sources); `runner_command` starts the
+        """Puts the run's code on the host (bot.app.hosts.sources); `runner_command` starts the
         command in it (the runner itself stays in the run's directory, where the host
         agent looks for it). A failure is an SshError whose text says why, so the run
         fails with it and the owner is told."""

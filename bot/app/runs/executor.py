@@ -25,7 +25,7 @@ from db.models import TrainingRun
 from provisioning.ssh import SshRunner, SshTarget
 from training.status import RunStatus
 
-# Puts a run's code where it starts (bot.app.sources through dispatch): (runner, target,
+# Puts a run's code where it starts (bot.app.hosts.sources through dispatch): (runner, target,
 # run dir, log path). Raises SshError saying why it could not.
 PrepareCode = Callable[[SshRunner, SshTarget, str, str], None]
 
@@ -145,7 +145,7 @@ class RunExecutor(Protocol):
 
     def tend(self, records: Any) -> None:
         """Its own upkeep before each poll (hosts with agents: their leases and reports,
-        bot.app.agentwatch, given the `WatchedRuns` there); never raises."""
+        bot.app.hosts.agentwatch, given the `WatchedRuns` there); never raises."""
         ...
 
     def watch(self, run_id: int, placement: dict[str, Any], figures_due: bool) -> None:

@@ -13,10 +13,10 @@ from typing import Any
 from sqlalchemy import and_, func, or_
 from sqlmodel import Session, col, select
 
-from bot.app.held import attained_s, held_for_scheduler
-from bot.app.rollups import fair_share_usage
+from bot.app.money.rollups import fair_share_usage
 from bot.app.runs.context import RunContext, host_view
 from bot.app.runtimes import estimates
+from bot.app.watching.held import attained_s, held_for_scheduler
 from bot.domain.scheduling import Allocation, FleetInstance, QueuedRun
 from db.models import (
     HOST_PENDING,
@@ -282,7 +282,7 @@ def fair_usage(
     ctx: RunContext, s: Session, now: datetime, held: list[tuple[str, datetime]] | None = None
 ) -> dict[str, float]:
     """Each user's GPU-seconds, decayed with the scheduler's half-life (Slurm's fair
-    share): the counters kept as intervals close (bot.app.rollups), plus what is held now
+    share): the counters kept as intervals close (bot.app.money.rollups), plus what is held now
     (`held`, when read already). Only a half-life other than the counters' reads the
     intervals themselves."""
     kept = fair_share_usage(s, now, ctx.config.half_life_s, held)

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlmodel import col, select
 
-from bot.app.agentwatch import (
+from bot.app.hosts.agentwatch import (
     checkpoint_dir,
     requeue_resumable,
     resumable_stop,
@@ -49,7 +49,7 @@ class Poller:
     def poll(self) -> int:
         """Reads every running run's status; finishes those that ended. Returns how many."""
         executor = self.ctx.executor
-        # The executor's own upkeep first (host agents, bot.app.agentwatch: lease renewal,
+        # The executor's own upkeep first (host agents, bot.app.hosts.agentwatch: lease renewal,
         # spot notices, runs lost in a reboot), so a lost run is requeued, not failed below.
         executor.tend(self.records)
         with transaction(self.ctx.engine, write=False) as s:
@@ -277,7 +277,7 @@ class Poller:
                 return
             self.records.close_intervals(s, run_id, self.ctx.core.clock.now())
             run.state = RUN_QUEUED
-            # A resumed run keeps where its checkpoint is (bot.app.agentwatch).
+            # A resumed run keeps where its checkpoint is (bot.app.hosts.agentwatch).
             resume = run.placement.get("resume_from")
             run.placement = {"resume_from": resume} if resume else {}
             run.started_at = None

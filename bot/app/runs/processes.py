@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bot.app.agentwatch import download_checkpoints, upload_checkpoints, watch_hosts
+from bot.app.hosts.agentwatch import download_checkpoints, upload_checkpoints, watch_hosts
 from bot.app.ports import HostAccess, HostSeat, PlaceRequest, refuse_place_options
 from bot.app.runs.command import runner_command
 from bot.app.runs.executor import Look, PrepareCode, StartFailed
@@ -122,7 +122,7 @@ class ProcessExecutor:
         resume = run.placement.get("resume_from")
         if resume:  # the checkpoint it resumes from, first: every node loads it
             upload_checkpoints(runner, target, resume, str(node["checkpoints"]))
-        # Code source (bot.app.sources): clone / check / upload, before the runner starts.
+        # Code source (bot.app.hosts.sources): clone / check / upload, before the runner starts.
         code(runner, target, str(run_dir), str(node["log"]))
         # The host's interpreter last: the run account's is prepared here on first use.
         python = seat.interpreter()

@@ -1,7 +1,7 @@
 """A run's row after it started: its placement and figures updated, back in line with
 its checkpoint, or finished with its GPUs given back and its owner told. Dispatch
 (a run that could not start) and poll (a run that ended) both end runs here, and the
-host agents' watch (bot.app.agentwatch.WatchedRuns) requeues through it."""
+host agents' watch (bot.app.hosts.agentwatch.WatchedRuns) requeues through it."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from bot.app import runwatch
-from bot.app.held import attained_s, end_held
 from bot.app.outbox import enqueue
 from bot.app.ports import Core, HostAccess
 from bot.app.runs.context import RunContext
 from bot.app.runtimes import note_run_ended
+from bot.app.watching import runwatch
+from bot.app.watching.held import attained_s, end_held
 from bot.domain import views
 from db.models import (
     RUN_OPEN_STATES,
@@ -57,7 +57,7 @@ class RunRecords:
     def tell_started(
         self, s: Session, run: TrainingRun, host_names: list[str], now: datetime
     ) -> None:
-        """The owner's "started" DM, which becomes the run's live message (bot.app.runwatch
+        """The owner's "started" DM, which becomes the run's live message (bot.app.watching.runwatch
         edits it in place while it runs), in the caller's transaction."""
         assert run.id is not None
         placement = run.placement
@@ -87,7 +87,7 @@ class RunRecords:
             owner.key,
             views.View(text=text, blocks=(views.Text(text), views.cancel_run_button(run.id))),
             now,
-            # A resumed run says it started again (bot.app.agentwatch's resume count, or
+            # A resumed run says it started again (bot.app.hosts.agentwatch's resume count, or
             # the times a cluster put it back in its queue).
             dedupe=f"run-started:{run.id}"
             + (f":{placement['resume_from']['count']}" if "resume_from" in placement else "")
@@ -197,7 +197,7 @@ class RunRecords:
 
     @retrying
     def update_metrics(self, run_id: int, status: RunStatus, live_runs: int = 1) -> None:
-        """Stores the run's latest figures and watches it (bot.app.runwatch: health alerts
+        """Stores the run's latest figures and watches it (bot.app.watching.runwatch: health alerts
         to its owner, once each; its live message edited about once a minute)."""
         with transaction(self.ctx.engine) as s:
             run = locked(s, TrainingRun, run_id)  # one row, nothing after it (db.session)
@@ -212,7 +212,7 @@ class RunRecords:
     def requeue(
         self, run_id: int, resume_from: dict[str, Any], view: views.View, dedupe: str
     ) -> bool:
-        """Back in line with its checkpoint (bot.app.agentwatch): a stop for a resume is not a
+        """Back in line with its checkpoint (bot.app.hosts.agentwatch): a stop for a resume is not a
         failure. Its GPUs go back, its place in line is its old one (submitted_at)."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine) as s:
@@ -274,7 +274,7 @@ class RunRecords:
             note_run_ended(s, run)  # its time, for the run-time estimates (bot.app.runtimes)
             owner = s.get(User, run.user_id)
             assert owner is not None
-            # bot.app.runwatch: metrics, precision and batch and why, GPU-hours, cost, the
+            # bot.app.watching.runwatch: metrics, precision and batch and why, GPU-hours, cost, the
             # health summary and the loss curve; for a failure the exit status in words.
             outcome = runwatch.Outcome(state, exit_code, status, log_tail, summary.get("error"))
             view, chart = runwatch.result_view(s, run, outcome, now)

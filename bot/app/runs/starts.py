@@ -1,6 +1,6 @@
 """Starts that upload code or a checkpoint, run off the tick.
 
-Fetching or uploading a run's code (bot.app.sources: a staged tree over SSH, a git clone
+Fetching or uploading a run's code (bot.app.hosts.sources: a staged tree over SSH, a git clone
 on the host) takes as long as the code and the link make it, so dispatch claims the run
 and its GPUs in its own transaction and hands the rest of the start (code, runner) to
 this small pool: the tick returns at once and every other grant, placement and DM goes

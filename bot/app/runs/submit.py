@@ -13,9 +13,10 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from bot.app import budgets, sources
 from bot.app.access import audit
-from bot.app.agentwatch import checkpoint_dir, holds_files
+from bot.app.hosts import sources
+from bot.app.hosts.agentwatch import checkpoint_dir, holds_files
+from bot.app.money import budgets
 from bot.app.ports import Actor, PlaceRequest
 from bot.app.runs.context import RECIPES, USAGE_RUN, FleetHost, RunContext, read_fleet
 from bot.domain import code_sources, views
@@ -55,7 +56,7 @@ class Submissions:
             raise UserError(
                 f"There is no recipe `{cmd.recipe}`; recipes: {', '.join(RECIPES)}.", USAGE_RUN
             )
-        self._check_source(cmd)  # bot.app.sources: git/path/staged code
+        self._check_source(cmd)  # bot.app.hosts.sources: git/path/staged code
         # The place's own rules (a cluster: who may, which partition allows it), before
         # anything is put in line; its note (the limit a run without --max gets) is said.
         note = self.ctx.executor.admit(
@@ -78,7 +79,7 @@ class Submissions:
             model, picked = self._resolve_model(s, cmd.model, cmd.gpus, cmd.recipe)
             user = self.ctx.core.user_row(s, actor.key, actor.name)
             max_s = int(cmd.max_duration.total_seconds()) if cmd.max_duration else None
-            # Budget (bot.app.budgets): a run that cannot fit is refused before it queues.
+            # Budget (bot.app.money.budgets): a run that cannot fit is refused before it queues.
             variants = len(cmd.sweep[1]) if cmd.sweep else 1
             budgets.check_budget(
                 s,
@@ -114,7 +115,7 @@ class Submissions:
                 options=dict(cmd.options),
                 place=dict(cmd.place),
             )
-            if resume_from is not None:  # bot.app.agentwatch: uploaded before it starts
+            if resume_from is not None:  # bot.app.hosts.agentwatch: uploaded before it starts
                 run.placement = {"resume_from": resume_from}
             s.add(run)
             s.flush()
@@ -129,7 +130,7 @@ class Submissions:
     def _resumed(self, actor: Actor, cmd: Run) -> tuple[Run, dict[str, Any]]:
         """`--resume ID`: run ID as it was asked for (its --max, or the one given now; its
         place options, or those given now), starting from the checkpoint the bot kept
-        when it stopped at its time limit (RunPoller, bot.app.agentwatch.save_for_resume)."""
+        when it stopped at its time limit (RunPoller, bot.app.hosts.agentwatch.save_for_resume)."""
         assert cmd.resume is not None
         with transaction(self.ctx.engine, write=False) as s:
             old = s.get(TrainingRun, cmd.resume)

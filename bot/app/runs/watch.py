@@ -12,7 +12,7 @@ the tick got round to it.
 A run's first figures are hurried the same way: for its first minute its watcher waits
 in short steps and reads its status file between them, and asks for a tick once the
 runner has measured some steps, so the live message shows them within seconds of being
-measured rather than at the next tick (bot.app.runwatch.live_edit).
+measured rather than at the next tick (bot.app.watching.runwatch.live_edit).
 
 The poll stays the truth and the safety net: a watcher only hurries it. A watcher whose
 host cannot be reached now waits and looks again; one whose run the poll no longer
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from bot.app.ports import HostAccess
-from bot.app.runwatch import has_figures
+from bot.app.watching.runwatch import has_figures
 from bot.domain.clock import Clock
 from provisioning.ssh import SshError
 from training.status import parse_status
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # idle for long, long enough that waiting costs about nothing.
 WAIT_S = 60.0
 # How long a watcher pauses when its host cannot be asked now (not ready, or backing
-# off after failed dials: bot.app.remote), before it asks again.
+# off after failed dials: bot.app.hosts.remote), before it asks again.
 RETRY_S = 5.0
 # For a run's first minute its status is read between waits this long, until it shows
 # the runner's first figures.

@@ -31,9 +31,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from bot.app.billing import TeamBill, note_host_state
 from bot.app.config import Settings
-from bot.app.held import GpuCount
+from bot.app.money.billing import TeamBill, note_host_state
 from bot.app.places import Places, Wiring
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
 from bot.app.ports import GpuRef, Holder, HostDisplay, HostSeat, Provisioner, Supply
@@ -43,6 +42,7 @@ from bot.app.service.grants import Grants
 from bot.app.service.notices import Notices
 from bot.app.service.reservations import Reservations
 from bot.app.service.status import StatusBoard
+from bot.app.watching.held import GpuCount
 from bot.domain import views
 from bot.domain.clock import Clock
 from bot.domain.commands import Extend, Release, Reserve, Status
@@ -325,7 +325,7 @@ class GpuService:
         return self.board.costs(period, user_key)
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
-        """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.billing)."""
+        """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.money.billing)."""
         return self.board.team_bill(period, catalog)
 
     def notify_dm(

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from bot.app.held import end_held, who_holds
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
+from bot.app.watching.held import end_held, who_holds
 from bot.domain import views
 from bot.domain.best_fit import best_fit
 from bot.domain.errors import UserError
@@ -274,7 +274,7 @@ def pick_gpus(
 
 class PricedHost(Protocol):
     """What usage is priced by: the host's id, hourly price and market (a `Host`, or
-    the grant pass's plain columns, `bot.app.held.free_gpus`)."""
+    the grant pass's plain columns, `bot.app.watching.held.free_gpus`)."""
 
     @property
     def id(self) -> int | None: ...

@@ -12,8 +12,7 @@ from decimal import Decimal
 from sqlalchemy import func, insert
 from sqlmodel import Session, col, select
 
-from bot.app import budgets
-from bot.app.held import GpuCount, free_gpus, gpu_counts
+from bot.app.money import budgets
 from bot.app.ports import Core, GpuRef
 from bot.app.service.common import (
     GRANTED,
@@ -25,6 +24,7 @@ from bot.app.service.common import (
     reservation_info,
     to_host_state,
 )
+from bot.app.watching.held import GpuCount, free_gpus, gpu_counts
 from bot.domain import views
 from bot.domain.errors import UserError
 from db.models import (
@@ -76,7 +76,7 @@ class Grants:
         if new is None and core(s).execute(_ANYONE_WAITING).first() is None:
             return 0
         # How many GPUs each ready host has free, per model, in one grouped query
-        # (bot.app.held.gpu_counts): best fit needs no more to choose a host, and only the
+        # (bot.app.watching.held.gpu_counts): best fit needs no more to choose a host, and only the
         # chosen host's free GPUs are then read. The tick and each reserve stay flat as the
         # fleet grows: reading (and weighing) every GPU of a hundred hosts was most of a
         # reserve's time.
@@ -121,7 +121,7 @@ class Grants:
                 # pass granted already is flushed, so not among them).
                 host, free_here = free_gpus(s, host_id, gpu_model)
                 assert host is not None, "the counts and the GPUs disagree"
-                # Budget (bot.app.budgets): a grant that would go over is cancelled, with a DM.
+                # Budget (bot.app.money.budgets): a grant that would go over is cancelled, with a DM.
                 rate = Decimal(str(gpu_share(host.hourly_usd, present[host_id])))
                 refusal = budgets.grant_refusal(
                     s, res, rate * res.gpu_count, now, self.core.settings

@@ -11,9 +11,8 @@ from sqlalchemy import and_, or_
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from bot.app import budgets
 from bot.app.access import audit
-from bot.app.held import GpuCount, gpu_counts
+from bot.app.money import budgets
 from bot.app.ports import Actor, Core, PlaceRequest
 from bot.app.service.common import (
     TickReport,
@@ -23,6 +22,7 @@ from bot.app.service.common import (
     reservation_info,
 )
 from bot.app.service.grants import Grants
+from bot.app.watching.held import GpuCount, gpu_counts
 from bot.domain import views
 from bot.domain.commands import Extend, Release, Reserve
 from bot.domain.durations import format_duration
@@ -110,7 +110,7 @@ class Reservations:
                 self._check_feasible(model, cmd.count, counts)
                 user = self.core.user_row(s, actor.key, actor.name)
                 now = self.core.clock.now()
-                # Budget (bot.app.budgets): refused here, before it waits or is granted; its
+                # Budget (bot.app.money.budgets): refused here, before it waits or is granted; its
                 # estimate from the counts just read (the dearest share of the model).
                 estimate = None
                 if user.budget_usd is not None:
@@ -190,7 +190,7 @@ class Reservations:
 
     def _check_feasible(self, model: str | None, count: int, counts: list[GpuCount]) -> None:
         """Refuses up front what could never be granted, instead of an endless wait.
-        From the grouped counts (bot.app.held.gpu_counts) that the reserve's grant pass
+        From the grouped counts (bot.app.watching.held.gpu_counts) that the reserve's grant pass
         uses too, not the status read model: it runs in every reservation's transaction,
         under the pool lock, so a burst of them waits on its length."""
         if model is not None and self.core.supply.can_have(model, count):

@@ -13,10 +13,10 @@ from typing import Any
 from sqlalchemy.engine import Connection
 from sqlmodel import Session, col, select
 
-from bot.app.billing import TeamBill, team_bill, window_costs
-from bot.app.held import fleet_counts
+from bot.app.money.billing import TeamBill, team_bill, window_costs
 from bot.app.ports import Actor, Core
 from bot.app.service.common import read_hosts, reservation_info
+from bot.app.watching.held import fleet_counts
 from bot.domain import views
 from bot.domain.commands import Status
 from bot.domain.metering import Window, period_window
@@ -130,7 +130,7 @@ class StatusBoard:
         Home showed the whole status (every GPU of every host, with its holder) to keep
         only its first line, the waiting line and the caller's part, and then read the
         cost in a transaction of its own: at 100 hosts most of its time. Here the first
-        line comes from counts grouped by host state (bot.app.held.fleet_counts), and
+        line comes from counts grouped by host state (bot.app.watching.held.fleet_counts), and
         the lines are worded by the status's own functions (bot.domain.views), so Home
         and `/gpu status` still agree. The rows are plain columns through the
         connection; a statement count that does not grow with the hosts."""
@@ -298,7 +298,7 @@ class StatusBoard:
         return window, costs, names
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
-        """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.billing)."""
+        """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.money.billing)."""
         now = self.core.clock.now()
         window = period_window(period, now, self.core.settings.timezone)  # type: ignore[arg-type]
         with transaction(self.core.engine, write=False) as s:

@@ -17,7 +17,7 @@ from bot.domain.commands import VERBS
 METHOD_SCOPES: dict[str, tuple[str, ...]] = {
     "auth.test": (),
     "chat.postMessage": ("chat:write",),
-    # A run's live message, edited in place (bot.app.runwatch).
+    # A run's live message, edited in place (bot.app.watching.runwatch).
     "chat.update": ("chat:write",),
     "conversations.open": ("im:write",),
     # The duplicate check before resending a maybe-sent notification: DMs and the team channel.

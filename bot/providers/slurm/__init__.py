@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from bot.app.config import ConfigError, Settings
+from bot.app.hosts.remote import PreparedHost, bootstrap_prepare
+from bot.app.hosts.runaccount import bot_pip_env
+from bot.app.money.prices import priced_catalog
 from bot.app.places import RunParts, Wiring
 from bot.app.ports import FIXED_POOL, Supply
-from bot.app.prices import priced_catalog
-from bot.app.remote import PreparedHost, bootstrap_prepare
-from bot.app.runaccount import bot_pip_env
 from bot.domain.readmodels import HostState
 from bot.domain.timefmt import when
 from bot.providers.base import Note, Parts, Probes

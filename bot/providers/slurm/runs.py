@@ -31,9 +31,9 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from bot.app.agentwatch import download_checkpoints, upload_checkpoints
+from bot.app.hosts.agentwatch import download_checkpoints, upload_checkpoints
+from bot.app.hosts.remote import PreparedHost
 from bot.app.ports import HostSeat, Interpreter, PlaceRequest
-from bot.app.remote import PreparedHost
 from bot.app.runs.command import runner_command
 from bot.app.runs.executor import Look, PrepareCode, StartFailed, Unavailable
 from bot.domain.clock import Clock

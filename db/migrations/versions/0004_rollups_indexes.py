@@ -5,7 +5,7 @@ Revises: 0003
 Create Date: 2026-12-03
 
 The rollups start empty; the bot's start-up fills them once from the intervals closed
-before this upgrade (bot.app.rollups.backfill_rollups; db never imports bot, so the upgrade
+before this upgrade (bot.app.money.rollups.backfill_rollups; db never imports bot, so the upgrade
 cannot), and `gpubot db rebuild-rollups` recomputes them at any time.
 """
 

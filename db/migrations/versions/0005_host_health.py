@@ -1,4 +1,4 @@
-"""host health: down since, why, failed checks in a row, next check (bot.app.hostcheck)
+"""host health: down since, why, failed checks in a row, next check (bot.app.hosts.hostcheck)
 
 Revision ID: 0005
 Revises: 0004

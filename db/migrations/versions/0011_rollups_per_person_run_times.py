@@ -143,7 +143,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     # The rollups of before come back empty: that version's start-up rebuilds them from
-    # the intervals (bot.app.rollups.backfill_rollups).
+    # the intervals (bot.app.money.rollups.backfill_rollups).
     op.drop_table("runestimate")
     op.drop_index("ix_gpusample_run_at", table_name="gpusample")
     op.drop_index(op.f("ix_runtime_finished_at"), table_name="runtime")

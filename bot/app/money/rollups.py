@@ -1,6 +1,6 @@
 """Closed usage kept summed, so costs and the scheduler read history in a few rows.
 
-A usage interval is rolled up in the transaction that closes it (`bot.app.held.end_held`):
+A usage interval is rolled up in the transaction that closes it (`bot.app.watching.held.end_held`):
 it is cut at UTC hours and each piece is added to its (hour, user, market, instance type)
 row in whole micro-dollars, by the same meter as `bot.domain.metering`, and the same sums are
 kept per UTC day so that a month reads a row per person and day. A run's pieces are also
@@ -10,8 +10,8 @@ Meter readings telescope, so the pieces of an interval add up exactly to what th
 interval costs, and a window made of whole hours costs exactly the sum of its rows. The
 hour rows also make any whole-hour time zone's days and weeks exact. What a window
 needs beyond that (open intervals, and the part of a window edge that is not on a UTC
-hour, as in a half-hour time zone) is read raw and metered as before: `bot.app.usage_window`
-hands both back, and `bot.app.billing` and `bot.app.digest` add them up.
+hour, as in a half-hour time zone) is read raw and metered as before: `bot.app.money.usage_window`
+hands both back, and `bot.app.money.billing` and `bot.app.money.digest` add them up.
 
 Beside the money, each user's decayed GPU-seconds (Slurm's fair-share usage) is kept
 up to date the same way, so the scheduler's order costs one small read per tick.
@@ -132,7 +132,7 @@ class ClosedUsage(Protocol):
 
 class ClosedInterval(ClosedUsage, Protocol):
     """A closed interval with its id (the fair-share counters order ties by it): a
-    `db.models.UsageInterval`, or a row `bot.app.held.end_held` got back."""
+    `db.models.UsageInterval`, or a row `bot.app.watching.held.end_held` got back."""
 
     @property
     def id(self) -> int | None: ...
@@ -489,7 +489,7 @@ _CLOSED = "gpubot.closed"  # Session.info: how many intervals this transaction c
 
 def closed_in(s: Session) -> int:
     """How many intervals this session's transaction has closed so far: a reader that
-    keeps a figure for the transaction keys it by this (bot.app.budgets)."""
+    keeps a figure for the transaction keys it by this (bot.app.money.budgets)."""
     return int(s.info.get(_CLOSED, 0))
 
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from sqlmodel import col, select
 
-from bot.app.billing import note_host_state
 from bot.app.config import Settings
-from bot.app.held import held_gpu_ids
+from bot.app.money.billing import note_host_state
+from bot.app.watching.held import held_gpu_ids
 from bot.domain.clock import Clock
 from bot.domain.errors import UserError
 from db.models import HOST_TERMINATED, Host, TrainingRun

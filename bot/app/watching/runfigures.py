@@ -2,7 +2,7 @@
 cost so far and its GPUs' latest utilization. `/gpu queue` (and App Home, which shows the
 caller's runs through it) asked both run by run, two statements per running run (76 of a
 queue's statements with 36 runs going); here they are two statements whatever the number
-of runs. `bot.app.runwatch` reads one run's through the same functions, so the live
+of runs. `bot.app.watching.runwatch` reads one run's through the same functions, so the live
 message, the result and the queue say the same."""
 
 from __future__ import annotations

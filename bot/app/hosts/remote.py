@@ -6,7 +6,7 @@ the host agent; `home_prepare` where the bot's interpreter is already there), re
 the result (`PreparedHost`: where runs live, which python runs `training` and from which
 code directory), and hands out a `HostSeat` built from it, so every command line that
 starts `python -m training.…` there is built with the host's own interpreter. The fleet
-(bot.app.fleet) and the host checks (bot.app.hostcheck) use it; neither is needed here.
+(bot.app.fleet) and the host checks (bot.app.hosts.hostcheck) use it; neither is needed here.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def bootstrap_prepare(
     metadata_url: str = DEFAULT_METADATA_URL,
 ) -> PreparedHost:
     """The production preparation: the idempotent bootstrap (a marker read when current),
-    with the host agent (training.agent; bot.app.agentwatch reads it). On an EC2 instance it
+    with the host agent (training.agent; bot.app.hosts.agentwatch reads it). On an EC2 instance it
     guards the budget: it stops the instance when the bot is gone and nothing runs, and
     watches for spot notices. On a static host (someone else's machine) it only watches:
     no stop, no metadata service. `cloud` None: an EC2 host is one named by its instance
@@ -239,7 +239,7 @@ class RemoteAccess:
         self.resolver = resolver
         self.prepare = prepare or home_prepare
         self.local = local
-        # False where another thread prepares hosts (bot.app.hostcheck): a caller that finds a
+        # False where another thread prepares hosts (bot.app.hosts.hostcheck): a caller that finds a
         # bootstrap in progress gets None ("not ready yet") instead of waiting minutes.
         self.wait_for_prepare = wait_for_prepare
         self._prepared: dict[str, PreparedHost] = {}
@@ -271,7 +271,7 @@ class RemoteAccess:
 
     def runner_for(self, host_name: str) -> HostSeat | None:
         """The seat of a host that answered and has not failed a dial since; None
-        otherwise. Only the host checks (bot.app.hostcheck) dial a host that has not
+        otherwise. Only the host checks (bot.app.hosts.hostcheck) dial a host that has not
         answered yet (checking, or a cloud instance being set up) or stopped answering
         (`down_since`), so a dead host costs a dial per check on the checks' backoff,
         not one per tick per job. A host draining after a spot notice still answers:
@@ -298,7 +298,7 @@ class RemoteAccess:
 
     def not_answering(self, host_name: str, reason: str) -> None:
         """A dial to a ready host failed: no more dials to it but the checks' until one
-        answers. The next check is due at once (bot.app.hostcheck counts failed checks
+        answers. The next check is due at once (bot.app.hosts.hostcheck counts failed checks
         and marks it down on its usual rule; the first that answers clears this)."""
         now = self.clock.now()
         with transaction(self.engine) as s:
@@ -320,7 +320,7 @@ class RemoteAccess:
 
     def prepare_now(self, host_name: str, target: SshTarget, *, wait: bool = True) -> PreparedHost:
         """Prepares (bootstraps) the host unless this process did; raises
-        ProvisioningError saying why it cannot be (bot.app.hostcheck runs it off the tick).
+        ProvisioningError saying why it cannot be (bot.app.hosts.hostcheck runs it off the tick).
         `wait=False`: PrepareInProgress when another thread is preparing it right now."""
         with self._lock:
             if host_name in self._prepared:

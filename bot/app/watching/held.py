@@ -27,7 +27,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.util import identity_key
 from sqlmodel import Session, col, func, select
 
-from bot.app.rollups import on_closed
+from bot.app.money.rollups import on_closed
 from bot.app.runtimes import attained_s as attained_s  # re-exported: the runs read it here
 from bot.domain.readmodels import FleetCounts
 from db.models import (
@@ -85,7 +85,7 @@ class GpuCount:
     # The host's market: a cluster's node ("cluster") is granted by its own scheduler.
     market: str = "owned"
     # The host's price per hour, all of its GPUs together: a budget's estimate is the
-    # dearest share among the hosts that carry the model (bot.app.budgets.gpu_rate).
+    # dearest share among the hosts that carry the model (bot.app.money.budgets.gpu_rate).
     hourly_usd: float = 0.0
 
 
@@ -274,7 +274,7 @@ def end_held(
     """Lets go of what a reservation, a run or a host holds: each open interval ends at
     `at`, or where it started if `at` is earlier (a clock step back never makes a
     negative interval). The caller holds the pool. The ended intervals are rolled up in
-    the same transaction (bot.app.rollups), so costs never see one both raw and rolled up, or
+    the same transaction (bot.app.money.rollups), so costs never see one both raw and rolled up, or
     neither. Returns the intervals it ended, oldest first.
 
     One Core UPDATE … RETURNING, not a read of the intervals and an UPDATE of each: every

@@ -14,7 +14,7 @@ week's largest wastes, each from the same records the bill is made of:
   a price, not a replay: the simulator has no spot market that interrupts.
 
 and then computes, not guesses, what a setting would have saved: the week's runs
-(`bot.app.history_trace.history_runs`, GPU time on rented instances) are replayed through
+(`bot.app.money.history_trace.history_runs`, GPU time on rented instances) are replayed through
 the scheduler on the simulated cloud (the `Replayer` port; the faces hand it the
 simulator) under today's settings, and again with one setting changed at a time (idle
 stop, the pool cap). A change is shown when the replay says it saves at
@@ -40,9 +40,9 @@ from sqlalchemy import func
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from bot.app.billing import host_periods
 from bot.app.config import Settings
-from bot.app.history_trace import HistoryRun, history_runs
+from bot.app.money.billing import host_periods
+from bot.app.money.history_trace import HistoryRun, history_runs
 from bot.app.ports import Replayer, ReplayOutcome
 from bot.app.runs.context import scheduler_config
 from bot.domain import views

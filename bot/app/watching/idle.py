@@ -1,7 +1,7 @@
 """Idle GPUs: ask the holder "Keep or Release?", and release when nobody answers.
 
 A reservation is idle when every GPU it holds stayed under `idle_util_pct` for the
-whole `idle_window`, judged from the samples attributed to it (bot.app.utilization). GPU
+whole `idle_window`, judged from the samples attributed to it (bot.app.watching.utilization). GPU
 memory does not count as use: a process that holds 30 GiB at 0% keeps others out and
 computes nothing (squatting), so it is idle too. The window must be covered by samples
 end to end: a gap (the worker was down, the host did not answer, a host without an
@@ -23,10 +23,10 @@ from datetime import datetime, timedelta
 from sqlmodel import Session, col, select
 
 from bot.app.access import audit
-from bot.app.held import who_holds
 from bot.app.service import Actor, GpuService
 from bot.app.service.common import end_reservation, owned_reservation
-from bot.app.utilization import USAGE
+from bot.app.watching.held import who_holds
+from bot.app.watching.utilization import USAGE
 from bot.domain import timefmt, views
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError

@@ -3,7 +3,7 @@ what nobody used.
 
 Numbers come from the same places as `/gpu cost`: usage intervals metered by
 `bot.domain.metering` (exact micro-dollars), host periods for the instances' bill and the
-idle overhead (`bot.app.billing`), `GpuSample` rows for utilization. A week is an ISO
+idle overhead (`bot.app.money.billing`), `GpuSample` rows for utilization. A week is an ISO
 week in the team's time zone, from local Monday midnight to the next.
 
 Per person:
@@ -33,11 +33,11 @@ from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, select
 
-from bot.app.advice import WeekReport, report_blocks, report_csv, report_for
-from bot.app.billing import WindowCosts, dearest_runs, shown_cents, window_costs
-from bot.app.billing import host_periods as load_periods
 from bot.app.config import Settings, parse_weekly_time
-from bot.app.prices import priced_catalog
+from bot.app.money.advice import WeekReport, report_blocks, report_csv, report_for
+from bot.app.money.billing import WindowCosts, dearest_runs, shown_cents, window_costs
+from bot.app.money.billing import host_periods as load_periods
+from bot.app.money.prices import priced_catalog
 from bot.domain import timefmt, views
 from bot.domain.durations import ascii_digits
 from bot.domain.errors import UserError
@@ -102,7 +102,7 @@ class Digest:
     idle_overhead_usd: Decimal
     instances_usd: Decimal
     last_week_held_usd: Decimal
-    # The week's largest wastes and the replay's advice (bot.app.advice); None: not asked.
+    # The week's largest wastes and the replay's advice (bot.app.money.advice); None: not asked.
     report: WeekReport | None = None
 
     @property
@@ -424,7 +424,7 @@ def digest_csv(d: Digest) -> str:
 
 
 def digest_report_csv(d: Digest) -> str:
-    """The wastes and the advice (bot.app.advice.report_csv); empty when not asked."""
+    """The wastes and the advice (bot.app.money.advice.report_csv); empty when not asked."""
     return "" if d.report is None else report_csv(d.week, d.report)
 
 
@@ -435,7 +435,7 @@ def digest_for(
     service: GpuService, week: str | None = None, replay: Replayer | None = None
 ) -> Digest:
     """The week's digest; with `replay` (the faces hand it the simulator) also its largest
-    wastes and what one setting would have saved (bot.app.advice)."""
+    wastes and what one setting would have saved (bot.app.money.advice)."""
     now = service.clock.now()
     year, wk = parse_week(week) if week else last_complete_week(now, service.settings.timezone)
     catalog = priced_catalog(service.settings)

@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlmodel import col, select
 
-from bot.app.billing import note_host_state
-from bot.app.hostagent import (
+from bot.app.hosts.hostagent import (
     AgentReport,
     host_holds,
     node_hosts,
     read_agent_report,
     renew_lease,
 )
+from bot.app.money.billing import note_host_state
 from bot.domain import views
 from bot.domain.durations import ascii_digits
 from db.models import (

@@ -40,8 +40,8 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
-from bot.app.billing import note_host_state
-from bot.app.remote import RemoteAccess
+from bot.app.hosts.remote import RemoteAccess
+from bot.app.money.billing import note_host_state
 from bot.app.service import GpuService
 from bot.domain import views
 from db.models import (
@@ -151,7 +151,7 @@ class HostChecker:
                         Host.provider == self.cloud,
                         or_(
                             col(Host.state).in_((HOST_PENDING, HOST_UNREACHABLE)),
-                            # ready, but its last dial was not answered (bot.app.remote)
+                            # ready, but its last dial was not answered (bot.app.hosts.remote)
                             and_(col(Host.state) == HOST_READY, col(Host.down_since).is_not(None)),
                         ),
                     )

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 from sqlalchemy import delete, func, insert
 from sqlmodel import Session, col, select
 
-from bot.app.held import held_host_ids, who_holds
 from bot.app.ports import HostSeat
 from bot.app.service import Actor, GpuService
+from bot.app.watching.held import held_host_ids, who_holds
 from bot.domain import timefmt, views
 from bot.domain.commands import VERBS
 from bot.domain.errors import UserError

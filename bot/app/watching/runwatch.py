@@ -27,7 +27,7 @@ from typing import Any, Final
 from sqlmodel import Session, col, select
 
 from bot.app.outbox import enqueue, enqueue_edit
-from bot.app.runfigures import costs_so_far, gpus_now
+from bot.app.watching.runfigures import costs_so_far, gpus_now
 from bot.domain import charts, health, views
 from bot.domain.durations import format_duration
 from db.models import GpuSample, TrainingRun, User
@@ -52,7 +52,7 @@ def _run_samples(s: Session, run_id: int) -> list[GpuSample]:
 
 
 def cost_so_far(s: Session, run_id: int, now: datetime) -> tuple[float, float]:
-    """(USD, GPU-hours) of the run's usage intervals up to `now` (bot.app.runfigures, which
+    """(USD, GPU-hours) of the run's usage intervals up to `now` (bot.app.watching.runfigures, which
     `/gpu queue` reads for all its runs at once)."""
     return costs_so_far(s, (run_id,), now)[run_id]
 
@@ -173,7 +173,7 @@ def live_edit(
 
 
 def _gpu_now(s: Session, run_id: int) -> str:
-    """Utilization and memory of the run's GPUs at their latest sample (bot.app.runfigures)."""
+    """Utilization and memory of the run's GPUs at their latest sample (bot.app.watching.runfigures)."""
     return gpus_now(s, (run_id,)).get(run_id, "")
 
 
@@ -186,7 +186,7 @@ def progress_line(
     gpu: str | None = None,
 ) -> str:
     """One line of where a running run is: the live message, `/gpu queue` and App Home.
-    `gpu`: its GPUs' line when the caller read it already (`bot.app.runfigures.gpus_now`)."""
+    `gpu`: its GPUs' line when the caller read it already (`bot.app.watching.runfigures.gpus_now`)."""
     m = run.metrics
     step = status.step if status is not None else m.get("step")
     total = status.total_steps if status is not None else m.get("total_steps")

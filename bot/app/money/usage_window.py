@@ -1,6 +1,6 @@
 """Reading a window of cost: its whole UTC days and hours from the rollups
-(bot.app.rollups keeps them), and the rest (open intervals, and the part of an edge that is
-not on a UTC hour) raw, to be metered as before. `bot.app.billing` and `bot.app.digest` add
+(bot.app.money.rollups keeps them), and the rest (open intervals, and the part of an edge that is
+not on a UTC hour) raw, to be metered as before. `bot.app.money.billing` and `bot.app.money.digest` add
 the two up; apart from the writer so that what is kept and how it is read are each one
 file.
 """
@@ -28,7 +28,7 @@ from sqlalchemy import (
 )
 from sqlmodel import Session, col, select
 
-from bot.app.rollups import ceil_day, ceil_hour, floor_day, floor_hour
+from bot.app.money.rollups import ceil_day, ceil_hour, floor_day, floor_hour
 from bot.domain.metering import Usage, Window
 from db.models import (
     Host,

@@ -16,8 +16,8 @@ import sys
 import threading
 from pathlib import Path
 
+from bot.app.hosts.remote import PreparedHost
 from bot.app.ports import Interpreter
-from bot.app.remote import PreparedHost
 from provisioning import shell
 from provisioning.base import ProvisioningError
 from provisioning.bootstrap import bootstrap

@@ -31,11 +31,11 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from bot.app.access import audit
-from bot.app.billing import window_costs
 from bot.app.config import Settings
-from bot.app.held import GpuCount, gpu_counts
+from bot.app.money.billing import window_costs
+from bot.app.money.rollups import closed_in
 from bot.app.outbox import enqueue
-from bot.app.rollups import closed_in
+from bot.app.watching.held import GpuCount, gpu_counts
 from bot.domain import timefmt, views
 from bot.domain.commands import Budget
 from bot.domain.errors import UserError
@@ -242,7 +242,7 @@ def _holdings_stmt() -> Any:
 def spent_usd(s: Session, user: User, window: Window, now: datetime) -> Decimal:
     """What the person spent in the window up to `now`, from their own rollup rows and
     what they hold now. Kept in the transaction for the same window and instant while no
-    interval closes in it (bot.app.rollups.closed_in): a reserve checks the budget, then
+    interval closes in it (bot.app.money.rollups.closed_in): a reserve checks the budget, then
     its grant checks it again, and the spend cannot have changed in between (what is
     opened at `now` has cost nothing yet)."""
     assert user.id is not None

@@ -18,7 +18,7 @@ from fractions import Fraction
 from sqlmodel import Session, col, func, select
 
 from bot.app.config import Settings
-from bot.app.usage_window import WindowUsage, rolled_run_costs, window_usage
+from bot.app.money.usage_window import WindowUsage, rolled_run_costs, window_usage
 from bot.domain import timefmt
 from bot.domain.metering import HostPeriod as MeteredPeriod
 from bot.domain.metering import (
@@ -195,7 +195,7 @@ def load_usages(s: Session, window: Window, user_id: int | None = None) -> list[
 @dataclass(frozen=True)
 class WindowCosts:
     """A window's usage costs, from the rollups for closed whole hours and the raw
-    intervals for the rest (bot.app.usage_window.window_usage), added up exactly."""
+    intervals for the rest (bot.app.money.usage_window.window_usage), added up exactly."""
 
     window: Window
     now: datetime

@@ -1,0 +1,1 @@
+"""Watching: what holds GPUs now, GPU utilization, idle prompts and the watch on running runs."""
