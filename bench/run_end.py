@@ -25,7 +25,8 @@ from bot.app.service.common import OutboxItem
 from bot.faces.dispatch import handle_text
 from bot.faces.runtime import Runtime, build_runtime
 from bot.faces.worker import Worker
-from provisioning.ssh import SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
 from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshdUnavailable, start_lab
 
@@ -91,7 +92,7 @@ def _ssh(tmp: Path) -> list[float]:
     client = SshClient(connect_timeout=5, command_timeout=60)
     host = lab.hosts["gpu-a"]
 
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
         return PreparedHost(root=str(tmp / "onhost"), python=sys.executable)
 
     try:

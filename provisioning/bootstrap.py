@@ -41,8 +41,9 @@ from typing import Any
 
 from provisioning import shell
 from provisioning.base import ProvisioningError
+from provisioning.hostshell import HostShell
 from provisioning.manifest import local_tree
-from provisioning.ssh import RunResult, SshRunner, SshTarget
+from provisioning.ssh import RunResult, SshTarget
 
 # Bump when a host bootstrapped by an older bot lacks something the bot now relies on
 # (another package in the venv, a new directory); every host then redoes the steps.
@@ -192,7 +193,7 @@ def package_hash(package_dir: str | os.PathLike[str]) -> str:
 
 
 def bootstrap(
-    runner: SshRunner,
+    runner: HostShell,
     target: SshTarget,
     *,
     remote_root: str = "~/.gpubot",
@@ -239,7 +240,7 @@ class _Bootstrap:
     def __init__(
         self,
         *,
-        runner: SshRunner,
+        runner: HostShell,
         target: SshTarget,
         torch_spec: str,
         requirements: tuple[str, ...],
@@ -711,7 +712,7 @@ def agent_supervisor_script(code_dir: str, argv: list[str], pidfile: str) -> str
 
 
 def install_agent(
-    runner: SshRunner,
+    runner: HostShell,
     target: SshTarget,
     root: str,
     agent: AgentInstall,
@@ -785,7 +786,7 @@ def install_agent(
 
 
 def remove_agent(
-    runner: SshRunner,
+    runner: HostShell,
     target: SshTarget,
     root: str,
     *,
@@ -868,7 +869,7 @@ def _supervisor_pidfile(root: str) -> str:
     return posixpath.join(root, "agent", "supervisor.pid")
 
 
-def _live_supervisor(runner: SshRunner, target: SshTarget, root: str) -> int | None:
+def _live_supervisor(runner: HostShell, target: SshTarget, root: str) -> int | None:
     """The supervisor's pid when it still runs. After a reboot the recorded pid may belong
     to some other process, so it counts only if that process runs our script."""
     raw = runner.read_file(target, _supervisor_pidfile(root), max_bytes=64)
@@ -882,7 +883,7 @@ def _live_supervisor(runner: SshRunner, target: SshTarget, root: str) -> int | N
     return pid
 
 
-def agent_supervisor_alive(runner: SshRunner, target: SshTarget, root: str) -> bool:
+def agent_supervisor_alive(runner: HostShell, target: SshTarget, root: str) -> bool:
     """Whether the supervisor loop (not systemd's unit) still runs on the host."""
     return _live_supervisor(runner, target, root) is not None
 

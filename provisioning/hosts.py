@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 from provisioning import shell
 from provisioning.base import GpuDevice, Instance, ProvisioningError
-from provisioning.ssh import SshRunner, SshTarget, parse_address
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshTarget, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class StaticHostsCompute:
     def __init__(
         self,
         hosts: Sequence[StaticHost],
-        runner: SshRunner | None = None,
+        runner: HostShell | None = None,
         *,
         inventory_command: str = shell.join(["python3", "-m", "training.inventory", "--json"]),
         probe_timeout_s: float = 60.0,

@@ -1,4 +1,4 @@
-"""`SshRunner` for this machine, with subprocess instead of SSH.
+"""`HostShell` for this machine, with subprocess instead of SSH.
 
 The local host (`gpubot shell`, a laptop without sshd) takes the same code paths as
 a remote one: the same shell snippets start, check and kill detached processes, and
@@ -250,7 +250,7 @@ class LocalRunner:
             raise SshError(f"{what} on local failed: {err.strip()[-300:] or f'exit {code}'}")
         return out
 
-    # --- the SshRunner interface --------------------------------------------------------
+    # --- the HostShell interface --------------------------------------------------------
 
     def run(
         self,

@@ -31,6 +31,7 @@ from typing import Any
 
 from provisioning import shell
 from provisioning.base import ProvisioningError
+from provisioning.hostshell import HostShell
 from provisioning.slurm_parse import (
     FINISHED_STATES,
     NODE_STATES,
@@ -53,7 +54,7 @@ from provisioning.slurm_parse import (
     parse_sacct,
     parse_time_s,
 )
-from provisioning.ssh import RunResult, SshError, SshRunner, SshTarget
+from provisioning.ssh import RunResult, SshError, SshTarget
 
 __all__ = [
     "FINISHED_STATES",
@@ -272,13 +273,13 @@ class SlurmClient:
         *,
         conf: str | None = None,
         login: SshTarget | None = None,
-        runner: SshRunner | None = None,
+        runner: HostShell | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         normalize: Callable[[str], str | None] | None = None,
         submit_as: str = "sudo",
     ) -> None:
         if (login is None) != (runner is None):
-            raise ValueError("a login node needs both its SshTarget and an SshRunner")
+            raise ValueError("a login node needs both its SshTarget and an HostShell")
         if submit_as not in SUBMIT_MODES:
             raise ValueError(f"submit_as must be one of {', '.join(SUBMIT_MODES)}")
         # How a job becomes a person's: "sudo" (sudo -n -u PERSON sbatch/scancel/scontrol,

@@ -1,6 +1,6 @@
 """The SSH layer: how the bot's hands reach a GPU host.
 
-One narrow interface (`SshRunner`) with two implementations that the same contract
+One narrow interface (`HostShell`) with two implementations that the same contract
 tests run against: `SshClient` (fabric/paramiko, for EC2 and on-prem hosts) and
 `provisioning.local_runner.LocalRunner` (subprocess, for this machine). Callers name
 a host by an `SshTarget`; a `Resolver` turns an `Instance` into one, and tests swap
@@ -181,84 +181,6 @@ class StaticResolver:
             if target is not None:
                 return target if target.name else replace(target, name=label)
         raise SshError(f"no SSH address is known for {label}")
-
-
-class SshRunner(Protocol):
-    """What the bot may do on a host; `SshClient` and `LocalRunner` both satisfy it."""
-
-    def run(
-        self,
-        target: SshTarget,
-        command: str,
-        timeout: float | None = None,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> RunResult:
-        """Run a shell command; a non-zero exit is a result, not an exception."""
-        ...
-
-    def upload_dir(
-        self,
-        target: SshTarget,
-        local_dir: str | os.PathLike[str],
-        remote_dir: str,
-        *,
-        exclude: Sequence[str] = (),
-    ) -> UploadReport:
-        """Make remote_dir hold local_dir's files, sending only those whose sha256 differs."""
-        ...
-
-    def put_file(
-        self,
-        target: SshTarget,
-        local_path: str | os.PathLike[str],
-        remote_path: str,
-        *,
-        mode: int | None = None,
-    ) -> None: ...
-
-    def write_file(
-        self, target: SshTarget, remote_path: str, data: bytes, *, mode: int = 0o644
-    ) -> None: ...
-
-    def read_file(
-        self, target: SshTarget, path: str, *, max_bytes: int | None = None
-    ) -> bytes | None:
-        """The file's bytes, or None when it does not exist (yet)."""
-        ...
-
-    def start_detached(
-        self,
-        target: SshTarget,
-        command: str,
-        log_path: str,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> int:
-        """Start a process that outlives this connection; returns its process-group id."""
-        ...
-
-    def tail(self, target: SshTarget, path: str, lines: int = 50) -> str:
-        """The last lines of a log; empty when the file does not exist yet."""
-        ...
-
-    def kill_group(self, target: SshTarget, pgid: int, signal: str = "TERM") -> bool:
-        """Signal a whole process group; False when no process of it was left."""
-        ...
-
-    def is_alive(self, target: SshTarget, pid: int) -> bool: ...
-
-    def wait_gone(self, target: SshTarget, pid: int, timeout: float) -> bool:
-        """Blocks until the process has ended (True) or `timeout` seconds passed with it
-        still running (False). Other operations on the host go on meanwhile: a run's end
-        is learnt within a fraction of a second, not at the next poll."""
-        ...
-
-    def close(self, target: SshTarget | None = None) -> None:
-        """Drop cached connections (one target's, or all)."""
-        ...
 
 
 # --- shell snippets shared by both runners ------------------------------------------

@@ -386,7 +386,7 @@ def test_the_layers_only_point_down() -> None:
         ({"bot/stray.py": "x = 1\n"}, "bot.stray is in no layer"),
         ({"bot/domain/a.py": "import sqlmodel\n"}, "imports sqlmodel; the domain stays pure"),
         (
-            {"bot/domain/a.py": "from provisioning.ssh import SshRunner\n"},
+            {"bot/domain/a.py": "from provisioning.ssh import HostShell\n"},
             "imports provisioning.ssh (line 1); the domain stays pure",
         ),
     ],

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from bot.domain.readmodels import HostState
     from bot.domain.scheduling import SchedulerConfig
     from db.models import Host, User
-    from provisioning.ssh import SshRunner, SshTarget
+    from provisioning.hostshell import HostShell
+    from provisioning.ssh import SshTarget
 
 
 class GpuRef(Protocol):
@@ -88,7 +89,7 @@ class HostSeat:
     fails that run or probe with the reason, and a log read never prepares anything);
     it may raise SshError saying why."""
 
-    runner: SshRunner
+    runner: HostShell
     target: SshTarget
     runs_dir: Path
     interpreter: Callable[[], Interpreter] = bot_python

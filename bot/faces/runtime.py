@@ -37,7 +37,8 @@ from bot.providers.local import RUN_AS_MISSING
 from db.migrate import upgrade
 from db.session import make_engine
 from provisioning.base import Compute
-from provisioning.ssh import Resolver, SshClient, SshRunner
+from provisioning.hostshell import HostShell
+from provisioning.ssh import Resolver, SshClient
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def build_runtime(
     compute: Compute | None = None,
     *,
     resolver: Resolver | None = None,
-    ssh: SshRunner | None = None,
+    ssh: HostShell | None = None,
     prepare: Prepare | None = bootstrap_prepare,
     runs_as_self: bool = True,
 ) -> Runtime:

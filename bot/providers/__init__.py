@@ -26,7 +26,7 @@ from provisioning.base import Compute
 from provisioning.catalog import Catalog
 from provisioning.checks import Check
 from provisioning.hosts import LocalCompute, StaticHostsCompute
-from provisioning.ssh import SshRunner
+from provisioning.hostshell import HostShell
 
 if TYPE_CHECKING:
     from bot.app.service import GpuService
@@ -61,7 +61,7 @@ def names(settings: Settings) -> tuple[str, ...]:
     return wanted
 
 
-def configured(settings: Settings, env: Mapping[str, str], runner: SshRunner) -> list[Provider]:
+def configured(settings: Settings, env: Mapping[str, str], runner: HostShell) -> list[Provider]:
     """The providers the settings name, each made from its settings."""
     return [KINDS[name].from_env(settings, env, runner) for name in names(settings)]
 

@@ -42,7 +42,8 @@ from provisioning.base import ProvisioningError
 from provisioning.bootstrap import DEFAULT_METADATA_URL
 from provisioning.catalog import Catalog
 from provisioning.checks import Check
-from provisioning.ssh import InstanceResolver, SshRunner
+from provisioning.hostshell import HostShell
+from provisioning.ssh import InstanceResolver
 
 if TYPE_CHECKING:
     from bot.app.service import GpuService
@@ -77,7 +78,7 @@ class AwsProvider(PlainDisplay):
         self._compute = compute
 
     @classmethod
-    def from_env(cls, settings: Settings, env: Mapping[str, str], runner: SshRunner) -> AwsProvider:
+    def from_env(cls, settings: Settings, env: Mapping[str, str], runner: HostShell) -> AwsProvider:
         # Timed from the bot's side (AWS latency and errors on /metrics); prices from
         # `gpubot prices refresh` when it has run.
         from bot.adapters.metrics import instrument_boto3_session

@@ -28,7 +28,8 @@ from provisioning.aws import Ec2Settings
 from provisioning.base import Compute
 from provisioning.catalog import Catalog
 from provisioning.checks import Check
-from provisioning.ssh import Resolver, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import Resolver, SshTarget
 
 if TYPE_CHECKING:
     from bot.app.service import GpuService
@@ -80,7 +81,7 @@ class Parts:
 
     settings: Settings
     engine: Engine
-    runner: SshRunner
+    runner: HostShell
     resolver: Resolver | None
     prepare: Prepare | None
     # `gpubot shell` (one person at their own terminal) may run runs as itself.
@@ -162,7 +163,7 @@ class ProviderKind(Protocol):
     owns_hosts: bool
 
     @classmethod
-    def from_env(cls, settings: Settings, env: Mapping[str, str], runner: SshRunner) -> Provider:
+    def from_env(cls, settings: Settings, env: Mapping[str, str], runner: HostShell) -> Provider:
         """Raises ConfigError naming the setting that is missing or wrong."""
         ...
 

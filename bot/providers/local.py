@@ -30,8 +30,9 @@ from provisioning import shell
 from provisioning.catalog import Catalog
 from provisioning.checks import Check
 from provisioning.hosts import LocalCompute
+from provisioning.hostshell import HostShell
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from provisioning.ssh import SshError, SshRunner
+from provisioning.ssh import SshError
 from training.telemetry import NO_DRIVER, parse_snapshot
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class LocalProvider(PlainDisplay):
 
     @classmethod
     def from_env(
-        cls, settings: Settings, env: Mapping[str, str], runner: SshRunner
+        cls, settings: Settings, env: Mapping[str, str], runner: HostShell
     ) -> LocalProvider:
         return cls(settings)
 

@@ -32,7 +32,8 @@ from provisioning.base import Instance
 from provisioning.catalog import Catalog
 from provisioning.checks import Check
 from provisioning.hosts import HostEntryError, StaticHost, StaticHostsCompute, parse_host_entries
-from provisioning.ssh import SshClient, SshError, SshRunner, SshTarget, StaticResolver
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshError, SshTarget, StaticResolver
 
 if TYPE_CHECKING:
     from bot.app.service import GpuService
@@ -48,7 +49,7 @@ class SshProvider(PlainDisplay):
         self._catalog = priced_catalog(settings)
 
     @classmethod
-    def from_env(cls, settings: Settings, env: Mapping[str, str], runner: SshRunner) -> SshProvider:
+    def from_env(cls, settings: Settings, env: Mapping[str, str], runner: HostShell) -> SshProvider:
         hosts = static_hosts_from_env(env)
         if not hosts:
             raise ConfigError(

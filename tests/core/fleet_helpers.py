@@ -23,7 +23,8 @@ from bot.app.service import GpuService, Wire
 from bot.domain.clock import VirtualClock
 from db.models import Host, LaunchRequest, Notification
 from provisioning.base import Instance
-from provisioning.ssh import SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
 from tests.ssh_hosts import SshLab
 
 
@@ -96,7 +97,7 @@ def make_fleet(
     client = SshClient(connect_timeout=5, command_timeout=20)
     prepared: list[str] = []
 
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
         prepared.append(target.name)
         return PreparedHost(root=str(remote_root), python=sys.executable)
 

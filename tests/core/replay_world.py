@@ -4,7 +4,7 @@ test's virtual clock, each recording what the worker did to it and when.
 Why doubles here and not moto and sshd: the replay compares *when* things happen to the
 simulator's schedule, to the tick, over hours of virtual time; a real boot, a real
 process and a real SSH round trip run on the wall clock. Both doubles keep the shapes
-production speaks (`RentingCompute`, `SshRunner`, the runner's status file, its
+production speaks (`RentingCompute`, `HostShell`, the runner's status file, its
 checkpoint directory), so every line of the worker between them is the real one:
 the scheduler's inputs, dispatch's claim, poll's reading of the status file, the
 checkpoint copied off and uploaded again, the fleet's launch, readiness and idle stop.
@@ -186,7 +186,7 @@ class _Process:
 
 @dataclass
 class ReplayRunner:
-    """An `SshRunner` for the replay's hosts (see the module docstring)."""
+    """An `HostShell` for the replay's hosts (see the module docstring)."""
 
     clock: VirtualClock
     t0: float
@@ -219,7 +219,7 @@ class ReplayRunner:
             status.checkpoint_path = posixpath.join(p.checkpoint_dir, self.CHECKPOINT)
         self.files[(p.host, p.status_path)] = json.dumps(dataclasses.asdict(status)).encode()
 
-    # --- SshRunner -------------------------------------------------------------------
+    # --- HostShell -------------------------------------------------------------------
 
     def run(
         self,

@@ -35,7 +35,8 @@ from bot.app.hosts.remote import PreparedHost
 from bot.domain.commands import Reserve, Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import Host, TrainingRun, UsageInterval
-from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshTarget
 from tests.runtime_helpers import checked, run_row
 from tests.runtime_helpers import dms as _dms
 from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
@@ -79,7 +80,7 @@ class Bench:
             self.roots[name] = Path(tempfile.mkdtemp(dir=lab.hosts[name].root))
         self.client = SshClient(connect_timeout=5, command_timeout=60)
 
-        def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+        def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
             root = str(self.roots[target.name])
             return PreparedHost(root=root, python=sys.executable, code_dir=str(REPO))
 

@@ -48,7 +48,8 @@ from db.models import TrainingRun
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
 from provisioning.costs import DEFAULT_COSTS
-from provisioning.ssh import SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshTarget
 from tests.core.replay_world import ReplayCloud, ReplayRunner
 
 TICK_S = 60.0  # the worker's tick here: a minute keeps the test short; the grid is the point
@@ -67,7 +68,7 @@ class NamedResolver:
         return SshTarget(host=f"{name}.replay.invalid", port=22, user="ubuntu", name=name)
 
 
-def prepared(runner: SshRunner, target: SshTarget) -> PreparedHost:
+def prepared(runner: HostShell, target: SshTarget) -> PreparedHost:
     return PreparedHost(root="/home/ubuntu/.gpubot", python="python3")
 
 

@@ -44,8 +44,9 @@ from db.models import Gpu, GpuSample, Host, Notification, TrainingRun, User
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance
 from provisioning.hosts import LocalCompute
+from provisioning.hostshell import HostShell
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from provisioning.ssh import RunResult, SshClient, SshError, SshRunner, SshTarget
+from provisioning.ssh import RunResult, SshClient, SshError, SshTarget
 from tests.core.helpers import actor, host, make_service, place
 from tests.e2e.shell_driver import run_shell
 from tests.ssh_hosts import SshLab
@@ -125,7 +126,7 @@ def snapshot_json(gpus: Mapping[int, tuple[int, int]], total_mb: int = 40960) ->
 
 
 class RecordedRunner(LocalRunner):
-    """An `SshRunner` whose telemetry probe answers with recorded stdout (a GPU host we do
+    """An `HostShell` whose telemetry probe answers with recorded stdout (a GPU host we do
     not have); every other call is the real local runner. `answer` may be changed between
     samples; an exception instance is raised instead, like a host that drops."""
 
@@ -156,7 +157,7 @@ class MapAccess:
     """`HostAccess` over a fixed map: host name → runner and target; every host's
     interpreter is `python` (the bot's own unless a test names another)."""
 
-    runners: dict[str, tuple[SshRunner, SshTarget]] = field(default_factory=dict)
+    runners: dict[str, tuple[HostShell, SshTarget]] = field(default_factory=dict)
     runs_dir: Path = Path("/tmp/gpubot-runs")
     python: Interpreter = field(default_factory=bot_python)
 
@@ -167,7 +168,7 @@ class MapAccess:
         return HostSeat(got[0], got[1], self.runs_dir, lambda: self.python)
 
 
-def with_access(access: MapAccess, **runners: SshRunner | tuple[SshRunner, SshTarget]) -> MapAccess:
+def with_access(access: MapAccess, **runners: HostShell | tuple[HostShell, SshTarget]) -> MapAccess:
     """`access` (the service's place's) reaches these hosts through these runners."""
     for name, r in runners.items():
         name = name.replace("_", "-")

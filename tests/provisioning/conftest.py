@@ -1,4 +1,4 @@
-"""Fixtures for the SSH layer: real sshd hosts, and one bench per `SshRunner`.
+"""Fixtures for the SSH layer: real sshd hosts, and one bench per `HostShell`.
 
 The contract tests take `bench`, which is parametrized over the real `SshClient`
 (against gpu-a of the module's `ssh_lab`) and the `LocalRunner` double, so both are held
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from provisioning.hostshell import HostShell
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
-from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshRunner, SshTarget
+from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshTarget
 from tests.ssh_hosts import SshdUnavailable, SshHost, SshLab, start_lab
 
 
@@ -87,7 +88,7 @@ class Bench:
     """One runner, the target it serves, and a fresh directory on that host."""
 
     kind: str
-    runner: SshRunner
+    runner: HostShell
     target: SshTarget
     root: str
     started: list[int] = field(default_factory=list)
@@ -127,7 +128,7 @@ def run_account_missing() -> str | None:
 
 @pytest.fixture(params=["ssh", "local", "local-as"])
 def bench(request: pytest.FixtureRequest) -> Iterator[Bench]:
-    runner: SshRunner
+    runner: HostShell
     if request.param == "local-as":
         # The LocalRunner as GPUBOT_RUN_AS sets it up: every command and file operation
         # as the unprivileged run account, in a directory of its own home.

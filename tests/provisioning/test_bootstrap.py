@@ -41,9 +41,10 @@ from provisioning.bootstrap import (
     requirement_name,
     train_requirements,
 )
+from provisioning.hostshell import HostShell
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.manifest import local_tree
-from provisioning.ssh import RunResult, SshClient, SshRunner, SshTarget, UploadReport
+from provisioning.ssh import RunResult, SshClient, SshTarget, UploadReport
 from tests.provisioning.conftest import target_for
 from tests.ssh_hosts import SshLab
 
@@ -53,7 +54,7 @@ FAKE_TORCH = "2.13.0+fake"
 class Recorder:
     """The real runner, with a log of what was asked of the host (to prove a no-op)."""
 
-    def __init__(self, inner: SshRunner) -> None:
+    def __init__(self, inner: HostShell) -> None:
         self.inner = inner
         self.calls: list[tuple[str, str]] = []
         self.uploads: list[UploadReport] = []
@@ -189,7 +190,7 @@ def _fake_dists(site: Path) -> None:
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 99.0\n")
 
 
-def _make_host(runner: SshRunner, target: SshTarget, tmp: Path) -> Host:
+def _make_host(runner: HostShell, target: SshTarget, tmp: Path) -> Host:
     bin_dir = tmp / "bin"
     bin_dir.mkdir(parents=True)
     mv = shutil.which("mv")
@@ -203,7 +204,7 @@ def _make_host(runner: SshRunner, target: SshTarget, tmp: Path) -> Host:
 @pytest.fixture(params=["gpu-a", "local"])
 def host(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Host]:
     """A real sshd host (gpu-a unless a test names gpu-b), or this machine."""
-    runner: SshRunner
+    runner: HostShell
     name = str(request.param)
     if name == "local":
         runner = LocalRunner(command_timeout=30)

@@ -31,7 +31,8 @@ from bot.domain.commands import Queue, Release, Reserve, Run, Status
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import Gpu, Host, Reservation
 from provisioning.base import ProvisioningError
-from provisioning.ssh import SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
 from tests.isolated_hosts import Bootstrapped
 from tests.runtime_helpers import dms as _dms
 from tests.ssh_hosts import SshHost, SshLab, pip_env
@@ -75,7 +76,7 @@ def _runtime(
 
 
 def _no_bootstrap(root: Path) -> object:
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
         # A shortcut: these tests are about health, not about what a host has.
         return PreparedHost(root=str(root / target.name), python=sys.executable)
 
@@ -201,7 +202,7 @@ def test_the_tick_never_waits_for_a_slow_bootstrap(
     release = threading.Event()
     entered = threading.Event()
 
-    def slow(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def slow(runner: HostShell, target: SshTarget) -> PreparedHost:
         entered.set()
         assert release.wait(timeout=60)
         return PreparedHost(root=str(tmp_path / target.name), python=sys.executable)
@@ -231,7 +232,7 @@ def test_the_tick_never_waits_for_a_slow_bootstrap(
 def test_a_failed_setup_marks_the_host_down_at_once_and_tells_the_channel(
     stranger_lab: SshLab, client: SshClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def broken(runner: HostShell, target: SshTarget) -> PreparedHost:
         raise ProvisioningError(f"bootstrap of {target.name}: pip install failed: No space left")
 
     lab = stranger_lab

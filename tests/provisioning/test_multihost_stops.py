@@ -33,7 +33,8 @@ from bot.domain.clock import VirtualClock
 from bot.domain.commands import Cancel, Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import HOST_UNREACHABLE, Host, TrainingRun, UsageInterval
-from provisioning.ssh import SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
 from tests.runtime_helpers import checked, drive_until
 from tests.runtime_helpers import dms as _dms
 from tests.runtime_helpers import run_row as _run
@@ -87,7 +88,7 @@ def bot(
     monkeypatch.setenv("GPUBOT_SSH_HOSTS", ",".join(entries))
     client = SshClient(connect_timeout=5, command_timeout=60)
 
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
         # A hand-prepared host: this interpreter, the checkout on PYTHONPATH.
         return PreparedHost(root=str(roots[target.name]), python=sys.executable, code_dir=str(REPO))
 

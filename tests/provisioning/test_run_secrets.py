@@ -25,7 +25,8 @@ from bot.faces.dispatch import execute
 from bot.faces.runtime import build_runtime
 from bot.faces.terminal import render
 from db.models import TrainingRun
-from provisioning.ssh import SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
 from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshLab
 
@@ -65,7 +66,7 @@ def test_a_run_on_an_ssh_host_sees_none_of_the_bots_secrets(
     )
     remote = host.root / f"secrets-{tmp_path.name}"
 
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
         return PreparedHost(root=str(remote), python=sys.executable)
 
     # No bootstrap (a shortcut on the bot's own loopback hosts): this test is about secrets reaching a run;

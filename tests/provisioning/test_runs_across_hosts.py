@@ -28,7 +28,8 @@ from bot.faces.runtime import Runtime, build_runtime
 from db.models import Host, Notification, TrainingRun, UsageInterval
 from provisioning import shell
 from provisioning.bootstrap import UP_TO_DATE, bootstrap
-from provisioning.ssh import SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
 from tests.isolated_hosts import Bootstrapped, clone_prepared, isolated_target, remove_clone
 from tests.multinode import EFFECTIVE_BATCH, Node, run_digits
 from tests.runtime_helpers import checked
@@ -149,7 +150,7 @@ def _bot(
     ]
     monkeypatch.setenv("GPUBOT_SSH_HOSTS", ",".join(entries))
 
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
         # Each host its own root (both are this machine): node files never share a path.
         return PreparedHost(root=str(tmp_path / "remote" / target.name), python=sys.executable)
 

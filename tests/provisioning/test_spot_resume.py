@@ -43,7 +43,8 @@ from bot.domain.commands import Run
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import HOST_STOPPED, HOST_UNREACHABLE, Host
 from db.session import transaction
-from provisioning.ssh import SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
 from tests.runtime_helpers import checked
 from tests.runtime_helpers import dms as _dms
 from tests.runtime_helpers import run_row as _run
@@ -88,7 +89,7 @@ def runtime(
     monkeypatch.setenv("GPUBOT_SSH_HOSTS", ",".join(_entry(ssh_lab, n) for n in ("gpu-a", "gpu-b")))
     client = SshClient(connect_timeout=5, command_timeout=60)
 
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
         # A hand-prepared host: this interpreter, the checkout on PYTHONPATH.
         return PreparedHost(root=str(roots[target.name]), python=sys.executable, code_dir=str(REPO))
 

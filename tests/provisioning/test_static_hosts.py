@@ -32,7 +32,8 @@ from provisioning.hosts import (
     parse_host_entries,
     probe_local_gpus,
 )
-from provisioning.ssh import SshClient, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
 from tests.isolated_hosts import Bootstrapped
 from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshLab
@@ -98,7 +99,7 @@ def client() -> Iterator[SshClient]:
 def test_static_hosts_are_listed_synced_and_reachable(env: Path, client: SshClient) -> None:
     prepared: list[str] = []
 
-    def prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
         prepared.append(target.name)
         # Where a hand-prepared host keeps its runs; the test keeps them in its own tmp.
         assert home_prepare(runner, target).root.endswith("/.gpubot")

@@ -32,7 +32,8 @@ from db.models import (
 )
 from provisioning.base import ProvisioningError
 from provisioning.compute import LaunchSpec
-from provisioning.ssh import SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshTarget
 from tests.core.fleet_helpers import FleetBench, make_fleet
 from tests.provisioning_aws.conftest import AwsLab
 from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
@@ -67,7 +68,7 @@ class Setups:
         self.gates[name] = threading.Event()
         return self.gates[name]
 
-    def __call__(self, runner: SshRunner, target: SshTarget) -> PreparedHost:
+    def __call__(self, runner: HostShell, target: SshTarget) -> PreparedHost:
         self.calls.append(target.name)
         if target.name in self.entered:
             self.entered[target.name].set()

@@ -55,8 +55,9 @@ from db.models import (
     TrainingRun,
 )
 from db.session import locked, transaction
+from provisioning.hostshell import HostShell
 from provisioning.manifest import parse_remote_manifest, remote_manifest_command_line
-from provisioning.ssh import SshError, SshRunner, SshTarget
+from provisioning.ssh import SshError, SshTarget
 from training.status import RunStatus, parse_status
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ def _note_interruption(
 
 def _requeue_lost(
     runs: WatchedRuns,
-    runner: SshRunner,
+    runner: HostShell,
     target: SshTarget,
     host_name: str,
     run_id: int,
@@ -383,7 +384,7 @@ def _in_flight(rel: str) -> bool:
     return base.startswith(".") and base.endswith(".tmp")
 
 
-def download_checkpoints(runner: SshRunner, target: SshTarget, remote_dir: str, local: Path) -> int:
+def download_checkpoints(runner: HostShell, target: SshTarget, remote_dir: str, local: Path) -> int:
     """Copies remote_dir's files into `local` (replacing what was there once the copy is
     whole and checked); returns how many. Nothing on the host: `local` is left as it
     was, so a copy made from an earlier host still serves. Each file crosses in memory
@@ -423,7 +424,7 @@ def download_checkpoints(runner: SshRunner, target: SshTarget, remote_dir: str, 
 
 
 def upload_checkpoints(
-    runner: SshRunner, target: SshTarget, resume_from: dict[str, Any], remote_dir: str
+    runner: HostShell, target: SshTarget, resume_from: dict[str, Any], remote_dir: str
 ) -> int:
     """Puts the saved checkpoint into a new run dir before the run starts; returns how
     many files were sent (0: none saved, or the host already had them)."""

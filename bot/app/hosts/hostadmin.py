@@ -24,7 +24,8 @@ from db.models import HOST_TERMINATED, Host, TrainingRun
 from db.session import lock_pool, transaction
 from provisioning.base import ProvisioningError
 from provisioning.bootstrap import remove_agent
-from provisioning.ssh import SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshTarget
 
 USAGE = "gpubot hosts forget NAME [--purge]"
 _RUN_ON_HOST = ("starting", "running", "cancelling")
@@ -34,7 +35,7 @@ def forget_host(
     engine: Any,
     settings: Settings,
     clock: Clock,
-    runner: SshRunner,
+    runner: HostShell,
     name: str,
     *,
     key_path: str | None,

@@ -26,7 +26,8 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from db.models import RES_ACTIVE, RUN_ON_HOST, Host, Reservation, TrainingRun
-from provisioning.ssh import SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshTarget
 from training.agent import (
     HEARTBEAT_NAME,
     INTERRUPTION_NAME,
@@ -105,7 +106,7 @@ def node_hosts(placement: Mapping[str, Any]) -> set[str]:
 
 
 def renew_lease(
-    runner: SshRunner,
+    runner: HostShell,
     target: SshTarget,
     holds: HostHolds,
     now: datetime,
@@ -147,7 +148,7 @@ class AgentReport:
     seen: dict[str, Any] = field(default_factory=dict)  # the heartbeat's view of the host
 
 
-def _doc(runner: SshRunner, target: SshTarget, path: str) -> dict[str, Any] | None:
+def _doc(runner: HostShell, target: SshTarget, path: str) -> dict[str, Any] | None:
     raw = runner.read_file(target, path, max_bytes=MAX_REPORT_BYTES)
     if raw is None:
         return None
@@ -161,7 +162,7 @@ def _doc(runner: SshRunner, target: SshTarget, path: str) -> dict[str, Any] | No
 
 
 def read_agent_report(
-    runner: SshRunner,
+    runner: HostShell,
     target: SshTarget,
     now: datetime | None = None,
     *,

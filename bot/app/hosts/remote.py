@@ -28,15 +28,8 @@ from db.models import HOST_READY, HOST_STOPPED, HOST_TERMINATED, HOST_UNREACHABL
 from db.session import transaction
 from provisioning.base import Instance, ProvisioningError
 from provisioning.bootstrap import DEFAULT_METADATA_URL, AgentInstall, bootstrap
-from provisioning.ssh import (
-    Resolver,
-    RunResult,
-    SshError,
-    SshRunner,
-    SshTarget,
-    SshUnreachable,
-    UploadReport,
-)
+from provisioning.hostshell import HostShell
+from provisioning.ssh import Resolver, RunResult, SshError, SshTarget, SshUnreachable, UploadReport
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +51,11 @@ class PreparedHost:
 
 
 # (runner, target) -> the prepared host; raises ProvisioningError when it cannot be.
-Prepare = Callable[[SshRunner, SshTarget], PreparedHost]
+Prepare = Callable[[HostShell, SshTarget], PreparedHost]
 
 
 def bootstrap_prepare(
-    runner: SshRunner,
+    runner: HostShell,
     target: SshTarget,
     *,
     cloud: bool | None = None,
@@ -91,7 +84,7 @@ def bootstrap_prepare(
     return PreparedHost(root=report.root, python=report.venv_python, code_dir=report.code_dir)
 
 
-def home_prepare(runner: SshRunner, target: SshTarget) -> PreparedHost:
+def home_prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
     """No bootstrap: `~/.gpubot` on a host where the bot's own interpreter and training
     package already are (a shared file system, a hand-made image; tests' loopback hosts)."""
     result = runner.run(target, 'printf %s "$HOME"', timeout=15)
@@ -127,7 +120,7 @@ class _Reporting:
     `failed` before raising it: every use of a seat (poll, start, upload, telemetry,
     a run's watcher) then falls under the one backoff of the host checks."""
 
-    def __init__(self, inner: SshRunner, failed: Callable[[SshUnreachable], None]) -> None:
+    def __init__(self, inner: HostShell, failed: Callable[[SshUnreachable], None]) -> None:
         self.inner = inner
         self.failed = failed
 
@@ -216,7 +209,7 @@ class PrepareInProgress(ProvisioningError):
 class RemoteAccess:
     """`HostAccess` for hosts reached over SSH (static hosts and cloud instances).
 
-    Every host shares one `SshRunner` (one `SshClient`, its connections cached); the
+    Every host shares one `HostShell` (one `SshClient`, its connections cached); the
     resolver says where to dial, so tests map cloud instances onto loopback sshd hosts
     and the addresses a fake cloud invents are never dialed. A host is prepared
     (bootstrapped) on its first use by this process; the result is remembered.
@@ -225,7 +218,7 @@ class RemoteAccess:
     def __init__(
         self,
         engine: Any,
-        runner: SshRunner,
+        runner: HostShell,
         resolver: Resolver,
         *,
         prepare: Prepare | None = bootstrap_prepare,

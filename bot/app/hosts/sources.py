@@ -11,7 +11,7 @@ shows in messages:
 * ``path:<absolute dir>`` — a directory that already exists on the host (a shared
   file system, a checkout someone keeps there); the run starts in it.
 * ``staged:<id>`` — a copy under ``$GPUBOT_HOME/staged/<id>/`` that the worker uploads
-  with `SshRunner.upload_dir` when the run is placed. The id is content-addressed,
+  with `HostShell.upload_dir` when the run is placed. The id is content-addressed,
   so staging an unchanged directory again yields the same id, and the host keeps one
   cache per project name, so a second upload of unchanged files sends nothing.
 
@@ -45,7 +45,8 @@ from bot.domain.code_sources import (
 from provisioning import shell
 
 if TYPE_CHECKING:
-    from provisioning.ssh import SshRunner, SshTarget, UploadReport
+    from provisioning.hostshell import HostShell
+    from provisioning.ssh import SshTarget, UploadReport
 
 # What is never staged: VCS metadata, caches, virtual environments. A `.gpubotignore`
 # in the directory adds patterns (one a line, `#` comments), matched like these against
@@ -335,7 +336,7 @@ class Prepared:
 
 
 def prepare_code(
-    runner: SshRunner,
+    runner: HostShell,
     target: SshTarget,
     source: Source,
     run_dir: str,

@@ -24,7 +24,8 @@ from bot.app.runs.starts import OffTickStarts
 from bot.domain.scheduling import LAS_AFTER_S, FleetInstance, InstanceState, SchedulerConfig
 from db.models import HOST_PENDING, HOST_STOPPED, Gpu, Host
 from provisioning.catalog import Catalog
-from provisioning.ssh import SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshTarget
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class LocalAccess:
     started with the bot's interpreter unless `interpreter` names another (the run
     account's, bot.faces.runtime, prepared on first use)."""
 
-    runner: SshRunner
+    runner: HostShell
     target: SshTarget
     runs_dir: Path
     interpreter: Callable[[], Interpreter] = bot_python

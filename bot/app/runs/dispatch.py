@@ -47,7 +47,8 @@ from db.models import (
 from db.session import lock_pool, locked, retrying, transaction
 from provisioning import shell
 from provisioning.costs import gpu_share
-from provisioning.ssh import SshError, SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshError, SshTarget
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ class Dispatcher:
         does not answer now, and the run is back in line, as it was."""
         executor = self.ctx.executor
 
-        def code(runner: SshRunner, target: SshTarget, run_dir: str, log_path: str) -> None:
+        def code(runner: HostShell, target: SshTarget, run_dir: str, log_path: str) -> None:
             self._prepare_code(run_id, runner, target, run_dir, log_path)
 
         try:
@@ -432,7 +433,7 @@ class Dispatcher:
         return True
 
     def _prepare_code(
-        self, run_id: int, runner: SshRunner, target: SshTarget, run_dir: str, log_path: str
+        self, run_id: int, runner: HostShell, target: SshTarget, run_dir: str, log_path: str
     ) -> None:
         """Puts the run's code on the host (bot.app.hosts.sources); `runner_command` starts the
         command in it (the runner itself stays in the run's directory, where the host

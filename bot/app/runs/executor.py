@@ -22,12 +22,13 @@ from typing import Any, Protocol
 
 from bot.app.ports import PlaceRequest
 from db.models import TrainingRun
-from provisioning.ssh import SshRunner, SshTarget
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshTarget
 from training.status import RunStatus
 
 # Puts a run's code where it starts (bot.app.hosts.sources through dispatch): (runner, target,
 # run dir, log path). Raises SshError saying why it could not.
-PrepareCode = Callable[[SshRunner, SshTarget, str, str], None]
+PrepareCode = Callable[[HostShell, SshTarget, str, str], None]
 
 
 class Unavailable(Exception):

@@ -3,7 +3,7 @@
 The worker's poll reads every running run once a tick (15 s by default), so a run that
 ends waits for it: its owner hears late, and its GPUs are billed and held until the bot
 notices. Each running run (each node of a run across hosts) therefore has a watcher
-here: a thread that blocks on `SshRunner.wait_gone` (a channel of its own on the host's
+here: a thread that blocks on `HostShell.wait_gone` (a channel of its own on the host's
 connection, or /proc on this machine), notes the time the process was seen gone on the
 bot's clock, and asks for a tick (`Core.nudge`); the tick's poll then finishes the run
 as before, with its GPUs billed to that time (`exited_at`) rather than to the moment

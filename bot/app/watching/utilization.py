@@ -1,7 +1,7 @@
 """GPU utilization: sampling busy hosts, the rolling history, `/gpu util`, channel posts.
 
 Sampling runs the host's own probe (`python -m training.telemetry --json`, with the host's
-interpreter from its `HostSeat`) through the host's `SshRunner` — `LocalRunner` here,
+interpreter from its `HostSeat`) through the host's `HostShell` — `LocalRunner` here,
 `SshClient` elsewhere — so the bot never needs
 pynvml itself and a remote host is read exactly like this one. Only busy hosts (a GPU
 held or a run running) are sampled: an idle host's numbers are not worth an SSH round

@@ -63,9 +63,10 @@ from provisioning.base import Instance
 from provisioning.bootstrap import bootstrap
 from provisioning.catalog import Catalog
 from provisioning.checks import Check
+from provisioning.hostshell import HostShell
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.slurm import SUBMIT_MODES, JobSpec, SlurmClient, SlurmError
-from provisioning.ssh import SshRunner, SshTarget, parse_address
+from provisioning.ssh import SshTarget, parse_address
 
 if TYPE_CHECKING:
     from bot.app.service import GpuService
@@ -99,10 +100,10 @@ class SlurmProvider:
         self,
         settings: Settings,
         env: Mapping[str, str],
-        runner: SshRunner,
+        runner: HostShell,
         *,
         client: SlurmClient | None = None,
-        files: SshRunner | None = None,
+        files: HostShell | None = None,
     ) -> None:
         self.settings = settings
         self._catalog = priced_catalog(settings)
@@ -145,7 +146,7 @@ class SlurmProvider:
         timeout = _seconds(env.get("GPUBOT_SLURM_TIMEOUT_S", ""), 15.0, "GPUBOT_SLURM_TIMEOUT_S")
         login = env.get("GPUBOT_SLURM_LOGIN", "").strip()
         self.target: SshTarget = LOCAL_TARGET
-        self.files: SshRunner = LocalRunner()
+        self.files: HostShell = LocalRunner()
         if login:
             user, host, port = parse_address(login)
             key = env.get("GPUBOT_SSH_KEY", "").strip() or None
@@ -181,7 +182,7 @@ class SlurmProvider:
 
     @classmethod
     def from_env(
-        cls, settings: Settings, env: Mapping[str, str], runner: SshRunner
+        cls, settings: Settings, env: Mapping[str, str], runner: HostShell
     ) -> SlurmProvider:
         return cls(settings, env, runner)
 
@@ -468,7 +469,7 @@ exit 1
 """
 
 
-def shared_python(files: SshRunner, target: SshTarget) -> str:
+def shared_python(files: HostShell, target: SshTarget) -> str:
     """The interpreter the cluster's environment is made from (GPUBOT_SLURM_PYTHON
     overrides): one every job account can execute, or SlurmError saying what to set."""
     found = files.run(target, _SHARED_PYTHON, timeout=30)

@@ -45,6 +45,7 @@ from db.models import (
 )
 from db.session import lock_pool, locked, transaction
 from provisioning import shell
+from provisioning.hostshell import HostShell
 from provisioning.slurm import (
     JobEnd,
     SlurmError,
@@ -53,7 +54,7 @@ from provisioning.slurm import (
     StartedLine,
     parse_started,
 )
-from provisioning.ssh import SshError, SshRunner, SshTarget
+from provisioning.ssh import SshError, SshTarget
 
 if TYPE_CHECKING:
     from bot.app.service import GpuService
@@ -83,7 +84,7 @@ class SlurmHolder:
         service: GpuService,
         cluster: ClusterView,
         lab: Lab,
-        files: SshRunner,
+        files: HostShell,
         target: SshTarget,
         *,
         provider: str,
@@ -479,7 +480,7 @@ def _newer_than(iso: object, taken: datetime) -> bool:
         return False
 
 
-def prepare_jobs_dir(files: SshRunner, target: SshTarget, workdir: str, started: str) -> None:
+def prepare_jobs_dir(files: HostShell, target: SshTarget, workdir: str, started: str) -> None:
     """`<workdir>/jobs`, where the jobs (the people's accounts) write their started files:
     group-writable and setgid, so it works where the work directory's group holds every
     job account (docs/SLURM.md); a stale file of an earlier attempt is removed."""

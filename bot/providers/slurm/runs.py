@@ -44,6 +44,7 @@ from bot.providers.slurm.holds import pending_words
 from bot.providers.slurm.lab import Lab
 from db.models import TrainingRun
 from provisioning import shell
+from provisioning.hostshell import HostShell
 from provisioning.slurm import (
     JobEnd,
     SlurmError,
@@ -52,7 +53,7 @@ from provisioning.slurm import (
     StartedLine,
     parse_started,
 )
-from provisioning.ssh import RunResult, SshError, SshRunner, SshTarget, UploadReport
+from provisioning.ssh import RunResult, SshError, SshTarget, UploadReport
 from training.exitcodes import EXIT_TIME_LIMIT
 from training.status import RunStatus, parse_status
 
@@ -103,7 +104,7 @@ class SlurmExecutor:
         self,
         cluster: ClusterView,
         lab: Lab,
-        files: SshRunner,
+        files: HostShell,
         target: SshTarget,
         *,
         workdir: str,
@@ -524,7 +525,7 @@ class ClusterSeat:
     def __init__(
         self,
         cluster: ClusterView,
-        files: SshRunner,
+        files: HostShell,
         target: SshTarget,
         env: ClusterEnv,
         workdir: str,
@@ -556,11 +557,11 @@ class ClusterSeat:
 
 
 class _StepRunner:
-    """An SshRunner whose commands run as steps of one job on one node; its file
+    """An HostShell whose commands run as steps of one job on one node; its file
     operations are the work directory's (the files runner)."""
 
     def __init__(
-        self, cluster: ClusterView, files: SshRunner, job_id: int, node: str, owner: str | None
+        self, cluster: ClusterView, files: HostShell, job_id: int, node: str, owner: str | None
     ) -> None:
         self.cluster = cluster
         self.files = files
