@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bot.domain.scheduling import BurstGate
 from bot.sim.bound import arrival_window_efficiency, packing_bound, paid_gpu_time
 from bot.sim.output import write_instances, write_schedule
 from bot.sim.simulate import (
@@ -265,6 +266,7 @@ def run() -> dict[str, object]:
             "oracle_queue_over_fifo": round(oracle_q / _fifo_queue(dev), 4),
         }
         goals["dev_256"] = _goals(dev, bound.efficiency_bound)
+        out["burst_dev"] = burst_table(dev_jobs)
         for key, (shape, seeds, gpus) in SYNTHETIC.items():
             per_seed: dict[str, object] = {}
             tables: list[Table] = []
@@ -342,6 +344,37 @@ def run() -> dict[str, object]:
     return out
 
 
+# The burst table (issue 37, part 3): the dev trace with the team owning half the cloud's
+# quota of A100s, the cloud bought for a run that has waited BURST_AFTER (None: never).
+BURST_OWNED_GPUS = 128
+BURST_AFTER: tuple[tuple[str, float | None], ...] = (
+    ("0", 0.0),
+    ("15m", 900.0),
+    ("1h", 3600.0),
+    ("never", None),
+)
+
+
+def burst_table(jobs: list[TraceJob]) -> dict[str, object]:
+    """Cost (the cloud's bill; the owned GPUs are $0) and waits of the dev trace at each
+    threshold, with `gpubot simulate`'s defaults otherwise; beside them the cloud-only
+    pool of the same quota. Each row is `gpubot simulate --trace trace_dev.csv --max-gpus
+    256 --owned-gpus 128 --burst-after X`."""
+    rows: dict[str, object] = {}
+    for name, after in BURST_AFTER:
+        res = run_simulation(
+            jobs, max_gpus=MAX_GPUS, owned_gpus=BURST_OWNED_GPUS, burst=BurstGate(after)
+        )
+        rows[name] = {**res.figures(), "rejected": len(res.rejected)}
+    cloud = run_simulation(jobs, max_gpus=MAX_GPUS)
+    return {
+        "owned_gpus": BURST_OWNED_GPUS,
+        "max_gpus": MAX_GPUS,
+        "rows": rows,
+        "cloud_only": {**cloud.figures(), "rejected": len(cloud.rejected)},
+    }
+
+
 def headline(figures: dict[str, object]) -> list[str]:
     """The honest world's fair and fifo beside the packing bound, per trace: efficiency
     (checked) / average queue; a synthetic load's means first, then each seed's."""
@@ -414,6 +447,20 @@ def headline(figures: dict[str, object]) -> list[str]:
                 f"    seed {seed:>4}: {share(s)}  fair {cell(s, 'fair')}  "
                 f"fifo {cell(s, 'fifo')}  "
                 f"packing bound {_num(s['packing_bound']['efficiency_bound']):.3f}"
+            )
+    burst = figures.get("burst_dev")
+    if isinstance(burst, dict):
+        lines.append(
+            f"  burst, dev trace, {burst['owned_gpus']} owned A100s + the cloud up to "
+            f"{burst['max_gpus']}: threshold  cloud bill  avg wait  p95 wait  jobs on the cloud"
+        )
+        rows = dict(burst["rows"])
+        rows["cloud, no own"] = burst["cloud_only"]
+        for name, r in rows.items():
+            lines.append(
+                f"    {name:>13}  ${_num(r['total_cost_usd']):>10,.0f}  "
+                f"{_num(r['avg_queue_s']) / 3600:>6.2f} h  {_num(r['p95_queue_s']) / 3600:>6.2f} h"
+                f"  {r.get('burst_jobs', r['jobs'])}"
             )
     big = figures.get("synthetic_100k")
     wall = _num(big.get("wall_s")) if isinstance(big, dict) else float("nan")

@@ -58,6 +58,21 @@ def parse_duration(text: str) -> timedelta | None:
     return timedelta(seconds=round(total))
 
 
+def parse_threshold(text: str) -> float | None:
+    """A wait threshold as the bot writes them (GPUBOT_BURST_AFTER, `gpubot simulate
+    --burst-after`): `90s`, `15m`, `0` (at once) or `never` (None); raises ValueError
+    saying what it wants."""
+    t = text.strip().lower()
+    if t == "never":
+        return None
+    if t in ("0", "0s", "0m", "0h"):
+        return 0.0
+    span = parse_duration(t)
+    if span is None:
+        raise ValueError(f"wants a duration like 90s, 15m or 1h, 0 or never, not {text!r}")
+    return span.total_seconds()
+
+
 def format_duration(delta: timedelta) -> str:
     """Short and exact to the minute above an hour: `2h`, `1h30m`, `45m`, `30s`, `3d4h`."""
     secs = round(delta.total_seconds())

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from bot.domain.durations import parse_threshold
+from bot.domain.scheduling import BurstGate
 from bot.sim.output import summary_table, write_instances, write_schedule
 from bot.sim.simulate import (
     DEFAULT_STOP_S,
@@ -85,6 +87,18 @@ def simulate(
         "--stop-s",
         help="signal to free GPUs of a preemption (checkpoint, exit, poll), s",
     ),
+    owned_gpus: int = typer.Option(
+        0,
+        "--owned-gpus",
+        help="the team's own GPUs of --gpu-type, always up at $0; the cloud (--max-gpus "
+        "more) is bought for a run only past --burst-after",
+    ),
+    burst_after: str | None = typer.Option(
+        None,
+        "--burst-after",
+        help="with --owned-gpus: how long a run waits for owned GPUs before the cloud is "
+        "bought for it: 90s, 15m, 1h, 0 (at once) or never (default 15m, the bot's)",
+    ),
 ) -> None:
     """Replay a job trace through the scheduler on a simulated cloud and report its cost."""
     import json
@@ -97,6 +111,12 @@ def simulate(
     else:
         assert trace is not None
         source = trace
+    burst = None
+    if burst_after is not None:
+        try:
+            burst = BurstGate(parse_threshold(burst_after))
+        except ValueError as exc:
+            raise _fail(f"--burst-after {exc}") from None
     try:
         res = run_simulation(
             source,
@@ -115,6 +135,8 @@ def simulate(
             checkpointable_fraction=checkpointable_fraction,
             checkpoint_every_s=checkpoint_every_s,
             stop_s=stop_s,
+            owned_gpus=owned_gpus,
+            burst=burst,
         )
     except SimInputError as exc:
         raise _fail(str(exc)) from None

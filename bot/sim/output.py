@@ -78,4 +78,14 @@ def summary_table(res: SimResult) -> str:
         f"instances        {len(res.instances)}",
         f"preemptions      {res.preemptions}",
     ]
+    if res.owned_gpus:
+        after = res.burst_after_s
+        when = (
+            "never" if after is None else ("at once" if after == 0 else f"after {after / 60:g} min")
+        )
+        lines += [
+            f"owned GPUs       {res.owned_gpus} (at $0; total cost is the cloud's bill)",
+            f"burst            {when}: {res.burst_jobs} jobs ran on the cloud, "
+            f"{res.cloud_gpu_h:,.1f} GPU-h bought",
+        ]
     return "\n".join(lines)

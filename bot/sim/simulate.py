@@ -63,6 +63,7 @@ from bot.domain.scheduling import (
     POLICIES,
     Action,
     Allocation,
+    BurstGate,
     FleetInstance,
     Launch,
     Place,
@@ -97,6 +98,8 @@ FIGURE_KEYS = (
     "gpu_utilization",
     "makespan_s",
 )
+# What `--json` adds with `--owned-gpus` (SimResult's burst figures).
+BURST_KEYS = ("owned_gpus", "burst_after_s", "burst_jobs", "cloud_gpu_h")
 
 
 # From the signal to free GPUs in the worker: the run checkpoints and exits within a
@@ -153,10 +156,20 @@ class SimResult:
     rejected: tuple[tuple[str, str], ...] = ()  # (job_id, why)
     wall_s: float = 0.0
     preemptions: int = 0  # checkpoint-and-requeue events (each a new schedule row)
+    # With the team's own GPUs (`--owned-gpus`): how many, the burst threshold (None:
+    # never), the jobs that ran on the cloud, and the cloud GPU-hours bought.
+    owned_gpus: int = 0
+    burst_after_s: float | None = None
+    burst_jobs: int = 0
+    cloud_gpu_h: float = 0.0
 
     def figures(self) -> dict[str, object]:
-        """Exactly the `--json` object of DESIGN.md."""
-        return {k: getattr(self, k) for k in FIGURE_KEYS}
+        """Exactly the `--json` object of DESIGN.md; with `--owned-gpus`, the burst
+        figures too (docs/SIMULATOR.md)."""
+        out = {k: getattr(self, k) for k in FIGURE_KEYS}
+        if self.owned_gpus:
+            out.update({k: getattr(self, k) for k in BURST_KEYS})
+        return out
 
 
 # ---------------------------------------------------------------- input
@@ -272,6 +285,7 @@ class _Inst:
                 allocations=tuple(self.allocs.values()),
                 idle_since_s=self.idle_since,
                 stopped_since_s=self.stopped_since,
+                owned=self.type_name == OWNED_TYPE,
             )
         return self.snap
 
@@ -298,6 +312,8 @@ def run_simulation(
     stop_s: float = DEFAULT_STOP_S,
     idle_stop_s: float | None = IDLE_STOP_S,
     on_decision: DecisionHook | None = None,
+    owned_gpus: int = 0,
+    burst: BurstGate | None = None,
 ) -> SimResult:
     """Replays `trace` (a file or parsed jobs) under `policy`; raises SimInputError.
 
@@ -306,7 +322,13 @@ def run_simulation(
     None: the ski-rental break-even (`SchedulerConfig.idle_stop_after`).
 
     `on_decision(now, actions)` sees every non-empty decision (tests of what the
-    scheduler knew when)."""
+    scheduler knew when).
+
+    `owned_gpus`: the team's own GPUs of the trace's model, on hosts of the catalog's
+    largest size for it, always up and billed at $0 (paid already); the cloud (`max_gpus`
+    more, at the catalog's prices) is bought for a run only once `burst` lets it, by how
+    long the run has waited (`BurstGate`, the worker's rule; default the bot's 15 minutes).
+    Fair only: it is the worker's scheduler."""
     t_wall = time.perf_counter()
     if policy not in POLICIES:
         raise SimInputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -324,6 +346,22 @@ def run_simulation(
         raise SimInputError(f"unknown GPU type {gpu_type!r} (known: {', '.join(catalog.models())})")
     if max_gpus < 1:
         raise SimInputError("--max-gpus must be at least 1")
+    if owned_gpus < 0:
+        raise SimInputError("--owned-gpus must be 0 or more")
+    if burst is not None and not owned_gpus:
+        raise SimInputError(
+            "--burst-after needs --owned-gpus: without GPUs of its own a team buys at once"
+        )
+    if owned_gpus and policy != "fair":
+        raise SimInputError("--owned-gpus works with --policy fair, the worker's scheduler")
+    if (
+        burst is not None
+        and burst.after_s is not None
+        and not (math.isfinite(burst.after_s) and burst.after_s >= 0)
+    ):
+        raise SimInputError("--burst-after must be a duration >= 0, or never")
+    if owned_gpus and burst is None:
+        burst = BurstGate()
     for name, v in (
         ("--boot-s", boot_s),
         ("--setup-s", setup_s),
@@ -362,7 +400,8 @@ def run_simulation(
         **{
             **base.__dict__,
             "policy": policy,
-            "max_gpus": max_gpus,
+            # The quota counts warm instances: the team's own do not use the cloud's.
+            "max_gpus": max_gpus + owned_gpus,
             "boot_s": boot_s,
             "setup_s": setup_s,
             "start_s": start_s,
@@ -386,9 +425,18 @@ def run_simulation(
             t = catalog.get(type_name)
             if t is not None:
                 cap[t.gpu_model] = cap.get(t.gpu_model, 0) + count * t.gpus
+    owned = owned_hosts(catalog, model, owned_gpus)
+    never = burst is not None and burst.after_s is None
     for j in jobs:
         shape = run_shape(catalog, j.gpu_model, j.gpus)
-        if shape is None:
+        if never and (j.gpu_model != model or j.gpus > owned_gpus):
+            rejected.append(
+                (
+                    j.job_id,
+                    f"needs {j.gpus} {j.gpu_model} > the {owned_gpus} owned; the cloud is never offered",
+                )
+            )
+        elif shape is None:
             rejected.append((j.job_id, f"no instance type carries {j.gpu_model}"))
         elif shape[1] * shape[0].gpus > max_gpus:
             rejected.append(
@@ -415,11 +463,12 @@ def run_simulation(
         checkpoint_every_s=checkpoint_every_s,
         stop_s=stop_s,
     )
-    loop = _Loop(runnable, cloud, catalog, cfg, world, on_decision)
+    loop = _Loop(runnable, cloud, catalog, cfg, world, on_decision, owned=owned, burst=burst)
     loop.run()
     schedule = tuple(row for j in runnable for row in loop.schedule[j.job_id])
     records = tuple(cloud.records())
     res = _figures(policy, runnable, schedule, records, catalog, cloud.min_bill_s)
+    on_cloud = {s.job_id for s in schedule if any(i not in loop.owned for i in s.instance_ids)}
     return SimResult(
         **{
             **res.__dict__,
@@ -428,8 +477,48 @@ def run_simulation(
             "rejected": tuple(rejected),
             "wall_s": time.perf_counter() - t_wall,
             "preemptions": loop.preemptions,
+            "owned_gpus": owned_gpus,
+            "burst_after_s": None if burst is None else burst.after_s,
+            "burst_jobs": len(on_cloud),
+            "cloud_gpu_h": round(
+                sum(
+                    r.gpus * ((r.end_s if r.end_s is not None else r.launch_s) - r.launch_s)
+                    for r in records
+                )
+                / 3600.0,
+                3,
+            ),
         }
     )
+
+
+# The name the team's own hosts go by in the scheduler's fleet (the worker passes a static
+# host's provider name the same way): no catalog type, so nothing buys or prices one.
+OWNED_TYPE = "owned"
+
+
+def owned_hosts(catalog: Catalog, model: str, gpus: int) -> list[_Inst]:
+    """`gpus` of the team's own GPUs of `model`, as hosts of the catalog's largest size
+    for it (the last one smaller when they do not divide), up from the start at $0."""
+    per = max((t.gpus for t in catalog.for_model(model)), default=8)
+    out: list[_Inst] = []
+    while gpus > 0:
+        n = min(per, gpus)
+        out.append(
+            _Inst(
+                f"owned-{len(out) + 1:02d}",
+                OWNED_TYPE,
+                model,
+                n,
+                0.0,
+                "ondemand",
+                "running",
+                0.0,
+                idle_since=0.0,
+            )
+        )
+        gpus -= n
+    return out
 
 
 @dataclass(frozen=True)
@@ -462,8 +551,16 @@ class _Loop:
         cfg: SchedulerConfig,
         world: World | None = None,
         on_decision: DecisionHook | None = None,
+        *,
+        owned: Sequence[_Inst] = (),
+        burst: BurstGate | None = None,
     ) -> None:
         self.world = world or World()
+        # The team's own hosts (never stopped, never bought) and when the cloud may be
+        # bought for a run that waits (None: at once, a cloud-only pool).
+        self.owned = {i.iid for i in owned}
+        self.burst = burst
+        self.waiting_since: dict[str, float] = {}
         self.exact = self.world.estimates == "exact"
         self.eligible = {
             j.job_id
@@ -506,6 +603,8 @@ class _Loop:
         # the fleet's snapshots as decide sees them, rebuilt only after an instance changed
         self.fleet_cache: list[FleetInstance] = []
         self.fleet_stale = True
+        for inst in owned:
+            self.insts[inst.iid] = inst
 
     def push(self, t: float, kind: int, key: str) -> None:
         self.seq += 1
@@ -529,6 +628,8 @@ class _Loop:
                 self.tick(t)
         end = self.cloud.now
         for inst in list(self.insts.values()):  # nothing is left running unaccounted
+            if inst.iid in self.owned:
+                continue
             self.cloud.terminate(inst.iid)
             del self.insts[inst.iid]
             self.fleet_stale = True
@@ -561,6 +662,7 @@ class _Loop:
                 )
             )
             self.queued += 1
+            self.waiting_since[j.job_id] = t
         elif kind == _READY:
             inst = self.insts.get(key)
             if inst is not None and inst.state == "pending" and t >= inst.ready_at:
@@ -664,7 +766,7 @@ class _Loop:
             elif isinstance(a, Preempt):
                 self.preempt(a.run_id, now)
             elif isinstance(a, Launch):
-                if self.bought_already(a.for_run):
+                if self.bought_already(a.for_run) or self.held_back(a.for_run, now):
                     continue
                 iid = cloud.launch(a.instance_type, a.market)
                 self.launched_for.setdefault(a.for_run, []).append(iid)
@@ -679,7 +781,7 @@ class _Loop:
                 )
                 self.push(ready, _READY, iid)
             elif isinstance(a, Start):
-                if self.bought_already(a.for_run):
+                if self.bought_already(a.for_run) or self.held_back(a.for_run, now):
                     continue
                 ready = cloud.start(a.instance_id)
                 inst = self.insts[a.instance_id]
@@ -691,6 +793,8 @@ class _Loop:
                     None,
                 )
                 self.push(ready, _READY, inst.iid)
+            elif isinstance(a, Stop | Terminate) and a.instance_id in self.owned:
+                continue  # the team's own hosts stay up: nothing to save by stopping them
             elif isinstance(a, Stop):
                 cloud.stop(a.instance_id)
                 inst = self.insts[a.instance_id]
@@ -710,6 +814,21 @@ class _Loop:
                 cloud.terminate(a.instance_id)
                 del self.insts[a.instance_id]
                 self.fleet_stale = True
+
+    def held_back(self, job_id: str, now: float) -> bool:
+        """The burst gate (`BurstGate`, as the worker applies it): a run is bought cloud
+        capacity only once it has waited long enough for the team's own; until then the
+        Launch or Start is dropped, and the loop looks again when the gate opens."""
+        if self.burst is None:
+            return False
+        since = self.waiting_since.get(job_id, now)
+        if self.burst.open_for(now - since):
+            return False
+        at = self.burst.opens_at(since)
+        if at is not None and at > now and at not in self.wakes:
+            self.wakes.add(at)
+            self.push(at, _WAKE, "")
+        return True
 
     def bought_already(self, job_id: str) -> bool:
         """The worker's fleet buys for a run once: while the instances launched for it
@@ -835,6 +954,7 @@ class _Loop:
             key=lambda r: (r.submit_s, r.run_id),
         )
         self.queued += 1
+        self.waiting_since[job_id] = now
 
     def place(self, a: Place, refs: dict[str, str], now: float) -> None:
         j = self.by_id[a.run_id]

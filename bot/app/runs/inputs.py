@@ -264,6 +264,7 @@ def scheduler_inputs(
                 market="spot" if market == "spot" else "ondemand",
                 state="running",
                 ready_at_s=created.timestamp(),
+                owned=market == "owned",
                 allocations=tuple(
                     Allocation(k, u, c, e, *flags.get(k, (False, False, None, 0.0)))
                     for k, (u, c, e) in holders.items()

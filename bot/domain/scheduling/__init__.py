@@ -77,12 +77,14 @@ from bot.domain.scheduling.baselines import fifo_fleet
 from bot.domain.scheduling.decision import decide, next_wakeup, preempt_slot
 from bot.domain.scheduling.history import RunHistory
 from bot.domain.scheduling.model import (
+    BURST_AFTER_S,
     DAY_S,
     IDLE_STOP_S,
     LAS_AFTER_S,
     POLICIES,
     Action,
     Allocation,
+    BurstGate,
     FleetInstance,
     InstanceState,
     Launch,
@@ -113,6 +115,7 @@ LAYERS: tuple[str, ...] = (
 )
 
 __all__ = [
+    "BURST_AFTER_S",
     "DAY_S",
     "IDLE_STOP_S",
     "LAS_AFTER_S",
@@ -120,6 +123,7 @@ __all__ = [
     "POLICIES",
     "Action",
     "Allocation",
+    "BurstGate",
     "FleetInstance",
     "InstanceState",
     "Launch",

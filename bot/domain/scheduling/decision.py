@@ -69,6 +69,8 @@ def next_wakeup(
     idle = config.idle_stop_after()
     for inst in fleet:
         t: float | None = None
+        if inst.owned:
+            continue  # never stopped: its idle time is due nothing
         if inst.state == "running" and not inst.allocations and inst.idle_since_s is not None:
             t = inst.idle_since_s + idle
         elif inst.state == "stopped" and inst.stopped_since_s is not None:

@@ -114,6 +114,9 @@ class FleetInstance:
     allocations: tuple[Allocation, ...] = ()
     idle_since_s: float | None = None  # running with no allocations: since when
     stopped_since_s: float | None = None  # stopped: since when
+    # One of the team's own machines (a static host, this machine): never stopped or
+    # terminated by the scheduler, and nothing to buy.
+    owned: bool = False
 
     @cached_property
     def used_gpus(self) -> int:
@@ -227,6 +230,29 @@ class Terminate:
 
 
 Action = Place | Launch | Start | Stop | Terminate | Preempt
+
+
+# How long a run may wait for the team's own GPUs before the cloud is offered
+# (GPUBOT_BURST_AFTER's default, issue 37).
+BURST_AFTER_S = 15 * 60.0
+
+
+@dataclass(frozen=True)
+class BurstGate:
+    """When a run that waits for the team's own GPUs may be bought cloud capacity: once
+    it has waited `after_s` (0: at once, as a cloud-only pool buys); never when `after_s`
+    is None. One rule for the worker and the simulator, so the threshold the simulator
+    prices is the one the bot applies. The scheduler proposes a Launch or Start as soon
+    as nothing owned fits; the gate holds it back until the wait is long enough."""
+
+    after_s: float | None = BURST_AFTER_S
+
+    def open_for(self, waited_s: float) -> bool:
+        return self.after_s is not None and waited_s >= self.after_s
+
+    def opens_at(self, waiting_since_s: float) -> float | None:
+        """When a run waiting since then may be bought for; None: never."""
+        return None if self.after_s is None else waiting_since_s + self.after_s
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ def place_fair(
     stopped_now: set[str] = set()
     # Idle management first: a stopped instance frees quota for this same decision.
     for inst in fleet:
+        if inst.owned:
+            continue  # the team's own machine: stopping it saves nothing
         if inst.state == "running" and not inst.allocations:
             since = inst.idle_since_s if inst.idle_since_s is not None else now
             if now - since >= idle_after:
