@@ -11,6 +11,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from bot.app.fleet import pool as fleet_pool
+from bot.app.money.advice import Totals
 from bot.app.money.billing import team_cost_view
 from bot.app.money.budgets import budget_command
 from bot.app.money.prices import priced_catalog
@@ -169,7 +170,11 @@ def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
             from bot.faces.replay import team_week_blocks  # the simulator: only when asked
 
             view = views.View(
-                view.text, view.blocks + team_week_blocks(service, bill.window, catalog)
+                view.text,
+                view.blocks
+                + team_week_blocks(
+                    service, bill.window, catalog, Totals(bill.instances, bill.held, bill.idle)
+                ),
             )
         return views.Reply(view).with_note(note)
     who = actor.key if cmd.scope == "me" else (cmd.user.key if cmd.user else None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from bot.app.money.advice import report_blocks, report_for
+from bot.app.money.advice import Totals, report_blocks, report_for
 from bot.app.money.digest import digest_job
 from bot.app.money.history_trace import HistoryRun
 from bot.app.money.prices import priced_catalog
@@ -87,9 +87,18 @@ def weekly_digest_job(service: GpuService) -> None:
     digest_job(service, replay=SimReplayer(priced_catalog(service.settings)))
 
 
-def team_week_blocks(service: GpuService, window: Window, catalog: Catalog) -> tuple[Block, ...]:
-    """`/gpu cost team week`: this week so far's largest wastes and the replay's advice."""
+def team_week_blocks(
+    service: GpuService, window: Window, catalog: Catalog, totals: Totals | None = None
+) -> tuple[Block, ...]:
+    """`/gpu cost team week`: this week so far's largest wastes and the replay's advice,
+    and with the bill's `totals` where the two part."""
     report = report_for(
-        service.engine, service.settings, window, service.clock.now(), catalog, SimReplayer(catalog)
+        service.engine,
+        service.settings,
+        window,
+        service.clock.now(),
+        catalog,
+        SimReplayer(catalog),
+        totals,
     )
     return report_blocks(report)

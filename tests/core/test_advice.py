@@ -34,6 +34,7 @@ from bot.app.money.rollups import rebuild_rollups
 from bot.app.runs.context import scheduler_config
 from bot.app.service import GpuService
 from bot.domain.clock import VirtualClock
+from bot.domain.durations import format_duration
 from bot.faces.dispatch import handle_text
 from bot.faces.replay import SimReplayer
 from bot.faces.terminal import render
@@ -303,8 +304,10 @@ def test_the_advice_csv_agrees_with_the_text(sqlite_engine: Engine, tmp_path: Pa
     ]
     text = render(digest_view(d))
     for r in rows:
-        if r["kind"] in ("idle_instance", "saving"):
+        if r["kind"] in ("idle_instance", "saving", "bill"):
             assert f"${Decimal(r['usd']):,.2f}" in text
+        if r["kind"] == "empty_time":
+            assert f"{float(r['hours']):,.1f} h" in text
 
 
 def test_people_who_used_nothing_are_one_line(sqlite_engine: Engine) -> None:
@@ -358,7 +361,8 @@ def test_a_week_with_nothing_to_save_says_so(engine: Engine) -> None:
     for label in a.tried:
         assert label in text
     rows = list(csv.DictReader(io.StringIO(digest_report_csv(d))))
-    assert rows[-1]["kind"] == "saving" and rows[-1]["detail"] == "nothing would have helped"
+    [saving] = [r for r in rows if r["kind"] == "saving"]
+    assert saving["detail"] == "nothing would have helped"
 
 
 def test_a_week_without_runs_says_there_was_nothing_to_replay(sqlite_engine: Engine) -> None:
@@ -387,3 +391,53 @@ def test_gpu_cost_team_week_carries_the_same_report(sqlite_engine: Engine) -> No
     report: WeekReport | None = digest_for(svc, "2026-W11", replay=SimReplayer(CATALOG)).report
     assert report is not None and report.advice.best
     assert report.advice.best[0].label in text
+
+
+def test_the_digest_says_where_the_bill_and_the_replay_part(sqlite_engine: Engine) -> None:
+    """The replay prices runs only; the digest says where the rest of the bill went, in
+    figures that add up to it: held GPU time and idle overhead, and the instance's empty
+    hours by what kept it up (issue 37: $23,227 replayed against $634,243 billed, and
+    nothing said where the other $611,000 went)."""
+    svc = wasteful_week(sqlite_engine)
+    d = digest_for(svc, replay=SimReplayer(CATALOG))
+    assert d.report is not None and d.report.totals is not None
+    t, e, base = d.report.totals, d.report.empty, d.report.advice.base
+    assert e is not None and base is not None
+    assert t.bill == d.instances_usd and t.held + t.idle == t.bill
+    assert e.hosts == 1 and e.idle_stop == svc.settings.idle_stop_after
+    # The one instance's empty hours, all of them, split three ways (the idle host's).
+    [idle] = d.report.wastes.idle_hosts
+    assert e.total_h == pytest.approx(idle.empty_hours)
+    text = render(digest_view(d))
+    assert "Where the bill and the replay part" in text
+    assert f"The rented instances cost ${t.bill:,.2f}" in text
+    assert f"Replaying the runs costs ${base.usd:,.2f}" in text
+    assert f"1 instance ran {e.total_h:,.1f} h with nothing held" in text
+    stop = format_duration(svc.settings.idle_stop_after)
+    assert f"within the idle stop after a use (GPUBOT_IDLE_STOP_AFTER={stop})" in text
+
+
+def test_empty_hours_are_split_by_what_kept_the_host_up() -> None:
+    """Up 0–10 h, held 2–3 h and 3.5–4 h, idle stop 15 minutes: 2 h before its first use,
+    then 0.5 h of empty stretches and 6 h more, of which 15 minutes each are the setting's."""
+    from bot.app.money.advice import _Rented, empty_time
+    from bot.domain.metering import HostPeriod, Usage, Window
+
+    t0 = datetime(2026, 3, 9, tzinfo=UTC)
+    h = timedelta(hours=1)
+    period = HostPeriod(1, 8, Decimal("32"), "running", t0, t0 + 10 * h)
+    held = [
+        Usage("a", 1, 1, t0 + 2 * h, t0 + 3 * h, Decimal(4), "run", 1),
+        Usage("b", 2, 1, t0 + 2.5 * h, t0 + 3 * h, Decimal(4), "reservation", 2),
+        Usage("a", 1, 1, t0 + 3.5 * h, t0 + 4 * h, Decimal(4), "run", 3),
+    ]
+    host = Host(id=1, name="p4d-1", provider="aws", market="ondemand")
+    rented = _Rented({1: host}, {1: [period]}, {1: held})
+    e = empty_time(rented, Window(t0, t0 + 24 * h), t0 + 24 * h, timedelta(minutes=15))
+    assert e.hosts == 1
+    assert e.before_use_h == pytest.approx(2.0)
+    assert e.idle_stop_h == pytest.approx(0.5)
+    assert e.beyond_h == pytest.approx(0.25 + 5.75)
+    # Not yet over: only up to now counts.
+    mid = empty_time(rented, Window(t0, t0 + 24 * h), t0 + 5 * h, timedelta(minutes=15))
+    assert mid.total_h == pytest.approx(2.0 + 0.5 + 1.0)

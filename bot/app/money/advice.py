@@ -149,9 +149,42 @@ class Advice:
 
 
 @dataclass(frozen=True)
+class EmptyTime:
+    """The hours rented hosts ran with none of their GPUs held, by what kept them up."""
+
+    hosts: int  # rented hosts that ran empty at some point of the window
+    idle_stop: timedelta  # the setting the split is made by (GPUBOT_IDLE_STOP_AFTER)
+    # Empty before their first use in the window: booting and set-up for a launch, or
+    # nothing yet placed on a host that was up.
+    before_use_h: float = 0.0
+    # Empty after a use, up to the idle stop each time: what GPUBOT_IDLE_STOP_AFTER keeps.
+    idle_stop_h: float = 0.0
+    # The rest of longer empty stretches: up past the idle stop (not stopped in time).
+    beyond_h: float = 0.0
+
+    @property
+    def total_h(self) -> float:
+        return self.before_use_h + self.idle_stop_h + self.beyond_h
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The week's bill as the digest has it: what the rented instances cost, the GPU time
+    people held on them, and the idle overhead (running GPUs nobody held, stopped storage)."""
+
+    bill: Decimal
+    held: Decimal
+    idle: Decimal
+
+
+@dataclass(frozen=True)
 class WeekReport:
     wastes: Wastes
     advice: Advice
+    # Where the bill and the replay of the week's runs part (issue 37): None when the
+    # caller had no totals to hand.
+    totals: Totals | None = None
+    empty: EmptyTime | None = None
 
 
 # --- the wastes --------------------------------------------------------------------------
@@ -209,22 +242,96 @@ def _empty_seconds(
     return total
 
 
-def idle_hosts(s: Session, window: Window, now: datetime) -> tuple[IdleHost, ...]:
-    """The rented hosts with the most idle overhead in the window, dearest first."""
+@dataclass(frozen=True)
+class _Rented:
+    """The window's rented hosts, their billed periods and the intervals held on them:
+    read once for the idle instances and the empty time."""
+
+    hosts: dict[int, Host]
+    periods: dict[int, list[MeteredPeriod]]
+    usages: dict[int, list[Usage]]
+
+
+def _rented(s: Session, window: Window) -> _Rented:
     periods: dict[int, list[MeteredPeriod]] = defaultdict(list)
     for p in host_periods(s, window):
         periods[p.host_id].append(p)
     if not periods:
-        return ()
+        return _Rented({}, {}, {})
     hosts = {
         h.id: h
         for h in s.exec(select(Host).where(col(Host.id).in_(list(periods)))).all()
-        if h.market in _RENTED
+        if h.market in _RENTED and h.id is not None
     }
     by_host: dict[int, list[Usage]] = defaultdict(list)
     for u in _usages(s, window):
         if u.host_id in hosts:
             by_host[u.host_id].append(u)
+    return _Rented(hosts, dict(periods), dict(by_host))
+
+
+def _merged(
+    usages: Sequence[Usage], window: Window, end_cap: datetime
+) -> list[tuple[datetime, datetime]]:
+    held = sorted((max(u.start, window.start), min(u.end or end_cap, end_cap)) for u in usages)
+    merged: list[tuple[datetime, datetime]] = []
+    for a, b in held:
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def empty_time(rented: _Rented, window: Window, now: datetime, idle_stop: timedelta) -> EmptyTime:
+    """Every rented host's empty running time in the window, split by what kept it up:
+    before its first use there (a launch's boot and set-up, or nothing placed yet), up to
+    the idle stop after each use (the setting), and past it."""
+    end_cap = min(window.end, now)
+    stop_s = idle_stop.total_seconds()
+    before = within = beyond = 0.0
+    hosts = 0
+    for hid in rented.hosts:
+        busy = _merged(rented.usages.get(hid, ()), window, end_cap)
+        first_use = busy[0][0] if busy else None
+        gaps: list[tuple[datetime, datetime]] = []
+        for p in rented.periods.get(hid, ()):
+            if p.state != "running":
+                continue
+            a, b = max(p.start, window.start), min(p.end or end_cap, end_cap)
+            cursor = a
+            for x, y in busy:
+                if y <= cursor:
+                    continue
+                if x >= b:
+                    break
+                if x > cursor:
+                    gaps.append((cursor, x))
+                cursor = max(cursor, y)
+                if cursor >= b:
+                    break
+            if cursor < b:
+                gaps.append((cursor, b))
+        for g0, g1 in gaps:
+            gap = (g1 - g0).total_seconds()
+            if first_use is None or g0 < first_use:
+                before += gap
+            else:
+                within += min(gap, stop_s)
+                beyond += max(0.0, gap - stop_s)
+        hosts += bool(gaps)
+    return EmptyTime(hosts, idle_stop, before / 3600, within / 3600, beyond / 3600)
+
+
+def idle_hosts(s: Session, window: Window, now: datetime) -> tuple[IdleHost, ...]:
+    """The rented hosts with the most idle overhead in the window, dearest first."""
+    return _idle_hosts(_rented(s, window), window, now)
+
+
+def _idle_hosts(rented: _Rented, window: Window, now: datetime) -> tuple[IdleHost, ...]:
+    hosts, periods, by_host = rented.hosts, rented.periods, defaultdict(list, rented.usages)
     out = []
     for hid, host in hosts.items():
         assert hid is not None
@@ -388,11 +495,16 @@ def missed_spot(
 
 
 def week_wastes(
-    s: Session, window: Window, now: datetime, settings: Settings, catalog: Catalog
+    s: Session,
+    window: Window,
+    now: datetime,
+    settings: Settings,
+    catalog: Catalog,
+    rented: _Rented | None = None,
 ) -> Wastes:
     names = {u.id or -1: u.display_name for u in s.exec(select(User)).all()}
     return Wastes(
-        idle_hosts=idle_hosts(s, window, now),
+        idle_hosts=_idle_hosts(rented or _rented(s, window), window, now),
         idle_holds=idle_holds(s, window, settings.idle_util_pct, names),
         lost_runs=lost_runs(s, window, now, names),
         missed_spot=missed_spot(s, window, now, names, catalog),
@@ -529,6 +641,10 @@ def report_blocks(r: WeekReport) -> tuple[views.Block, ...]:
         )
     out.append(views.Text("*What one setting would have saved* (replay estimate)"))
     out.append(views.Text(advice_text(a)))
+    parting = parting_text(r)
+    if parting is not None:
+        out.append(views.Text("*Where the bill and the replay part*"))
+        out.append(views.Text(parting))
     if a.base is not None and a.best:
         base = a.base
         out.append(
@@ -667,6 +783,18 @@ def report_csv(week: str, r: WeekReport) -> str:
             )
         if not a.best:
             wr.writerow((week, "saving", "", "", "", "0.00", "", "nothing would have helped"))
+    t, e = r.totals, r.empty
+    if t is not None:
+        for what, usd in (("instances", t.bill), ("held", t.held), ("idle_overhead", t.idle)):
+            wr.writerow((week, "bill", what, "", "", to_cents(usd), "", ""))
+    if e is not None and e.hosts:
+        stop = f"GPUBOT_IDLE_STOP_AFTER={format_duration(e.idle_stop)}"
+        for what, hours, why in (
+            ("before_first_use", e.before_use_h, "booting, set-up, nothing placed yet"),
+            ("within_idle_stop", e.idle_stop_h, stop),
+            ("past_idle_stop", e.beyond_h, "not stopped in time"),
+        ):
+            wr.writerow((week, "empty_time", what, "", f"{hours:.4f}", "", "", why))
     return out.getvalue()
 
 
@@ -677,13 +805,49 @@ def report_for(
     now: datetime,
     catalog: Catalog,
     replay: Replayer | None,
+    totals: Totals | None = None,
 ) -> WeekReport:
-    """The window's wastes and advice. What it needs is read in one read transaction and
-    the replays run after it has closed: they take a second or so on a busy week, and a
-    transaction held open that long would hold SQLite's writers back."""
+    """The window's wastes and advice, and with the digest's `totals` where the bill and
+    the replay part. What it needs is read in one read transaction and the replays run
+    after it has closed: they take a second or so on a busy week, and a transaction held
+    open that long would hold SQLite's writers back."""
     with transaction(engine, write=False) as s:
-        wastes = week_wastes(s, window, now, settings, catalog)
+        rented = _rented(s, window)
+        wastes = week_wastes(s, window, now, settings, catalog, rented)
         jobs = replay_jobs(s, window, now) if replay is not None else []
+    empty = empty_time(rented, window, now, settings.idle_stop_after)
     if replay is None:
-        return WeekReport(wastes, Advice(0, None, (), (), "no simulator here to replay the week"))
-    return WeekReport(wastes, advise(jobs, settings, catalog, replay))
+        advice = Advice(0, None, (), (), "no simulator here to replay the week")
+    else:
+        advice = advise(jobs, settings, catalog, replay)
+    return WeekReport(wastes, advice, totals, empty)
+
+
+def parting_text(r: WeekReport) -> str | None:
+    """Where the week's bill and the replay of its runs part, in figures that add up to
+    the bill: the GPU time people held (reservations are not replayed; runs as they ran,
+    which the replay packs its own way) and the idle overhead, with the hours rented hosts
+    ran empty and what kept them up. None without the digest's totals."""
+    t, e = r.totals, r.empty
+    if t is None or e is None:
+        return None
+    replayed = (
+        f" Replaying the runs costs {money(r.advice.base.usd)}: only runs are replayed, and "
+        "the replay places them its own way."
+        if r.advice.base is not None
+        else ""
+    )
+    head = (
+        f"The rented instances cost {money(t.bill)}: {money(t.held)} of GPU time people held "
+        f"(reservations and runs) and {money(t.idle)} of idle overhead (running GPUs nobody "
+        f"held, stopped storage).{replayed}"
+    )
+    if not e.hosts:
+        return head
+    stop = format_duration(e.idle_stop)
+    return (
+        f"{head} {e.hosts} instance{'s' if e.hosts != 1 else ''} ran {e.total_h:,.1f} h with "
+        f"nothing held: {e.before_use_h:,.1f} h before their first use this week (booting, "
+        f"set-up, nothing placed yet), {e.idle_stop_h:,.1f} h within the idle stop after a use "
+        f"(GPUBOT_IDLE_STOP_AFTER={stop}) and {e.beyond_h:,.1f} h past it (not stopped in time)."
+    )

@@ -34,7 +34,7 @@ from zoneinfo import ZoneInfo
 from sqlmodel import Session, col, select
 
 from bot.app.config import Settings, parse_weekly_time
-from bot.app.money.advice import WeekReport, report_blocks, report_csv, report_for
+from bot.app.money.advice import Totals, WeekReport, report_blocks, report_csv, report_for
 from bot.app.money.billing import WindowCosts, dearest_runs, shown_cents, window_costs
 from bot.app.money.billing import host_periods as load_periods
 from bot.app.money.prices import priced_catalog
@@ -443,7 +443,8 @@ def digest_for(
         d = build_digest(s, year, wk, now, service.settings, catalog)
     if replay is None:
         return d
-    report = report_for(service.engine, service.settings, d.window, now, catalog, replay)
+    totals = Totals(d.instances_usd, d.held_usd, d.idle_overhead_usd)
+    report = report_for(service.engine, service.settings, d.window, now, catalog, replay, totals)
     return replace(d, report=report)
 
 
