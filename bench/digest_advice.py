@@ -28,7 +28,7 @@ from sqlmodel import Session
 
 from bench.history import _median_ms as _history_median_ms
 from bot.app.config import Settings
-from bot.app.money.advice import replay_jobs, week_wastes
+from bot.app.money.advice import parting_text, replay_jobs, week_wastes
 from bot.app.money.digest import digest_for, digest_view
 from bot.app.money.rollups import rebuild_rollups
 from bot.app.runs.context import scheduler_config
@@ -291,6 +291,20 @@ def run() -> dict[str, object]:
         "replay_usd_today": None if base is None else base.usd,
         "best_change": None if not a.best or base is None else a.best[0].label,
         "best_saving_usd": None if not a.best or base is None else a.best[0].saved(base),
+        # Where the bill and the replay part (the digest's "Where the bill and the replay
+        # part"): the bill as held GPU time and idle overhead, and the empty hours.
+        "bill_usd": float(d.instances_usd),
+        "held_usd": float(d.held_usd),
+        "idle_overhead_usd": float(d.idle_overhead_usd),
+        "empty_hosts": None if d.report.empty is None else d.report.empty.hosts,
+        "empty_h": None
+        if d.report.empty is None
+        else {
+            "before_first_use": round(d.report.empty.before_use_h, 1),
+            "within_idle_stop": round(d.report.empty.idle_stop_h, 1),
+            "past_idle_stop": round(d.report.empty.beyond_h, 1),
+        },
+        "parting": parting_text(d.report),
         "yardstick_ms": round(statistics.median(yard), 3),
     }
 
