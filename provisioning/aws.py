@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -108,6 +109,10 @@ _REGIONAL_CAPACITY_CODES = frozenset(
         "MaxSpotInstanceCountExceeded",
     }
 )
+
+# How long a (type, zone) where EC2 had no capacity is tried last: capacity comes back in
+# minutes (the fleet's own retry waits as long: bot.app.fleet.common.LAUNCH_RETRY_AFTER).
+CAPACITY_COOLDOWN_S = 600.0
 
 _CAPACITY_WORDS: dict[str, str] = {
     "InsufficientInstanceCapacity": "no capacity",
@@ -265,8 +270,13 @@ class Ec2Compute:
         ec2: EC2Client | None = None,
         ssm: SSMClient | None = None,
         config: Config | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
+        # (instance type, subnet or "*" for the region, market) -> until when it is tried
+        # last: where EC2 just said "no capacity" (CAPACITY_COOLDOWN_S).
+        self._cold: dict[tuple[str, str, str], float] = {}
+        self._monotonic = monotonic
         self.catalog = catalog if catalog is not None else Catalog.load()
         sess = session if session is not None else make_session(settings.region)
         cfg = config if config is not None else CLIENT_CONFIG
@@ -387,27 +397,32 @@ class Ec2Compute:
         image_id, root_device = self._resolve_ami()
         zones = self._subnet_zones()
         tried: list[str] = []
-        for itype in types:
-            for subnet in self._subnets_for(itype, spec, zones):
-                where = f"{itype.instance_type} in {zones.get(subnet, subnet)}"
-                outcome = self._attempt(spec, itype, subnet, image_id, root_device, where)
-                if isinstance(outcome, str):
-                    if outcome in _ZONAL_CAPACITY_CODES:
-                        tried.append(f"{where} ({_CAPACITY_WORDS[outcome]})")
-                        log.info("launch %s: %s, trying the next option", where, outcome)
-                        continue
-                    tried.append(f"{itype.instance_type} ({_CAPACITY_WORDS[outcome]})")
-                    log.info("launch %s: %s, trying the next type", where, outcome)
-                    break
-                raw = outcome
-                log.info(
-                    "launched %s (%s) for %s, request %s",
-                    raw.get("InstanceId"),
-                    where,
-                    spec.owner,
-                    spec.request_key,
-                )
-                return self._to_instance(raw)
+        failed_types: set[str] = set()
+        for itype, subnet in self._options(types, spec, zones):
+            if itype.instance_type in failed_types:
+                continue  # a regional refusal (a quota) for this type: no other zone helps
+            where = f"{itype.instance_type} in {zones.get(subnet, subnet)}"
+            outcome = self._attempt(spec, itype, subnet, image_id, root_device, where)
+            if isinstance(outcome, str):
+                until = self._monotonic() + CAPACITY_COOLDOWN_S
+                if outcome in _ZONAL_CAPACITY_CODES:
+                    tried.append(f"{where} ({_CAPACITY_WORDS[outcome]})")
+                    self._cold[(itype.instance_type, subnet, spec.market)] = until
+                    log.info("launch %s: %s, trying the next option", where, outcome)
+                    continue
+                tried.append(f"{itype.instance_type} ({_CAPACITY_WORDS[outcome]})")
+                self._cold[(itype.instance_type, "*", spec.market)] = until
+                failed_types.add(itype.instance_type)
+                log.info("launch %s: %s, trying the next type", where, outcome)
+                continue
+            log.info(
+                "launched %s (%s) for %s, request %s",
+                outcome.get("InstanceId"),
+                where,
+                spec.owner,
+                spec.request_key,
+            )
+            return self._to_instance(outcome)
         market = "spot" if spec.market == "spot" else "on-demand"
         raise ProvisioningError(
             f"AWS has no {market} capacity for {spec.gpus}× {spec.gpu_model} in "
@@ -601,6 +616,29 @@ class Ec2Compute:
         root = str(images[0].get("RootDeviceName") or "/dev/sda1")
         self._ami = (image_id, root)
         return self._ami
+
+    def _options(
+        self, types: Sequence[InstanceType], spec: LaunchSpec, zones: dict[str, str]
+    ) -> list[tuple[InstanceType, str]]:
+        """Every (type, subnet) to try, in the preferred order (the candidate types, each
+        in its zones' order), with those where EC2 said "no capacity" (or a quota) within
+        CAPACITY_COOLDOWN_S moved to the end: the next request goes elsewhere at once
+        instead of asking the zone that just refused, and still asks it when nothing else
+        is left. Kept in this process; a restart forgets it, at the cost of one refusal."""
+        now = self._monotonic()
+        self._cold = {k: until for k, until in self._cold.items() if until > now}
+        warm: list[tuple[InstanceType, str]] = []
+        cold: list[tuple[InstanceType, str]] = []
+        for itype in types:
+            for subnet in self._subnets_for(itype, spec, zones):
+                t = itype.instance_type
+                refused = (t, subnet, spec.market) in self._cold or (
+                    t,
+                    "*",
+                    spec.market,
+                ) in self._cold
+                (cold if refused else warm).append((itype, subnet))
+        return warm + cold
 
     def _subnets_for(
         self, itype: InstanceType, spec: LaunchSpec, zones: dict[str, str]

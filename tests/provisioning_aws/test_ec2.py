@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from provisioning.aws import (
+    CAPACITY_COOLDOWN_S,
     DLAMI_SSM_PARAMETER,
     STATE_MAP,
     TAG_JOB,
@@ -14,6 +15,7 @@ from provisioning.aws import (
     TAG_OWNER,
     TAG_REQUEST,
     TAG_RESERVATION,
+    Ec2Compute,
 )
 from provisioning.base import ProvisioningError
 from provisioning.compute import LaunchSpec
@@ -261,6 +263,42 @@ def test_capacity_error_in_zone_one_launches_in_zone_two(lab: AwsLab) -> None:
         ("p4d.24xlarge", lab.subnet_ids[0]),
         ("p4d.24xlarge", lab.subnet_ids[1]),
     ]
+
+
+def test_a_zone_that_just_had_no_capacity_is_tried_last_until_its_cooldown_ends(
+    lab: AwsLab,
+) -> None:
+    """Issue 37: a capacity error moves to the next type or zone at once, with a cooldown on
+    the one that failed; the next request does not ask the refusing zone first again, yet
+    still asks it when nothing else is left, and asks it first once the cooldown is over."""
+    now = [1000.0]
+    full = {lab.subnet_ids[0]}
+    faults = RunInstancesFaults(
+        lambda itype, subnet: "InsufficientInstanceCapacity" if subnet in full else None
+    )
+    lab.on_run_instances(faults)  # before the client is made: it copies the hooks
+    compute = Ec2Compute(lab.settings(), lab.catalog, session=lab.session, monotonic=lambda: now[0])
+    first = compute.launch(spec(model="A100", key="r1"))
+    assert _raw(lab, str(first.instance_id))["SubnetId"] == lab.subnet_ids[1]
+    faults.attempts.clear()
+    compute.launch(spec(model="A100", key="r2"))
+    assert faults.attempts == [("p4d.24xlarge", lab.subnet_ids[1])]  # not zone one first
+    # Zone two fills up too: zone one, though cooling down, is still asked (last).
+    full.add(lab.subnet_ids[1])
+    faults.attempts.clear()
+    with pytest.raises(ProvisioningError):
+        compute.launch(spec(model="A100", key="r3"))
+    assert faults.attempts == [
+        ("p4d.24xlarge", lab.subnet_ids[1]),
+        ("p4d.24xlarge", lab.subnet_ids[0]),
+    ]
+    # Ten minutes on, zone one has capacity again and is first in line again.
+    full.clear()
+    now[0] += CAPACITY_COOLDOWN_S + 1
+    faults.attempts.clear()
+    again = compute.launch(spec(model="A100", key="r4"))
+    assert faults.attempts == [("p4d.24xlarge", lab.subnet_ids[0])]
+    assert _raw(lab, str(again.instance_id))["SubnetId"] == lab.subnet_ids[0]
 
 
 def test_no_capacity_for_a_type_anywhere_falls_to_the_next_type_that_fits(lab: AwsLab) -> None:
