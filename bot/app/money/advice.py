@@ -217,17 +217,7 @@ def _empty_seconds(
 ) -> float:
     """Seconds a host ran (within the window, before now) with none of its GPUs held."""
     end_cap = min(window.end, now)
-    held: list[tuple[datetime, datetime]] = sorted(
-        (max(u.start, window.start), min(u.end or end_cap, end_cap)) for u in usages
-    )
-    merged: list[tuple[datetime, datetime]] = []
-    for a, b in held:
-        if b <= a:
-            continue
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
+    merged = _merged(usages, window, end_cap)
     total = 0.0
     for p in periods:
         if p.state != "running":
