@@ -480,14 +480,7 @@ def run_simulation(
             "owned_gpus": owned_gpus,
             "burst_after_s": None if burst is None else burst.after_s,
             "burst_jobs": len(on_cloud),
-            "cloud_gpu_h": round(
-                sum(
-                    r.gpus * ((r.end_s if r.end_s is not None else r.launch_s) - r.launch_s)
-                    for r in records
-                )
-                / 3600.0,
-                3,
-            ),
+            "cloud_gpu_h": round(paid_gpu_s(records) / 3600.0, 3),
         }
     )
 
@@ -1027,6 +1020,16 @@ class _Loop:
 # ---------------------------------------------------------------- figures
 
 
+def paid_gpu_s(records: Sequence[InstanceRecord]) -> float:
+    """GPU-seconds the instances were billed as running: launch to end, less the stopped
+    stretches (the utilization's denominator, and the burst's cloud GPU-hours)."""
+    paid = 0.0
+    for r in records:
+        end = r.end_s if r.end_s is not None else r.launch_s
+        paid += r.gpus * ((end - r.launch_s) - sum(b - a for a, b in r.stopped))
+    return paid
+
+
 def nearest_rank(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
@@ -1059,10 +1062,7 @@ def _figures(
     queue = [s.end_s - s.submit_s - ran[jid] for jid, s in last.items()]
     jct = [s.end_s - s.submit_s for s in last.values()]
     busy = sum(j.gpus * j.duration_s for j in jobs)
-    paid = 0.0
-    for r in records:
-        end = r.end_s if r.end_s is not None else r.launch_s
-        paid += r.gpus * ((end - r.launch_s) - sum(b - a for a, b in r.stopped))
+    paid = paid_gpu_s(records)
     n = len(last)
     makespan = (max(s.end_s for s in schedule) - min(s.submit_s for s in schedule)) if n else 0.0
     return SimResult(
