@@ -209,6 +209,9 @@ class TrainingRun(SQLModel, table=True):
         default_factory=dict,
         sa_column=Column(JSON, nullable=False, server_default=text("'{}'")),
     )
+    # `--cloud ok|never` (bot.app.burst): the cloud accepted in advance, or never offered;
+    # None: offered, priced, once the wait passes GPUBOT_BURST_AFTER.
+    cloud: str | None = Field(default=None, max_length=8)
 
 
 class UsageInterval(SQLModel, table=True):
@@ -423,6 +426,31 @@ class LaunchRequest(SQLModel, table=True):
     error: str | None = Field(default=None, max_length=500)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
+
+
+class BurstOffer(SQLModel, table=True):
+    """The cloud offered, priced, to a run waiting for the team's own GPUs (bot.app.burst):
+    one per run, so one request is never bought twice. Its state moves once each way:
+    open -> accepted | declined | withdrawn | refused; accepted -> cloud (it runs there)
+    | owned (the owned place started it first: the cloud side given back) | failed."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="trainingrun.id", unique=True)
+    user_id: int = Field(foreign_key="user.id", index=True)
+    # The cloud place (its provider's name) and what it would run on.
+    place: str = Field(max_length=32)
+    instance_type: str = Field(max_length=64)
+    # The run's share of the instance an hour, the hours priced, and their product.
+    usd_per_hour: float = 0.0
+    hours: float = 1.0
+    # No `--max`: `hours` is the length assumed, and the offer says so.
+    assumed: bool = False
+    estimate_usd: float = 0.0
+    state: str = Field(default="open", index=True, max_length=16)
+    # Why it ended as it did, in words (a refusal's figures, a launch's error).
+    note: str = Field(default="", sa_column=Column(Text, nullable=False, server_default=""))
+    created_at: datetime = _ts()
+    decided_at: datetime | None = _ts(nullable=True)
 
 
 class UsageRollup(SQLModel, table=True):

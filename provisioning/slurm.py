@@ -599,6 +599,16 @@ class SlurmClient:
                 f"Slurm refused to cancel job {job_id}: {explain_denial(result.stderr)}"
             )
 
+    def cancel_pending(self, job_id: int, *, user: str | None = None) -> None:
+        """End the job only if it has not started (`scancel --state=PENDING`): the
+        controller decides, so a job it starts meanwhile is left running, never killed."""
+        argv = ["scancel", "--state=PENDING", str(int(job_id))]
+        result = self.run(self.as_person(user, argv))
+        if not result.ok and "Invalid job id" not in result.stderr:
+            raise SlurmError(
+                f"Slurm refused to cancel job {job_id}: {explain_denial(result.stderr)}"
+            )
+
     def set_time_limit(self, job_id: int, seconds: int, *, user: str | None = None) -> None:
         """Raising a running job's limit needs a Slurm operator or admin (or root); a
         pending one's its owner (`user`) may raise within the partition's MaxTime."""

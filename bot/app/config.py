@@ -28,9 +28,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from pydantic import BeforeValidator, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from bot.domain.durations import ascii_digits, format_duration, parse_duration
+from bot.domain.durations import ascii_digits, format_duration, parse_duration, parse_threshold
 from bot.domain.errors import UserError
-from bot.domain.scheduling import IDLE_STOP_S
+from bot.domain.scheduling import BURST_AFTER_S, IDLE_STOP_S
 from provisioning.costs import DEFAULT_COSTS
 
 
@@ -204,6 +204,18 @@ def _providers(raw: object) -> tuple[str, ...]:
     return tuple(_provider(item) for item in _items(raw))
 
 
+def _burst_after(raw: object) -> float | None:
+    """GPUBOT_BURST_AFTER: `90s`, `15m`, `0` (offer at once) or `never` (None)."""
+    if raw is None:
+        return None
+    if _is_number(raw) and not isinstance(raw, bool):
+        return float(raw)  # type: ignore[arg-type]
+    try:
+        return parse_threshold(str(raw))
+    except ValueError as exc:
+        raise _Refusal(str(exc)) from None
+
+
 def _local_gpus(raw: object) -> str:
     mode = str(raw).strip().lower()
     if mode not in {"auto", "none"}:
@@ -325,6 +337,12 @@ class Settings(BaseSettings):
     # The team's time zone, for the digest and for "today"/"this week".
     timezone: Annotated[str, Env("GPUBOT_TIMEZONE"), _rule(_timezone)] = "UTC"
     # --- the fleet (EC2) -----------------------------------------------------------
+    # With owned places and a cloud (GPUBOT_PROVIDERS=slurm,aws): how long a run waits
+    # for the owned GPUs before its owner is offered the cloud, priced (bot.app.burst);
+    # None (`never`): never offered.
+    burst_after_s: Annotated[float | None, Env("GPUBOT_BURST_AFTER"), _rule(_burst_after)] = (
+        BURST_AFTER_S
+    )
     # A rented instance with no reservation and no run for this long is stopped, and one
     # stopped for terminate_after is terminated (each with a channel note).
     idle_stop_after: Annotated[timedelta, Env("GPUBOT_IDLE_STOP_AFTER"), _duration()] = timedelta(

@@ -10,10 +10,13 @@ being made, and keeps what they return as `Places`. Nothing is put on the servic
 afterwards, and nobody asks whether a part "is set yet": a place without a holder has
 `NoHolder`, one that cannot run has none of the run parts, and `Places` says so.
 
-`Places` routes what has a key to the place it belongs to: a host's words and its checks
-by the host's provider. What has no key yet (a new run, a new reservation: which place
-takes it) is the first place's that can; several places with runs, holders or fleets of
-their own at once wait for the ordering of issue 37's part 2, and are refused here.
+`Places` routes what has a key to the place it belongs to: a host's words, its checks and
+its shell by the host's provider, a started run by the place it was claimed on
+(bot.app.runs.routed). Several places that run: the owned ones in the team's order, at
+most one of them a cluster whose own scheduler places runs, and at most one cloud that
+buys machines (its fleet); a run waits on the owned places first and is offered the
+cloud, priced, when the wait grows long (bot.app.burst). Two clusters, two clouds or two
+holders of reservations at once are refused here.
 """
 
 from __future__ import annotations
@@ -101,13 +104,34 @@ def _one(wirings: Sequence[Wiring], what: str, pick: Callable[[Wiring], T | None
 class Places:
     """The connected places, in the team's order (owned ones first is the team's call)."""
 
-    def __init__(self, wirings: Sequence[Wiring]) -> None:
+    def __init__(
+        self,
+        wirings: Sequence[Wiring],
+        *,
+        provider_of: Callable[[str], str | None] | None = None,
+        executor_for: Callable[[HostAccess], RunExecutor] | None = None,
+    ) -> None:
+        """`provider_of` (a host's name -> its row's provider) and `executor_for` (the
+        process-group executor over an access, for a place that brings none) are what
+        several places that run need to be routed; one place needs neither."""
         names = [w.name for w in wirings]
         if len(set(names)) != len(names):
             raise ConflictingPlaces(f"a place is named twice: {', '.join(names)}")
         self.wirings: tuple[Wiring, ...] = tuple(wirings)
         self._by_name = {w.name: w for w in self.wirings}
-        self.runs: RunParts | None = _one(self.wirings, "training runs", lambda w: w.runs)
+        clouds = [w for w in self.wirings if w.fleet is not None]
+        if clouds and clouds[-1] is not self.wirings[-1]:
+            order = ",".join([*(n for n in names if n != clouds[-1].name), clouds[-1].name])
+            raise ConflictingPlaces(
+                f"{clouds[-1].name} buys machines, so it goes last: the order is the team's, "
+                f"owned places first (GPUBOT_PROVIDERS={order})"
+            )
+        # The place that buys machines, and the owned places that run before it.
+        self.cloud: Wiring | None = clouds[-1] if clouds else None
+        self.owned: tuple[Wiring, ...] = tuple(
+            w for w in self.wirings if w.fleet is None and w.runs is not None
+        )
+        self.runs: RunParts | None = _runs(self.wirings, provider_of, executor_for)
         self.holder: Holder = (
             _one(
                 self.wirings,
@@ -127,6 +151,12 @@ class Places:
         )
 
     @property
+    def bursting(self) -> bool:
+        """Owned places that run, and a cloud after them: a run that waits long on the
+        owned ones is offered the cloud (bot.app.burst)."""
+        return self.cloud is not None and self.cloud.runs is not None and bool(self.owned)
+
+    @property
     def names(self) -> tuple[str, ...]:
         return tuple(w.name for w in self.wirings)
 
@@ -138,6 +168,46 @@ class Places:
     def checker(self, provider: str) -> Checker | None:
         place = self.of(provider)
         return place.checker if place is not None else None
+
+
+def _runs(
+    wirings: Sequence[Wiring],
+    provider_of: Callable[[str], str | None] | None,
+    executor_for: Callable[[HostAccess], RunExecutor] | None,
+) -> RunParts | None:
+    """The places' run parts as one: each host reached by its provider, each run by the
+    place it was claimed on, prices from the cloud's catalog (the owned GPUs' models
+    are its models too, and only the cloud is bought from it)."""
+    running = [w for w in wirings if w.runs is not None]
+    if len(running) <= 1:
+        return running[0].runs if running else None
+    if provider_of is None or executor_for is None:
+        raise ConflictingPlaces(
+            ", ".join(w.name for w in running) + " each run training runs; routing them "
+            "needs the service's host lookup"
+        )
+    from bot.app.runs.routed import RoutedAccess, RoutedExecutor
+
+    parts = {w.name: w.runs for w in running if w.runs is not None}
+    executors = {
+        name: p.executor if p.executor is not None else executor_for(p.access)
+        for name, p in parts.items()
+    }
+    try:
+        executor = RoutedExecutor(executors, provider_of)
+    except ValueError as exc:
+        raise ConflictingPlaces(str(exc)) from None
+    cloud = next((w for w in running if w.fleet is not None), None)
+    catalog = (cloud or running[0]).runs.catalog  # type: ignore[union-attr]
+    refusals = [p.refusal for p in parts.values()]
+    return RunParts(
+        access=RoutedAccess({n: p.access for n, p in parts.items()}, provider_of),
+        catalog=catalog,
+        executor=executor,
+        # Refused only where every place refuses (this machine without a run account,
+        # beside SSH hosts that take runs: they still do).
+        refusal=refusals[0] if all(r is not None for r in refusals) else None,
+    )
 
 
 class _AnySupply:

@@ -21,6 +21,8 @@ from bot.domain.errors import UserError
 MAX_GPUS_PER_REQUEST = 64
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 PERIODS = ("today", "week", "month")
+# `/gpu run --cloud`: take the cloud's offer in advance, or never be offered it.
+CLOUD_CHOICES = ("ok", "never")
 
 
 # Where a Slurm cluster is to run a request (bot.providers.slurm checks each against what
@@ -84,7 +86,7 @@ VERBS: dict[str, VerbSpec] = {
     ),
     "run": VerbSpec(
         "/gpu run [--gpus N] [--gpu MODEL] [--precision auto|bf16|fp16|fp32] [--max DURATION] "
-        "[--spot] [--checkpoints] [--git URL[@REF] | --path DIR] [--recipe NAME [--lr LR] [--batch-size N] "
+        "[--spot] [--checkpoints] [--cloud ok|never] [--git URL[@REF] | --path DIR] [--recipe NAME [--lr LR] [--batch-size N] "
         "[--epochs N] [--sweep lr=V1,V2,...]] -- COMMAND, or /gpu run --resume ID [--max DURATION]",
         "queue a training run on the team's GPUs",
         (
@@ -111,7 +113,11 @@ VERBS: dict[str, VerbSpec] = {
         "resumes from it when run again (recipes do): such a run may be preempted for a "
         "teammate's and resumed later. `--resume ID` runs run ID again as it was (with "
         "a new `--max` if you give one), from the checkpoint it saved when it stopped at "
-        "its time limit. " + _PLACE_HELP,
+        "its time limit. " + _PLACE_HELP + " Where the team's own GPUs come first and a "
+        "cloud after (GPUBOT_PROVIDERS=slurm,aws): a run that waits long for them is offered "
+        "the cloud with its price, and starts wherever it can first; `--cloud ok` takes "
+        "that offer in advance (within your budget), `--cloud never` keeps it on the "
+        "team's own GPUs.",
     ),
     "queue": VerbSpec(
         "/gpu queue [me]",
@@ -156,6 +162,16 @@ VERBS: dict[str, VerbSpec] = {
         "--mem is the GPU memory the run needs, in GiB (as `nvidia-smi` counts it); with --gpus N it may be split across "
         "N GPUs. --hours is how long the run takes on as many A100s (write 10, 10h or 90m); "
         "other GPUs are scaled by their peak bf16 throughput. --spot prices at spot.",
+    ),
+    "cloud": VerbSpec(
+        "/gpu cloud [take ID | wait ID]",
+        "your runs' offers of the cloud while they wait for the team's own GPUs",
+        ("/gpu cloud", "/gpu cloud take 42", "/gpu cloud wait 42"),
+        "Where the team's own GPUs come first and a cloud after (GPUBOT_PROVIDERS=slurm,aws), "
+        "a run that waits longer than GPUBOT_BURST_AFTER is offered the cloud with its price: "
+        "`take ID` buys it (your budget is checked against the estimate first), and the run "
+        "starts wherever it can first, the other side given back; `wait ID` keeps it on "
+        "the team's GPUs. `/gpu run --cloud ok` takes the offer in advance.",
     ),
     "pool": VerbSpec(
         "/gpu pool [set INSTANCE_TYPE [max=N] [spend=USD]]",
@@ -229,6 +245,8 @@ class Run:
     place: tuple[tuple[str, str], ...] = ()
     # `--resume ID`: run ID again as it was, from the checkpoint it stopped at.
     resume: int | None = None
+    # `--cloud ok|never` (bot.app.burst): the cloud's offer taken in advance, or never made.
+    cloud: str | None = None
 
     @property
     def interactive(self) -> bool:
@@ -293,6 +311,14 @@ class Pool:
     max_usd_per_hour: float | None = None
 
 
+@dataclass(frozen=True)
+class Cloud:
+    """`/gpu cloud`: the offers; `take ID` / `wait ID` answers one."""
+
+    run_id: int | None = None
+    take: bool = False
+
+
 Command = (
     Help
     | Status
@@ -309,6 +335,7 @@ Command = (
     | Prices
     | Recommend
     | Pool
+    | Cloud
 )
 
 ModelNormalizer = Callable[[str], "str | None"]
@@ -636,6 +663,7 @@ _RUN_FLAGS_WITH_VALUE = {
     "--batch-size",
     "--epochs",
     "--sweep",
+    "--cloud",
     *PLACE_OPTIONS,
 }
 # A recipe's settings the bot passes to the runner: name -> (kind, lowest, highest).
@@ -703,7 +731,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
     checkpoints = opts.pop("--checkpoints", "") == "1"
     resume = _int(opts.pop("--resume"), ctx, "--resume", 1, 2**31) if "--resume" in opts else None
     if resume is not None and (
-        command or spot or checkpoints or set(opts) - {"--max", *PLACE_OPTIONS}
+        command or spot or checkpoints or set(opts) - {"--max", "--cloud", *PLACE_OPTIONS}
     ):
         raise ctx.fail(
             f"`--resume {resume}` runs run #{resume} again as it was, from its checkpoint: "
@@ -730,6 +758,14 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
     for flag in PLACE_OPTIONS:
         if flag in opts:
             _place_option(flag, opts.pop(flag), place, ctx)
+    cloud = opts.pop("--cloud", None)
+    if cloud is not None:
+        cloud = cloud.lower()
+        if cloud not in CLOUD_CHOICES:
+            raise ctx.fail(
+                f"`--cloud` takes ok (take the cloud's offer when the wait is long) or "
+                f"never (wait for the team's own GPUs), not `{_clip(cloud)}`."
+            )
     options, sweep = _recipe_options(opts, recipe, ctx)
     return Run(
         command=tuple(command),
@@ -745,6 +781,7 @@ def _parse_run(rest: str, ctx: _Ctx) -> Run:
         checkpoints=checkpoints,
         place=tuple(place.items()),
         resume=resume,
+        cloud=cloud,
     )
 
 
@@ -927,6 +964,16 @@ def _parse_pool(rest: str, ctx: _Ctx) -> Pool:
     return Pool(instance_type=itype, max_instances=max_instances, max_usd_per_hour=spend)
 
 
+def _parse_cloud(rest: str, ctx: _Ctx) -> Cloud:
+    words = _words(rest)
+    if not words:
+        return Cloud()
+    answer = words[0].lower()
+    if answer not in ("take", "wait") or len(words) != 2:
+        raise ctx.fail("Say `take ID` to run it on the cloud, or `wait ID` to keep waiting.")
+    return Cloud(_int(words[1].lstrip("#"), ctx, "A run ID"), take=answer == "take")
+
+
 _PARSERS: dict[str, Callable[[str, _Ctx], Command]] = {
     "help": _parse_help,
     "status": _parse_status,
@@ -943,4 +990,5 @@ _PARSERS: dict[str, Callable[[str, _Ctx], Command]] = {
     "prices": _parse_prices,
     "recommend": _parse_recommend,
     "pool": _parse_pool,
+    "cloud": _parse_cloud,
 }

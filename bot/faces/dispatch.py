@@ -24,6 +24,7 @@ from bot.domain import views
 from bot.domain.commands import (
     Budget,
     Cancel,
+    Cloud,
     Command,
     Cost,
     Extend,
@@ -198,6 +199,19 @@ def _util(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
     return util_reply(service, actor, cmd.host, key)
 
 
+def _cloud(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
+    assert isinstance(cmd, Cloud)
+    bursts = service.bursts
+    if bursts is None:
+        raise UserError(
+            "This bot has no owned GPUs with a cloud after them, so nothing is offered: "
+            "runs go where they can (GPUBOT_PROVIDERS=slurm,aws or ssh,aws sets up both)."
+        )
+    if cmd.run_id is None:
+        return bursts.list_for(actor)
+    return bursts.answer(actor, cmd.run_id, cmd.take)
+
+
 def _pool(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:
     assert isinstance(cmd, Pool)
     return fleet_pool(service, actor, cmd)
@@ -220,4 +234,5 @@ _HANDLERS: dict[type, _Handler] = {
     Util: _util,
     Budget: _budget,
     Pool: _pool,
+    Cloud: _cloud,
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from bot.app.config import ConfigError, Settings
 from bot.app.fleet import Fleet
 from bot.app.hosts.remote import Prepare, bootstrap_prepare
 from bot.app.money.rollups import backfill_rollups
-from bot.app.places import Wiring
+from bot.app.places import ConflictingPlaces, Wiring
 from bot.app.service import GpuService
 from bot.domain.clock import Clock, SystemClock
 from bot.providers import Parts, Provider, configured, for_compute
@@ -125,28 +126,33 @@ def build_runtime(
     ssh: HostShell | None = None,
     prepare: Prepare | None = bootstrap_prepare,
     runs_as_self: bool = True,
+    providers: Sequence[Provider] | None = None,
 ) -> Runtime:
     """`compute` replaces the configured provider's hosts (tests: its type says which
     provider it is); `resolver`, `ssh` and `prepare` replace where hosts are dialed, the
     SSH client, and how a host is made ready on first use (tests: loopback sshd hosts, no
     bootstrap). `runs_as_self=False` (`gpubot serve`): on the local provider without
-    GPUBOT_RUN_AS, runs are refused rather than run as the bot's own user."""
+    GPUBOT_RUN_AS, runs are refused rather than run as the bot's own user. `providers`:
+    the places themselves, in the team's order (tests: a cluster from the environment
+    and a cloud on moto); several are the owned ones first and a cloud last
+    (bot.app.places), anything else is refused at start."""
     engine = open_database(settings)
     runner = ssh or SshClient()
-    providers = (
-        [for_compute(compute, settings)]
-        if compute is not None
-        else configured(settings, os.environ, runner)
-    )
-    if len(providers) != 1:
-        raise ConfigError(
-            f"GPUBOT_PROVIDERS names {len(providers)} providers; this bot runs one at a time "
-            "for now: set GPUBOT_PROVIDER to one of them."
+    if providers is None:
+        providers = (
+            [for_compute(compute, settings)]
+            if compute is not None
+            else configured(settings, os.environ, runner)
         )
     parts = Parts(settings, engine, runner, resolver, prepare, runs_as_self)
 
     def wire(core: GpuService) -> list[Wiring]:
         return [provider.connect(core, parts) for provider in providers]
 
-    service = GpuService(engine, settings, clock or SystemClock(), wire)
-    return Runtime(settings, engine, service, providers)
+    try:
+        service = GpuService(engine, settings, clock or SystemClock(), wire)
+    except ConflictingPlaces as exc:
+        raise ConfigError(
+            f"GPUBOT_PROVIDERS={','.join(p.name for p in providers)}: {exc}"
+        ) from None
+    return Runtime(settings, engine, service, list(providers))

@@ -39,6 +39,11 @@ def tick_job(
         report = service.tick()
         if report.expired or report.warned or report.granted:
             log.info("tick: %s", report)
+        if service.bursts is not None:
+            # Before the poll: a job just withdrawn from a cluster's queue for the cloud
+            # is back in gpubot's line before anything reads it as ended.
+            for done in service.bursts.tick():
+                log.info("burst: %s", done)
         finished = service.runs.poll()
         started = service.runs.dispatch()
         if finished or started:

@@ -123,3 +123,34 @@ def test_buttons_carry_their_command_line_and_unique_action_ids() -> None:
     elements = body["blocks"][0]["elements"]
     assert [e["value"] for e in elements] == ["/gpu release 1", "/gpu release 1"]
     assert len({e["action_id"] for e in elements}) == 2
+
+
+def test_the_clouds_offer_renders_within_slack_limits_with_its_two_buttons(
+    fake: FakeSlack,
+) -> None:
+    """The plan a waiting run's owner gets (bot.app.burst.offers), with a long price."""
+    from datetime import UTC, datetime
+
+    from bot.app.burst.offers import offer_view
+    from db.models import BurstOffer, TrainingRun
+
+    offer = BurstOffer(
+        run_id=123456789,
+        user_id=1,
+        place="aws",
+        instance_type="p4de.24xlarge",
+        usd_per_hour=40.97 * 8,
+        hours=72.0,
+        assumed=False,
+        estimate_usd=40.97 * 8 * 72,
+        created_at=datetime(2026, 12, 6, tzinfo=UTC),
+    )
+    run = TrainingRun(id=123456789, user_id=1, gpu_model="A100-80GB", gpu_count=8)
+    stage = "pending: Resources, expected 15:20 UTC"
+    body = blocks.message(offer_view(offer, run, 3 * 3600.0, stage, "aws"))
+    assert fake.message_problems(body) == []
+    (actions,) = [b for b in body["blocks"] if b["type"] == "actions"]
+    labels = [e["text"]["text"] for e in actions["elements"]]
+    assert labels == ["Run on EC2 now, about $23,598.72", "Keep waiting"]
+    assert all(len(label) <= blocks.BUTTON_TEXT_CHARS for label in labels)
+    assert "expected 15:20 UTC" in _all_text(body)

@@ -171,6 +171,20 @@ class Fleet:
         with self._lock:
             return self.buyer.provision_run(run_id, instance_type)
 
+    def provision_for(self, run_id: int) -> str | None:
+        """A launch for a run whose owner took the cloud while it waits in a cluster's
+        queue (bot.app.burst); the first place to start it wins."""
+        with self._lock:
+            return self.buyer.provision_run(run_id, in_cluster=True)
+
+    def give_back(self, run_id: int) -> bool:
+        """Ends what was bought for a run the owned GPUs started first; True when done."""
+        with self._lock:
+            return self.buyer.give_back(run_id)
+
+    def pool_refusal(self, instance_type: str) -> str | None:
+        return self.buyer.pool_refusal(instance_type)
+
     def idle(self) -> list[str]:
         return self.idle_stopper.idle()
 

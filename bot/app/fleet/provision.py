@@ -44,6 +44,7 @@ from db.models import (
     HOST_TERMINATED,
     RES_WAITING,
     RUN_QUEUED,
+    RUN_STARTING,
     Gpu,
     Host,
     LaunchRequest,
@@ -71,6 +72,10 @@ class Buyer:
         """For each waiting reservation no ready or booting host can serve: start a stopped
         instance of its model, else launch one within the pool limits. Returns what was
         done, in words (for the log and tests)."""
+        if self.ctx.service.places.bursting:
+            # Owned places first: a waiting reservation gets the owned GPUs as they free
+            # up, and nothing is bought for it unasked (offers are made for runs only).
+            return []
         now = self.ctx.service.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             waiting = list(
@@ -142,9 +147,13 @@ class Buyer:
                 done.append(f"launched {launched.instance_id} for reservation {res.id}")
         return done
 
-    def provision_run(self, run_id: int, instance_type: str | None = None) -> str | None:
+    def provision_run(
+        self, run_id: int, instance_type: str | None = None, *, in_cluster: bool = False
+    ) -> str | None:
         """Carries out the scheduler's Launch/Start for a queued run through the same path
-        as reservations: a stopped instance first, else a launch (one per request key)."""
+        as reservations: a stopped instance first, else a launch (one per request key).
+        `in_cluster`: the run waits in a cluster's queue, not gpubot's (its owner took the
+        cloud: bot.app.burst), so it is claimed there and still counts as waiting."""
         now = self.ctx.service.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             found = s.exec(
@@ -155,7 +164,8 @@ class Buyer:
             if found is None:
                 return None
             run, user = found
-            if run.state != RUN_QUEUED or not run.gpu_model or run.gpu_model == "cpu":
+            waiting = (RUN_QUEUED, RUN_STARTING) if in_cluster else (RUN_QUEUED,)
+            if run.state not in waiting or not run.gpu_model or run.gpu_model == "cpu":
                 return None
             reqs = list(
                 s.exec(
@@ -221,6 +231,51 @@ class Buyer:
             return f"started {started.instance_id} for run {run_id}"
         inst = self._launch(want, len(reqs), hosts, prefer=instance_type, only=count > 1)
         return None if inst is None else f"launched {inst.instance_id} for run {run_id}"
+
+    def give_back(self, run_id: int) -> bool:
+        """What was bought for a run that started elsewhere first (bot.app.burst): each
+        instance launched for it that nobody holds anything on is terminated at once (it
+        never ran anything, so its disk is worth nothing). True once nothing is left to
+        give back; False while a launch for it is still unsettled (reconcile settles it)."""
+        with transaction(self.ctx.engine, write=False) as s:
+            reqs = list(s.exec(select(LaunchRequest).where(LaunchRequest.run_id == run_id)))
+            ids = [r.instance_id for r in reqs if r.state == REQ_LAUNCHED and r.instance_id]
+            hosts = list(s.exec(select(Host).where(col(Host.instance_id).in_(ids)))) if ids else []
+            held = held_gpu_ids(s)
+            busy = {
+                h.id
+                for h in hosts
+                for g in s.exec(select(Gpu.id).where(Gpu.host_id == h.id))
+                if g in held
+            }
+        settled = all(r.state != REQ_PENDING for r in reqs)
+        for host in hosts:
+            if host.id in busy or host.state not in RUNNING_STATES or not host.instance_id:
+                continue  # in use by another run now, or already stopped
+            try:
+                inst = self.ctx.compute.terminate(host.instance_id)
+            except ProvisioningError as exc:
+                log.warning("give back %s: %s", host.instance_id, exc)
+                settled = False
+                continue
+            self.ctx.service.sync_hosts([inst])
+            self.ctx.service.notify_channel(
+                text_view(
+                    f"Terminated {host.instance_id} ({host.instance_type}): it was launched "
+                    f"for run #{run_id}, which the team's own GPUs started first."
+                ),
+                dedupe=f"fleet-give-back:{host.instance_id}",
+            )
+        return settled
+
+    def pool_refusal(self, instance_type: str) -> str | None:
+        """Why the pool's caps allow no more `instance_type` now, in words; None if one fits."""
+        itype = self.ctx.catalog.get(instance_type)
+        if itype is None:
+            return f"{instance_type} is not in the price catalog"
+        with transaction(self.ctx.engine, write=False) as s:
+            hosts = list(s.exec(select(Host).where(Host.state != HOST_TERMINATED)))
+        return self._refusal(itype, hosts)
 
     def limits(self, s: Session, instance_type: str) -> Limits:
         row = s.get(PoolLimit, instance_type)

@@ -73,10 +73,12 @@ class RunService:
         *,
         refusal: str | None = None,
         executor: RunExecutor | None = None,
+        bursting: bool = False,
     ) -> None:
         """`executor`: where its runs run (a provider's); process groups on the hosts
-        `access` reaches when None."""
-        self.ctx = RunContext.build(core, access, catalog, refusal, executor)
+        `access` reaches when None. `bursting`: owned places with a cloud after them, so
+        the cloud is bought for a run only on its owner's word (bot.app.burst)."""
+        self.ctx = RunContext.build(core, access, catalog, refusal, executor, bursting)
         self.records = RunRecords(self.ctx)
         self.submissions = Submissions(self.ctx)
         self.board = RunBoard(self.ctx)

@@ -58,10 +58,38 @@ class RunContext:
     # Starts that upload code, off the tick (bot.app.runs.starts): dispatch hands them
     # out, poll leaves a run alone while its start is in flight.
     starts: OffTickStarts = field(default_factory=OffTickStarts)
+    # Owned places and a cloud after them (bot.app.places.Places.bursting): the cloud is
+    # bought for a run only once its owner took the offer (bot.app.burst).
+    bursting: bool = False
 
     @property
     def engine(self) -> Any:
         return self.core.engine
+
+    @property
+    def cluster(self) -> tuple[str, RunExecutor] | None:
+        """The place whose own scheduler places runs (a Slurm cluster), by name ("" for the
+        only place), or None: gpubot's scheduler places every run."""
+        from bot.app.runs.routed import RoutedExecutor
+
+        if isinstance(self.executor, RoutedExecutor):
+            return self.executor.cluster
+        return ("", self.executor) if self.executor.places else None
+
+    @property
+    def schedules(self) -> bool:
+        """Whether gpubot's own scheduler places runs on some place's hosts."""
+        from bot.app.runs.routed import RoutedExecutor
+
+        return isinstance(self.executor, RoutedExecutor) or not self.executor.places
+
+    def places_itself(self, placement: dict[str, Any]) -> bool:
+        """Whether the place a run was claimed on places it itself (a cluster)."""
+        from bot.app.runs.routed import RoutedExecutor
+
+        if isinstance(self.executor, RoutedExecutor):
+            return self.executor.of(placement).places
+        return self.executor.places
 
     @classmethod
     def build(
@@ -71,8 +99,10 @@ class RunContext:
         catalog: Catalog,
         refusal: str | None = None,
         executor: RunExecutor | None = None,
+        bursting: bool = False,
     ) -> RunContext:
         return cls(
+            bursting=bursting,
             core=core,
             access=access,
             catalog=catalog,

@@ -22,12 +22,14 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
+from bot.app.burst import state as burst_state
 from bot.app.hosts import sources
 from bot.app.money import budgets
 from bot.app.runs.context import RunContext
-from bot.app.runs.executor import StartFailed, Unavailable
+from bot.app.runs.executor import RunExecutor, StartFailed, Unavailable
 from bot.app.runs.inputs import anything_to_decide, scheduler_inputs
 from bot.app.runs.records import RunRecords
+from bot.app.runs.routed import AT
 from bot.app.watching.held import held_gpu_ids
 from bot.domain import code_sources, views
 from bot.domain.scheduling import Launch, Place, Preempt, Start, decide, preempt_slot
@@ -67,8 +69,16 @@ class Dispatcher:
         handed to it instead."""
         if self.ctx.refusal is not None:
             return 0
-        if self.ctx.executor.places:
-            return self._hand_over()
+        handed = 0
+        cluster = self.ctx.cluster
+        if cluster is not None:
+            handed = self._hand_over(*cluster)
+            if not self.ctx.schedules:
+                return handed
+        return handed + self._schedule()
+
+    def _schedule(self) -> int:
+        """gpubot's own scheduler over the hosts it places on (not a cluster's nodes)."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             if not anything_to_decide(s):
@@ -115,11 +125,12 @@ class Dispatcher:
                 started += 1
         return started
 
-    def _hand_over(self) -> int:
+    def _hand_over(self, place: str, cluster: RunExecutor) -> int:
         """Every queued run to the cluster, oldest first: claimed (no GPUs: its scheduler
         gives them when it starts it, and poll meters them from then) and submitted. One
         the cluster refuses fails with the cluster's words; a controller that does not
-        answer leaves the rest in line for the next tick."""
+        answer leaves the rest in line for the next tick. A run taken out of its queue
+        for the cloud (bot.app.burst) is gpubot's scheduler's, not handed back."""
         with transaction(self.ctx.engine, write=False) as s:
             queued = [
                 int(i)
@@ -130,12 +141,15 @@ class Dispatcher:
                 )
                 if i is not None
             ]
-        runs_dir = self.ctx.executor.runs_dir("")
+            if queued and self.ctx.bursting:
+                elsewhere = burst_state.on_cloud(s)
+                queued = [i for i in queued if i not in elsewhere]
+        runs_dir = cluster.runs_dir("")
         if not queued or runs_dir is None:
             return 0
         handed = 0
         for run_id in queued:
-            claimed = self._claim_for_cluster(run_id, runs_dir)
+            claimed = self._claim_for_cluster(run_id, runs_dir, place)
             if claimed is None:
                 continue
             placement, run = claimed
@@ -191,6 +205,14 @@ class Dispatcher:
         if fleet is None:
             log.info("scheduler wants %s; no cloud provider is configured, skipped", action)
             return
+        if self.ctx.bursting:
+            # Owned GPUs first: the cloud is bought only for a run whose owner took the
+            # priced offer (bot.app.burst), never on the scheduler's word alone.
+            with transaction(self.ctx.engine, write=False) as s:
+                allowed = burst_state.may_buy(s, int(action.for_run))
+            if not allowed:
+                log.debug("scheduler wants %s; its owner has not taken the cloud", action)
+                return
         itype = action.instance_type if isinstance(action, Launch) else None
         done = fleet.provision_run(int(action.for_run), itype)
         if done:
@@ -268,7 +290,7 @@ class Dispatcher:
 
     @retrying
     def _claim_for_cluster(
-        self, run_id: int, runs_dir: Path
+        self, run_id: int, runs_dir: Path, place: str = ""
     ) -> tuple[dict[str, Any], TrainingRun] | None:
         """The run claimed for a cluster's scheduler: `starting`, with where its files go
         and no GPUs yet (its scheduler gives them when it starts it: poll then meters
@@ -289,6 +311,8 @@ class Dispatcher:
             if run.placement.get("resume_from"):  # bot.app.hosts.agentwatch: its saved checkpoint
                 placement["resume_from"] = run.placement["resume_from"]
             placement["stage"] = "handed to the cluster"
+            if place:
+                placement[AT] = place
             run.placement = placement
             run.started_at = now
             s.add(run)
@@ -383,6 +407,7 @@ class Dispatcher:
                 self.ctx.core.open_usage(s, h, free, run.user_id, now, run_id=run.id)
                 nodes.append(_node_placement(h.name, free, runs_dir / str(run.id)))
             placement: dict[str, Any] = dict(nodes[0])
+            placement[AT] = taken[0][0].provider
             if len(nodes) > 1:
                 assert rendezvous_host is not None
                 placement["nodes"] = nodes
@@ -420,7 +445,7 @@ class Dispatcher:
             assert run is not None
             if run.state not in (RUN_STARTING, RUN_CANCELLING) or run.started_at != claimed_at:
                 return False
-            if self.ctx.executor.places:
+            if self.ctx.places_itself(placement):
                 run.placement = {**run.placement, **changes}
                 s.add(run)
                 return True

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_
 from sqlmodel import Session, col, select
 
+from bot.app.burst.state import on_cloud
 from bot.app.money.rollups import fair_share_usage
 from bot.app.runs.context import RunContext, host_view
 from bot.app.runtimes import estimates
@@ -89,6 +90,11 @@ def scheduler_inputs(
     placeable = [
         row for row in s.exec(queued) if row[3] not in waiting_models and None not in waiting_models
     ]
+    if ctx.cluster is not None and placeable:
+        # Beside a cluster, gpubot places only the runs taken out of its queue for the
+        # cloud (bot.app.burst); the cluster's own scheduler places the rest.
+        elsewhere = on_cloud(s)
+        placeable = [row for row in placeable if row[0] in elsewhere]
     holds = held_for_scheduler(s)
     # What the team's finished runs predict (bot.app.runtimes: kept as runs end), for the
     # runs with no --max: those queued, and those holding GPUs.

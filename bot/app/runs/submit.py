@@ -114,6 +114,7 @@ class Submissions:
                 source=cmd.source,
                 options=dict(cmd.options),
                 place=dict(cmd.place),
+                cloud=cmd.cloud,
             )
             if resume_from is not None:  # bot.app.hosts.agentwatch: uploaded before it starts
                 run.placement = {"resume_from": resume_from}
@@ -164,6 +165,7 @@ class Submissions:
             options=tuple((k, float(v)) for k, v in old.options.items()),
             checkpoints=old.checkpoints,
             place=cmd.place or tuple((k, str(v)) for k, v in old.place.items()),
+            cloud=cmd.cloud or old.cloud,
         )
         resume_from = {
             "dir": str(local),
@@ -204,6 +206,7 @@ class Submissions:
                 request_key=request_key if n == 0 else None,
                 options={**dict(cmd.options), param: value},
                 place=dict(cmd.place),
+                cloud=cmd.cloud,
                 sweep=label,
             )
             s.add(run)

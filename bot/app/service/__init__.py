@@ -31,12 +31,14 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from bot.app.burst.offers import Bursts
 from bot.app.config import Settings
 from bot.app.money.billing import TeamBill, note_host_state
 from bot.app.places import Places, Wiring
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
 from bot.app.ports import GpuRef, Holder, HostDisplay, HostSeat, Provisioner, Supply
 from bot.app.runs import RunService
+from bot.app.runs.processes import ProcessExecutor
 from bot.app.service.common import IN_FLIGHT, OutboxItem, TickReport
 from bot.app.service.grants import Grants
 from bot.app.service.notices import Notices
@@ -95,14 +97,33 @@ class GpuService:
         self.notices = Notices(self)
         # The places, connected once (a provider lists its hosts on the service as it
         # connects, so the parts above come first) and never changed after.
-        self.places = Places(wire(self) if wire is not None else ())
+        self.places = Places(
+            wire(self) if wire is not None else (),
+            provider_of=self._provider_of,
+            executor_for=lambda access: ProcessExecutor(access, self.clock, self.nudge),
+        )
         own = self.places.runs
         self._runs = (
-            RunService(self, own.access, own.catalog, refusal=own.refusal, executor=own.executor)
+            RunService(
+                self,
+                own.access,
+                own.catalog,
+                refusal=own.refusal,
+                executor=own.executor,
+                bursting=self.places.bursting,
+            )
             if own is not None
             # No place runs: it quotes nothing, so the shipped catalog (model names), which
             # a broken refreshed price file cannot make fail at start.
             else RunService(self, _NoHosts(), Catalog.load(), refusal=NO_RUNS)
+        )
+
+        # Owned places with a cloud after them: a long wait is offered the cloud, priced.
+        cloud = self.places.cloud
+        self.bursts: Bursts | None = (
+            Bursts(self, cloud.name, cloud.runs.catalog)
+            if self.places.bursting and cloud is not None and cloud.runs is not None
+            else None
         )
 
     # --- what the places decide (read-only: bot.app.places) ---------------------------
@@ -140,6 +161,11 @@ class GpuService:
     def upkeep(self) -> tuple[Callable[[], object], ...]:
         """The places' periodic upkeep, which the worker runs every few seconds."""
         return self.places.upkeep
+
+    def _provider_of(self, host_name: str) -> str | None:
+        """The provider of a host row, by its name (several places route by it)."""
+        with transaction(self.engine, write=False) as s:
+            return s.exec(select(Host.provider).where(Host.name == host_name)).first()
 
     def on_work(self, listener: Callable[[], None]) -> None:
         self._on_work.append(listener)

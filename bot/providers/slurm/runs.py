@@ -247,6 +247,28 @@ class SlurmExecutor:
     def started(self, placement: dict[str, Any]) -> bool:
         return isinstance(placement.get("job"), int)
 
+    def withdraw(self, placement: dict[str, Any]) -> bool | None:
+        """Takes the run's job out of the cluster's queue if it still waits there (its
+        owner took the cloud instead): True when it is gone without having started,
+        False when the cluster started it first (it keeps it), None when the controller
+        cannot say now. The controller decides between the two, so never both."""
+        job_id = placement.get("job")
+        if not isinstance(job_id, int):
+            return None  # its submission is still under way
+        person = placement.get("as")
+        try:
+            self.cluster.client.cancel_pending(job_id, user=person)
+            job = self.cluster.client.job(job_id)
+        except SlurmError as exc:
+            log.warning("could not withdraw Slurm job %s: %s", job_id, exc)
+            return None
+        # Cancelled while pending: no node was ever allocated to it.
+        if job is None or (job.state == "CANCELLED" and not job.nodes):
+            return True
+        if job.state == "PENDING":
+            return None  # not yet cancelled as the controller sees it; asked again
+        return False
+
     def orphan(self, placement: dict[str, Any]) -> dict[str, Any] | bool | None:
         """A run whose submission a dead worker never recorded: its job, found by name."""
         snap = self.cluster.read(fresh=True)

@@ -1,0 +1,46 @@
+"""The states of a burst offer (db.models.BurstOffer) and the two questions dispatch asks
+of them, kept apart from the offers' own module so that runs can ask without importing
+what makes offers."""
+
+from __future__ import annotations
+
+from sqlmodel import Session, col, select
+
+from db.models import BurstOffer
+
+# Made, DM'd with its buttons, not answered yet: the run keeps its place on the owned side.
+OPEN = "open"
+# Taken (a button, or `--cloud ok`): the cloud side is bought; the first place to start it wins.
+ACCEPTED = "accepted"
+# Kept waiting on the owned GPUs, as its owner asked.
+DECLINED = "declined"
+# The run started on the owned side, was cancelled or ended before an answer.
+WITHDRAWN = "withdrawn"
+# Its owner's budget cannot cover the estimate: offered with the figures, nothing bought.
+REFUSED = "refused"
+# Taken out of the cluster's queue for the instance bought for it (gpubot places it there).
+MOVED = "moved"
+# It started on the cloud.
+CLOUD = "cloud"
+# The owned side started it first: what was bought for it is being given back.
+GIVING_BACK = "giving_back"
+# ... and was given back.
+OWNED = "owned"
+
+# The states in which the cloud may be bought for the run.
+BUYING = (ACCEPTED, MOVED)
+# The states in which gpubot's scheduler, not the cluster, places the run.
+ON_CLOUD = (MOVED, CLOUD)
+# The states an offer does not leave.
+FINAL = (DECLINED, WITHDRAWN, REFUSED, CLOUD, OWNED)
+
+
+def may_buy(s: Session, run_id: int) -> bool:
+    """Whether the cloud may be bought for the run now: its owner took the offer."""
+    state = s.exec(select(BurstOffer.state).where(BurstOffer.run_id == run_id)).first()
+    return state in BUYING
+
+
+def on_cloud(s: Session) -> set[int]:
+    """The runs gpubot's scheduler places on the cloud (they left the cluster's queue)."""
+    return set(s.exec(select(BurstOffer.run_id).where(col(BurstOffer.state).in_(ON_CLOUD))))

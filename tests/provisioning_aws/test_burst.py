@@ -1,0 +1,316 @@
+"""`GPUBOT_PROVIDERS=ssh,aws`: the team's own host first, EC2 (moto, in process) offered
+with its price when the wait grows long, the first place to start a run winning.
+
+The owned host and the instances are reached on one real loopback sshd host (the bot's
+own user, prepared without a bootstrap, as tests/provisioning_aws/test_fleet.py does):
+these tests are about the offer, the money and who wins, not the preparation. The clock
+is virtual: "waited 16 minutes" is the clock moved, not a sleep.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from bot.app.burst import state as st
+from bot.app.config import Settings
+from bot.app.fleet import Fleet
+from bot.app.hosts.remote import PreparedHost, RemoteAccess
+from bot.app.places import RunParts, Wiring
+from bot.app.service import GpuService
+from bot.domain import views
+from bot.domain.clock import VirtualClock
+from bot.domain.commands import Reserve, Run
+from bot.faces.dispatch import handle_text
+from bot.faces.slack import blocks
+from db.models import (
+    HOST_TERMINATED,
+    BurstOffer,
+    Host,
+    LaunchRequest,
+    Reservation,
+    TrainingRun,
+    UsageInterval,
+)
+from provisioning.hostshell import HostShell
+from provisioning.ssh import SshClient, SshTarget
+from tests.core.fleet_helpers import LoopbackResolver, cloud_place, lab_target, notes
+from tests.core.helpers import host
+from tests.provisioning_aws.conftest import AwsLab
+from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+
+HOUR = timedelta(hours=1)
+GUARD_S = 120.0  # a guard against a hang, not a speed assertion
+
+
+@pytest.fixture(scope="module")
+def ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
+    try:
+        lab = start_lab(tmp_path_factory.mktemp("sshd-burst"))
+    except SshdUnavailable as exc:
+        pytest.skip(f"no sshd test hosts: {exc}")
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    result: Engine = request.getfixturevalue(
+        f"{'sqlite' if request.param == 'sqlite' else 'pg'}_engine"
+    )
+    return result
+
+
+class Team:
+    """One bot over two places: `box` (one T4 the team owns, over SSH) and EC2."""
+
+    def __init__(self, engine: Engine, lab: AwsLab, ssh: SshLab, root: Path, **cfg: Any) -> None:
+        self.clock = VirtualClock()
+        self.client = SshClient(connect_timeout=5, command_timeout=20)
+
+        def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
+            return PreparedHost(root=str(root), python=sys.executable)
+
+        access = RemoteAccess(
+            engine, self.client, LoopbackResolver(lab_target(ssh)), prepare=prepare
+        )
+        self.compute = lab.compute()
+        cloud = cloud_place(self.compute, access)
+
+        def wire(core: GpuService) -> list[Wiring]:
+            core.sync_hosts([host("box", "T4", 1)])
+            owned = Wiring("ssh", runs=RunParts(access, self.compute.catalog))
+            return [owned, *cloud(core)]
+
+        settings = Settings(admins=("root",), burst_after_s=15 * 60.0, **cfg)
+        self.service = GpuService(engine, settings, self.clock, wire)
+        assert self.service.bursts is not None and self.service.places.bursting
+        fleet = self.service.fleet
+        assert isinstance(fleet, Fleet)
+        self.fleet = fleet
+
+    def tick(self) -> None:
+        """The worker's order: offers, poll, dispatch."""
+        assert self.service.bursts is not None
+        self.service.tick()
+        self.service.bursts.tick()
+        self.service.runs.poll()
+        self.service.runs.dispatch()
+
+    def offer(self, run_id: int) -> BurstOffer | None:
+        with Session(self.service.engine) as s:
+            return s.exec(select(BurstOffer).where(BurstOffer.run_id == run_id)).first()
+
+    def run(self, run_id: int) -> TrainingRun:
+        with Session(self.service.engine) as s:
+            run = s.get(TrainingRun, run_id)
+            assert run is not None
+            return run
+
+    def launches(self) -> list[LaunchRequest]:
+        with Session(self.service.engine) as s:
+            return list(s.exec(select(LaunchRequest).order_by(col(LaunchRequest.id))))
+
+    def until(self, what: str, check: Any) -> None:
+        deadline = time.monotonic() + GUARD_S
+        while not check():
+            assert time.monotonic() < deadline, f"{what}: not within the guard"
+            self.tick()
+            time.sleep(0.2)
+
+    def dms(self, user: str) -> list[str]:
+        return notes(self.service.engine, "dm", user)
+
+
+@pytest.fixture
+def team(engine: Engine, inprocess_lab: AwsLab, ssh: SshLab, tmp_path: Path) -> Iterator[Team]:
+    t = Team(engine, inprocess_lab, ssh, tmp_path / "remote")
+    try:
+        yield t
+    finally:
+        t.client.close()
+
+
+def _script(tmp_path: Path) -> Path:
+    script = tmp_path / "train.py"
+    script.write_text("import training\ntraining.report(step=1, loss=0.5)\nprint('trained')\n")
+    return script
+
+
+def _submit(t: Team, who: str, script: Path, *, cloud: str | None = None) -> int:
+    reply = t.service.runs.submit(
+        t.service.actor(who),
+        Run(command=(sys.executable, str(script)), model="T4", max_duration=HOUR, cloud=cloud),
+    )
+    return int(reply.extra["run_id"])
+
+
+def _box_taken(t: Team) -> int:
+    """bob holds the team's only T4 for two hours."""
+    reply = t.service.reserve(
+        t.service.actor("bob"), Reserve(count=1, model="T4", duration=2 * HOUR)
+    )
+    assert not reply.error
+    with Session(t.service.engine) as s:
+        return max(r.id or 0 for r in s.exec(select(Reservation)))
+
+
+def test_a_long_wait_is_offered_ec2_with_its_price_and_taking_it_runs_the_run_there(
+    team: Team, tmp_path: Path
+) -> None:
+    t = team
+    _box_taken(t)
+    rid = _submit(t, "alice", _script(tmp_path))
+    t.tick()
+    # Owned first: nothing is bought while she waits under the threshold.
+    t.clock.advance(timedelta(minutes=14))
+    t.tick()
+    assert t.offer(rid) is None and t.launches() == []
+    t.clock.advance(timedelta(minutes=2))
+    t.tick()
+    offer = t.offer(rid)
+    assert offer is not None and offer.state == st.OPEN
+    assert offer.instance_type == "g4dn.xlarge" and offer.hours == 1.0 and not offer.assumed
+    assert t.launches() == [], "an offer buys nothing"
+    (dm,) = [d for d in t.dms("alice") if "waited" in d]
+    assert f"Run #{rid} has waited 16m" in dm and "g4dn.xlarge" in dm
+    assert f"about ${offer.estimate_usd:.2f} for its --max of 1h" in dm
+    # The buttons, as Slack gets them: within Block Kit's limits, each a /gpu line.
+    view = _offer_view(t, rid)
+    actions = [b for b in blocks.message(view)["blocks"] if b["type"] == "actions"]
+    (buttons,) = [a["elements"] for a in actions]
+    assert [b["text"]["text"] for b in buttons] == [
+        f"Run on EC2 now, about ${offer.estimate_usd:.2f}",
+        "Keep waiting",
+    ]
+    assert [b["value"] for b in buttons] == [f"/gpu cloud take {rid}", f"/gpu cloud wait {rid}"]
+
+    taken = handle_text(t.service, t.service.actor("alice"), f"/gpu cloud take {rid}")
+    assert not taken.error and "g4dn.xlarge is being bought" in taken.view.text
+    again = handle_text(t.service, t.service.actor("alice"), f"/gpu cloud take {rid}")
+    assert again.error and "was taken already" in again.view.text
+    t.tick()
+    (req,) = t.launches()
+    assert req.run_id == rid and req.instance_id is not None
+    t.fleet.refresh()
+    t.until("the run finished on EC2", lambda: t.run(rid).state in ("succeeded", "failed"))
+    run = t.run(rid)
+    assert run.state == "succeeded" and run.placement["host"] == req.instance_id
+    assert run.placement["at"] == "aws"
+    t.tick()
+    assert (o := t.offer(rid)) is not None and o.state == st.CLOUD
+    # Her run was billed at the instance's price, once: one interval, on the instance.
+    with Session(t.service.engine) as s:
+        ivs = list(s.exec(select(UsageInterval).where(UsageInterval.run_id == rid)))
+        inst = s.exec(select(Host).where(Host.instance_id == req.instance_id)).one()
+    assert len(ivs) == 1 and ivs[0].host_id == inst.id
+    assert ivs[0].usd_per_hour == pytest.approx(inst.hourly_usd)
+    cost = handle_text(t.service, t.service.actor("alice"), "/gpu cost")
+    assert not cost.error
+    assert len(t.launches()) == 1
+
+
+def test_the_owned_host_freeing_first_withdraws_the_offer_and_buys_nothing(
+    team: Team, tmp_path: Path
+) -> None:
+    t = team
+    res = _box_taken(t)
+    rid = _submit(t, "alice", _script(tmp_path))
+    t.clock.advance(timedelta(minutes=16))
+    t.tick()
+    assert (o := t.offer(rid)) is not None and o.state == st.OPEN
+    t.service.release(t.service.actor("bob"), _release(res))
+    t.until("the run started on the box", lambda: t.run(rid).placement.get("host") == "box")
+    t.tick()
+    assert (o := t.offer(rid)) is not None and o.state == st.WITHDRAWN
+    assert any(
+        f"Run #{rid} started on ssh" in d and "nothing was bought" in d for d in t.dms("alice")
+    )
+    late = handle_text(t.service, t.service.actor("alice"), f"/gpu cloud take {rid}")
+    assert late.error and "offer for run" in late.view.text
+    assert t.launches() == []
+
+
+def test_a_budget_that_cannot_cover_the_estimate_is_said_and_nothing_launches(
+    team: Team, tmp_path: Path
+) -> None:
+    t = team
+    _box_taken(t)
+    rid = _submit(t, "alice", _script(tmp_path))
+    budget = handle_text(t.service, t.service.actor("root"), "/gpu budget @alice 0.10/week")
+    assert not budget.error, budget.view.text
+    t.clock.advance(timedelta(minutes=16))
+    t.tick()
+    offer = t.offer(rid)
+    assert offer is not None and offer.state == st.REFUSED
+    (dm,) = [d for d in t.dms("alice") if "waited" in d]
+    assert "over your weekly GPU budget of $0.10" in dm and "keeps waiting" in dm
+    taken = handle_text(t.service, t.service.actor("alice"), f"/gpu cloud take {rid}")
+    assert taken.error and "Nothing was bought" in taken.view.text
+    for _ in range(3):
+        t.tick()
+    assert t.launches() == []
+
+
+def test_cloud_never_is_never_offered_and_cloud_ok_takes_it_in_advance(
+    team: Team, tmp_path: Path
+) -> None:
+    t = team
+    _box_taken(t)
+    never = _submit(t, "alice", _script(tmp_path), cloud="never")
+    ok = _submit(t, "carol", _script(tmp_path), cloud="ok")
+    t.clock.advance(timedelta(minutes=16))
+    t.tick()
+    assert t.offer(never) is None
+    taken = t.offer(ok)
+    assert taken is not None and taken.state in st.BUYING
+    assert any("You took it in advance" in d for d in t.dms("carol"))
+    t.tick()
+    assert [r.run_id for r in t.launches()] == [ok]
+
+
+def test_what_was_bought_for_a_run_the_owned_host_started_first_is_given_back(
+    team: Team, tmp_path: Path
+) -> None:
+    t = team
+    res = _box_taken(t)
+    rid = _submit(t, "alice", _script(tmp_path))
+    t.clock.advance(timedelta(minutes=16))
+    t.tick()
+    handle_text(t.service, t.service.actor("alice"), f"/gpu cloud take {rid}")
+    t.tick()
+    (req,) = t.launches()
+    assert req.instance_id is not None
+    # The box frees while the instance still boots: the box starts it first.
+    t.service.release(t.service.actor("bob"), _release(res))
+    t.until("the run started on the box", lambda: t.run(rid).placement.get("host") == "box")
+    t.until("the offer settled", lambda: (o := t.offer(rid)) is not None and o.state == st.OWNED)
+    with Session(t.service.engine) as s:
+        inst = s.exec(select(Host).where(Host.instance_id == req.instance_id)).one()
+    assert inst.state == HOST_TERMINATED
+    assert any(f"Run #{rid} started on ssh first" in d for d in t.dms("alice"))
+    assert len(t.launches()) == 1
+
+
+def _offer_view(t: Team, rid: int) -> views.View:
+    from bot.app.burst.offers import offer_view
+
+    offer = t.offer(rid)
+    assert offer is not None
+    return offer_view(offer, t.run(rid), 16 * 60, "", "aws")
+
+
+def _release(res_id: int) -> Any:
+    from bot.domain.commands import Release
+
+    return Release(res_id)
