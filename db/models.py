@@ -52,6 +52,8 @@ HOST_PENDING = "pending"
 HOST_STOPPED = "stopped"
 HOST_TERMINATED = "terminated"
 HOST_UNREACHABLE = "unreachable"
+# The states in which a rented instance is billed as running and counts against the pool.
+HOST_BILLED_RUNNING = (HOST_READY, HOST_PENDING, HOST_UNREACHABLE)
 # A cluster's node: its scheduler grants its GPUs, not gpubot's grant pass (Host.market).
 MARKET_CLUSTER = "cluster"
 # A host the team declared that has not answered its first check yet (bot.app.hosts.hostcheck):
@@ -74,6 +76,9 @@ class User(SQLModel, table=True):
     budget_usd: float | None = None
     budget_period: str = Field(default="week", max_length=8)
     created_at: datetime = _ts()
+    # An admin's word on the cloud for this person's runs (bot.app.burst): "ok" (offers
+    # taken in advance, within budget) or "never" (never offered); None: offered, asked.
+    cloud: str | None = Field(default=None, max_length=8)
 
 
 class Host(SQLModel, table=True):
@@ -447,6 +452,11 @@ class BurstOffer(SQLModel, table=True):
     assumed: bool = False
     estimate_usd: float = 0.0
     state: str = Field(default="open", index=True, max_length=16)
+    # When the owned side expected to start it, as it said when the offer was made (the
+    # cluster's expected start, gpubot's queue estimate): what taking it saves in waiting.
+    expected_start: datetime | None = _ts(nullable=True)
+    # When it started on the cloud (the digest's waiting saved is expected_start - this).
+    cloud_start: datetime | None = _ts(nullable=True)
     # Why it ended as it did, in words (a refusal's figures, a launch's error).
     note: str = Field(default="", sa_column=Column(Text, nullable=False, server_default=""))
     created_at: datetime = _ts()

@@ -343,6 +343,12 @@ class Settings(BaseSettings):
     burst_after_s: Annotated[float | None, Env("GPUBOT_BURST_AFTER"), _rule(_burst_after)] = (
         BURST_AFTER_S
     )
+    # An admin's caps on what bursting buys (0: none): the most one instance bought for a
+    # waiting run may cost an hour, and how many such instances may run at once.
+    burst_max_usd_per_hour: Annotated[
+        float, Env("GPUBOT_BURST_MAX_USD_PER_HOUR"), _number(0.0, 1e6)
+    ] = 0.0
+    burst_max_instances: Annotated[int, Env("GPUBOT_BURST_MAX_INSTANCES"), _whole(0, 1024)] = 0
     # A rented instance with no reservation and no run for this long is stopped, and one
     # stopped for terminate_after is terminated (each with a channel note).
     idle_stop_after: Annotated[timedelta, Env("GPUBOT_IDLE_STOP_AFTER"), _duration()] = timedelta(

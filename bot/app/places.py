@@ -68,6 +68,8 @@ class Wiring:
 
     # The provider's name: the `provider` of the host rows it lists.
     name: str
+    # How people name the place in a sentence ("EC2", "the Slurm cluster"); its name if "".
+    label: str = ""
     # How its hosts read in replies (the provider itself, which is a HostDisplay).
     display: HostDisplay = field(default_factory=PlainDisplay)
     supply: Supply = FIXED_POOL
@@ -164,6 +166,11 @@ class Places:
         """The place a host row's `provider` names, or None (a host of a provider that is
         no longer configured)."""
         return self._by_name.get(provider)
+
+    def label(self, provider: str) -> str:
+        """The place as a sentence names it ("started on the Slurm cluster")."""
+        place = self.of(provider)
+        return (place.label or place.name) if place is not None else provider
 
     def checker(self, provider: str) -> Checker | None:
         place = self.of(provider)

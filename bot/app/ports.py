@@ -115,6 +115,23 @@ class Provisioner(Protocol):
         """The worker's periodic pass: reconcile, provision, readiness, idle stop."""
         ...
 
+    # --- for a run whose owner took the cloud's offer (bot.app.burst) ---
+
+    def provision_for(
+        self, run_id: int, instance_type: str, price_cap: float, *, in_cluster: bool
+    ) -> str | None:
+        """Buys for the run: `instance_type` first, nothing dearer a GPU-hour than
+        `price_cap`; `in_cluster`: it still waits in a cluster's queue."""
+        ...
+
+    def give_back(self, run_id: int) -> bool:
+        """Ends what was bought for a run another place started first; True when done."""
+        ...
+
+    def pool_refusal(self, instance_type: str) -> str | None:
+        """Why the pool's caps allow no more of `instance_type` now; None if one fits."""
+        ...
+
 
 class Supply(Protocol):
     """What the pool can have beyond the hosts it has now. A fixed pool (this machine,

@@ -164,14 +164,16 @@ VERBS: dict[str, VerbSpec] = {
         "other GPUs are scaled by their peak bf16 throughput. --spot prices at spot.",
     ),
     "cloud": VerbSpec(
-        "/gpu cloud [take ID | wait ID]",
+        "/gpu cloud [take ID | wait ID | @user ok|never|ask]",
         "your runs' offers of the cloud while they wait for the team's own GPUs",
-        ("/gpu cloud", "/gpu cloud take 42", "/gpu cloud wait 42"),
+        ("/gpu cloud", "/gpu cloud take 42", "/gpu cloud wait 42", "/gpu cloud @alice never"),
         "Where the team's own GPUs come first and a cloud after (GPUBOT_PROVIDERS=slurm,aws), "
         "a run that waits longer than GPUBOT_BURST_AFTER is offered the cloud with its price: "
         "`take ID` buys it (your budget is checked against the estimate first), and the run "
         "starts wherever it can first, the other side given back; `wait ID` keeps it on "
-        "the team's GPUs. `/gpu run --cloud ok` takes the offer in advance.",
+        "the team's GPUs. `/gpu run --cloud ok` takes the offer in advance. An admin sets "
+        "it for a person: `@alice ok` (taken in advance, within budget), `@alice never` "
+        "(never offered: a `never` from either the admin or the run wins), `@alice ask`.",
     ),
     "pool": VerbSpec(
         "/gpu pool [set INSTANCE_TYPE [max=N] [spend=USD]]",
@@ -313,10 +315,13 @@ class Pool:
 
 @dataclass(frozen=True)
 class Cloud:
-    """`/gpu cloud`: the offers; `take ID` / `wait ID` answers one."""
+    """`/gpu cloud`: the offers; `take ID` / `wait ID` answers one; `@user ok|never|ask`
+    is an admin's word for a person."""
 
     run_id: int | None = None
     take: bool = False
+    user: UserRef | None = None
+    policy: str | None = None  # "ok", "never" or "ask" (for `user`)
 
 
 Command = (
@@ -968,6 +973,12 @@ def _parse_cloud(rest: str, ctx: _Ctx) -> Cloud:
     words = _words(rest)
     if not words:
         return Cloud()
+    ref = _user(words[0]) if words[0].startswith(("@", "<@")) else None
+    if ref is not None:
+        policy = words[1].lower() if len(words) == 2 else ""
+        if policy not in (*CLOUD_CHOICES, "ask"):
+            raise ctx.fail("Say what the cloud is for them: `ok`, `never` or `ask`.")
+        return Cloud(user=ref, policy=policy)
     answer = words[0].lower()
     if answer not in ("take", "wait") or len(words) != 2:
         raise ctx.fail("Say `take ID` to run it on the cloud, or `wait ID` to keep waiting.")

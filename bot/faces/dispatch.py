@@ -207,6 +207,8 @@ def _cloud(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> 
             "This bot has no owned GPUs with a cloud after them, so nothing is offered: "
             "runs go where they can (GPUBOT_PROVIDERS=slurm,aws or ssh,aws sets up both)."
         )
+    if cmd.user is not None and cmd.policy is not None:
+        return bursts.set_policy(actor, cmd.user.key, cmd.policy)
     if cmd.run_id is None:
         return bursts.list_for(actor)
     return bursts.answer(actor, cmd.run_id, cmd.take)

@@ -128,6 +128,7 @@ class AwsProvider(PlainDisplay):
         fleet.set_up_off_tick(checker.tick)
         return Wiring(
             self.name,
+            label="EC2",
             display=self,
             supply=self.supply,
             runs=RunParts(access, compute.catalog, executor),

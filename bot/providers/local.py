@@ -96,7 +96,7 @@ class LocalProvider(PlainDisplay):
             self._catalog,
             refusal=RUN_AS_MISSING if refused else None,
         )
-        return Wiring(self.name, display=self, runs=runs)
+        return Wiring(self.name, label="this machine", display=self, runs=runs)
 
     def called(self, host_name: str, provider: str) -> str:
         return "this machine"

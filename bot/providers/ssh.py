@@ -86,6 +86,7 @@ class SshProvider(PlainDisplay):
         executor = ProcessExecutor(access, service.clock, service.nudge, agents=(self.name,))
         return Wiring(
             self.name,
+            label="the team's SSH hosts",
             display=self,
             runs=RunParts(access, self._catalog, executor),
             checker=HostChecker(service, access, self._compute.hosts, owner=self.name),

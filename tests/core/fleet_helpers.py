@@ -119,6 +119,7 @@ def cloud_place(compute: Any, access: RemoteAccess) -> Wire:
         return [
             Wiring(
                 "aws",
+                label="EC2",
                 supply=CatalogSupply(compute.catalog),
                 runs=RunParts(access, compute.catalog),
                 fleet=Fleet(core, compute, access, catalog=compute.catalog),

@@ -103,6 +103,8 @@ SCRIPT = (
     ("alice", "/gpu budget"),
     ("bob", "/gpu budget @alice off"),
     ("alice", "/gpu pool"),
+    ("alice", "/gpu cloud"),
+    ("alice", "/gpu cloud take 1"),
     ("alice", "/gpu util"),
     ("alice", "/gpu bogus"),
     ("alice", "/gpu release 1"),

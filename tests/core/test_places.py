@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from sqlalchemy.engine import Engine
@@ -110,7 +112,8 @@ def test_each_host_is_worded_and_checked_by_its_own_place() -> None:
 def test_what_one_place_decides_is_refused_from_two() -> None:
     catalog = Catalog.load()
     runs = RunParts(access=PlainAccess(), catalog=catalog)
-    with pytest.raises(ConflictingPlaces, match="ssh, local each bring training runs"):
+    # Two places that run are routed by the service's host lookup; without one, refused.
+    with pytest.raises(ConflictingPlaces, match="ssh, local each run training runs"):
         Places([Wiring("ssh", runs=runs), Wiring("local", runs=runs)])
     with pytest.raises(ConflictingPlaces, match="a holder of reservations"):
         Places([Wiring("slurm", holder=Holds()), Wiring("slurm2", holder=Holds())])
@@ -118,6 +121,79 @@ def test_what_one_place_decides_is_refused_from_two() -> None:
         Places([Wiring("ssh"), Wiring("ssh")])
     one = Places([Wiring("slurm", holder=Holds()), Wiring("ssh", runs=runs)])
     assert isinstance(one.holder, Holds) and one.runs is runs and one.fleet is None
+    assert not one.bursting
+
+
+def test_owned_places_and_a_cloud_after_them_are_routed_and_burst() -> None:
+    """`ssh,aws`: one routed run part (each host by its provider, each run by its place),
+    the cloud's catalog, and the cloud offered after the owned place; the cloud first, or
+    two clusters, are refused."""
+    from bot.app.runs.routed import RoutedAccess, RoutedExecutor
+
+    owned_catalog, cloud_catalog = Catalog.load(), Catalog.load()
+    owned = RunParts(access=Reached("box"), catalog=owned_catalog)
+    cloud = RunParts(access=Reached("i-1"), catalog=cloud_catalog)
+    providers = {"box": "ssh", "i-1": "aws"}
+    made: list[object] = []
+
+    def executor_for(access: object) -> Any:
+        made.append(access)
+        return _exec(False)
+
+    wirings = [Wiring("ssh", runs=owned), Wiring("aws", runs=cloud, fleet=Buys())]
+    places = Places(wirings, provider_of=providers.get, executor_for=executor_for)
+    assert places.bursting and places.cloud is wirings[1] and places.owned == (wirings[0],)
+    assert places.runs is not None and places.runs.catalog is cloud_catalog
+    assert isinstance(places.runs.access, RoutedAccess)
+    assert isinstance(places.runs.executor, RoutedExecutor)
+    assert cast(object, places.runs.access.runner_for("box")) == "box"
+    assert cast(object, places.runs.access.runner_for("i-1")) == "i-1"
+    assert places.runs.access.runner_for("gone") is None
+    assert made == [owned.access, cloud.access]
+    with pytest.raises(ConflictingPlaces, match="goes last"):
+        Places(wirings[::-1], provider_of=providers.get, executor_for=executor_for)
+    clusters = [Wiring(n, runs=RunParts(PlainAccess(), owned_catalog, _exec(True))) for n in "ab"]
+    with pytest.raises(ConflictingPlaces, match="one cluster at a time"):
+        Places(clusters, provider_of=providers.get, executor_for=executor_for)
+
+
+@dataclass
+class Reached:
+    name: str
+
+    def runner_for(self, host_name: str) -> Any:
+        return host_name if host_name == self.name else None
+
+
+@dataclass
+class Exec:
+    places: bool
+
+
+def _exec(places: bool) -> Any:
+    """An executor as routing sees it: whether it places runs itself."""
+    return Exec(places)
+
+
+class Buys:
+    """A place that buys machines (its fleet), as the places see it."""
+
+    def provision_run(self, run_id: int, instance_type: str | None = None) -> str | None:
+        return None
+
+    def cycle(self) -> None:
+        return None
+
+    def provision_for(
+        self, run_id: int, instance_type: str, price_cap: float, *, in_cluster: bool
+    ) -> str | None:
+        return None
+
+    def give_back(self, run_id: int) -> bool:
+        return True
+
+    def pool_refusal(self, instance_type: str) -> str | None:
+        return None
 
 
 class PlainAccess:

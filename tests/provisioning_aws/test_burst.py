@@ -36,6 +36,7 @@ from db.models import (
     BurstOffer,
     Host,
     LaunchRequest,
+    Notification,
     Reservation,
     TrainingRun,
     UsageInterval,
@@ -89,7 +90,9 @@ class Team:
 
         def wire(core: GpuService) -> list[Wiring]:
             core.sync_hosts([host("box", "T4", 1)])
-            owned = Wiring("ssh", runs=RunParts(access, self.compute.catalog))
+            owned = Wiring(
+                "ssh", label="the team's SSH hosts", runs=RunParts(access, self.compute.catalog)
+            )
             return [owned, *cloud(core)]
 
         settings = Settings(admins=("root",), burst_after_s=15 * 60.0, **cfg)
@@ -234,7 +237,8 @@ def test_the_owned_host_freeing_first_withdraws_the_offer_and_buys_nothing(
     t.tick()
     assert (o := t.offer(rid)) is not None and o.state == st.WITHDRAWN
     assert any(
-        f"Run #{rid} started on ssh" in d and "nothing was bought" in d for d in t.dms("alice")
+        f"Run #{rid} started on the team's SSH hosts" in d and "nothing was bought" in d
+        for d in t.dms("alice")
     )
     late = handle_text(t.service, t.service.actor("alice"), f"/gpu cloud take {rid}")
     assert late.error and "offer for run" in late.view.text
@@ -298,16 +302,17 @@ def test_what_was_bought_for_a_run_the_owned_host_started_first_is_given_back(
     with Session(t.service.engine) as s:
         inst = s.exec(select(Host).where(Host.instance_id == req.instance_id)).one()
     assert inst.state == HOST_TERMINATED
-    assert any(f"Run #{rid} started on ssh first" in d for d in t.dms("alice"))
+    assert any(f"Run #{rid} started on the team's SSH hosts first" in d for d in t.dms("alice"))
     assert len(t.launches()) == 1
 
 
 def _offer_view(t: Team, rid: int) -> views.View:
-    from bot.app.burst.offers import offer_view
-
-    offer = t.offer(rid)
-    assert offer is not None
-    return offer_view(offer, t.run(rid), 16 * 60, "", "aws")
+    """The plan's DM as it was written for the outbox."""
+    with Session(t.service.engine) as s:
+        (note,) = s.exec(
+            select(Notification).where(col(Notification.dedupe_key).endswith(f"burst-offer:{rid}"))
+        )
+    return views.View.from_dict(note.view)
 
 
 def _release(res_id: int) -> Any:

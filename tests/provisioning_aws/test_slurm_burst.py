@@ -235,7 +235,7 @@ def test_the_cluster_frees_before_she_answers_so_slurm_runs_it_and_nothing_is_bo
     lab.service.runs.cancel(lab.service.actor("bob"), Cancel(bobs))
     lab.until(lambda: lab.run(rid).state == "succeeded", "her run ran on the cluster")
     lab.until(lambda: (o := lab.offer(rid)) is not None and o.state == st.WITHDRAWN, "withdrawn")
-    assert any(f"Run #{rid} started on slurm" in d for d in lab.dms("alice"))
+    assert any(f"Run #{rid} started on the Slurm cluster" in d for d in lab.dms("alice"))
     assert lab.launches() == []
     late = handle_text(lab.service, alice, f"/gpu cloud take {rid}")
     assert late.error

@@ -26,6 +26,7 @@ is never bought twice, and a restarted worker picks up where the rows say.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -33,13 +34,15 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from bot.app.access import audit
 from bot.app.burst import state as st
 from bot.app.money.budgets import check_budget
-from bot.app.ports import Actor
+from bot.app.ports import Actor, Core, Provisioner
 from bot.domain import views
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
 from db.models import (
+    HOST_BILLED_RUNNING,
     HOST_READY,
     RUN_ON_HOST,
     RUN_QUEUED,
@@ -47,6 +50,7 @@ from db.models import (
     BurstOffer,
     Gpu,
     Host,
+    LaunchRequest,
     TrainingRun,
     User,
 )
@@ -54,7 +58,7 @@ from db.session import locked, retrying, transaction
 from provisioning.catalog import Catalog, InstanceType
 
 if TYPE_CHECKING:
-    from bot.app.service import GpuService
+    from bot.app.runs import RunService
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +74,6 @@ class Withdraws(Protocol):
     there (bot.providers.slurm.runs.SlurmExecutor.withdraw)."""
 
     def withdraw(self, placement: dict[str, Any]) -> bool | None: ...
-
-
-class CloudSide(Protocol):
-    """What the offers need of the cloud's fleet (bot.app.fleet.Fleet)."""
-
-    def provision_for(self, run_id: int) -> str | None: ...
-
-    def give_back(self, run_id: int) -> bool: ...
-
-    def pool_refusal(self, instance_type: str) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -116,15 +110,28 @@ def plan_for(
 class Bursts:
     """The offers: made and withdrawn on the worker's tick, answered by their owners."""
 
-    def __init__(self, service: GpuService, cloud: str, catalog: Catalog) -> None:
+    def __init__(
+        self,
+        service: Core,
+        runs: RunService,
+        provider_of: Callable[[str], str | None],
+        cloud: str,
+        catalog: Catalog,
+        label_of: Callable[[str], str] = str,
+    ) -> None:
+        """`runs`: the team's runs (where each waits or runs); `provider_of`: a host's
+        provider by its name; `cloud` and `catalog`: the place that buys, and its prices;
+        `label_of`: a place as a sentence names it (bot.app.places.Places.label)."""
         self.service = service
+        self.runs = runs
+        self.provider_of = provider_of
+        self.label_of = label_of
         self.cloud = cloud  # the cloud place's name (its hosts' provider)
         self.catalog = catalog
 
     @property
-    def _fleet(self) -> CloudSide | None:
-        fleet = self.service.fleet
-        return fleet if _is_cloud_side(fleet) else None  # type: ignore[return-value]
+    def _fleet(self) -> Provisioner | None:
+        return self.service.fleet
 
     # --- the worker's side ----------------------------------------------------------
 
@@ -155,7 +162,9 @@ class Bursts:
                 done.append(note)
         after = self.service.settings.burst_after_s
         for run, user in waiting:
-            if run.id is None or run.id in offered or run.cloud == "never" or after is None:
+            if run.id is None or run.id in offered or after is None:
+                continue
+            if consent(run, user) == "never":
                 continue
             if not self._waits_on_owned(run):
                 continue
@@ -171,7 +180,7 @@ class Bursts:
         """In gpubot's queue, or claimed by a cluster that has not started it."""
         if run.state == RUN_QUEUED:
             return True
-        ctx = self.service.runs.ctx
+        ctx = self.runs.ctx
         return run.state == RUN_STARTING and ctx.places_itself(dict(run.placement))
 
     def _where(self, run: TrainingRun) -> str | None:
@@ -182,7 +191,7 @@ class Bursts:
         if isinstance(at, str) and at:
             return at
         host = run.placement.get("host")
-        return self.service._provider_of(host) if isinstance(host, str) and host else None
+        return self.provider_of(host) if isinstance(host, str) and host else None
 
     @retrying
     def _offer(self, run_id: int, owner: str, waited_s: float, now: datetime) -> str | None:
@@ -196,7 +205,7 @@ class Bursts:
             if plan is None:
                 return None
             refusal = self._refusal(s, user, run, plan, now)
-            take = run.cloud == "ok" and refusal is None
+            take = consent(run, user) == "ok" and refusal is None
             offer = BurstOffer(
                 run_id=run_id,
                 user_id=user.id or 0,
@@ -217,7 +226,7 @@ class Bursts:
             except IntegrityError:
                 return None  # another worker made it
             stage = str(run.placement.get("stage") or "")
-            view = offer_view(offer, run, waited_s, stage, self.cloud)
+            view = offer_view(offer, run, waited_s, stage, self.label_of(self.cloud))
             self.service.notify_dm(s, owner, view, now, f"burst-offer:{run_id}")
         self.service.nudge()
         return f"offered {self.cloud} to run {run_id} ({offer.state})"
@@ -238,6 +247,22 @@ class Bursts:
             )
         except UserError as exc:
             return exc.text
+        cfg = self.service.settings
+        price = plan.instance_type.hourly(plan.market)
+        if cfg.burst_max_usd_per_hour and price > cfg.burst_max_usd_per_hour:
+            return (
+                f"{plan.instance_type.instance_type} costs {_usd(price)}/h, over the admin's cap "
+                f"of {_usd(cfg.burst_max_usd_per_hour)}/h for an instance bought for a waiting "
+                "run (GPUBOT_BURST_MAX_USD_PER_HOUR)."
+            )
+        if cfg.burst_max_instances:
+            running = bought_running(s, self.cloud)
+            if running >= cfg.burst_max_instances:
+                return (
+                    f"{running} instance{'s' if running != 1 else ''} bought for waiting runs "
+                    f"{'are' if running != 1 else 'is'} running, the admin's cap "
+                    "(GPUBOT_BURST_MAX_INSTANCES); the next is offered when one ends."
+                )
         fleet = self._fleet
         caps = fleet.pool_refusal(plan.instance_type.instance_type) if fleet else None
         if caps is not None:
@@ -253,8 +278,8 @@ class Bursts:
             if where is None and not ended:
                 return None
             said = (
-                f"Run #{run.id} started on {where}, so the cloud's offer is withdrawn; "
-                "nothing was bought."
+                f"Run #{run.id} started on {self.label_of(where)}, so the offer of "
+                f"{self.label_of(self.cloud)} is withdrawn; nothing was bought."
                 if where is not None
                 else None
             )
@@ -264,22 +289,22 @@ class Bursts:
                 return self._settle(run.id, offer.state, st.CLOUD, None, now)
             if where is not None or ended:
                 return self._settle(run.id, offer.state, st.GIVING_BACK, None, now)
-            if offer.state == st.ACCEPTED and self.service.runs.ctx.cluster is not None:
-                return self._race_the_cluster(run)
+            if offer.state == st.ACCEPTED and self.runs.ctx.cluster is not None:
+                return self._race_the_cluster(offer, run)
             return None
         if offer.state == st.GIVING_BACK:
             fleet = self._fleet
             if fleet is None or fleet.give_back(run.id):
                 said = (
-                    f"Run #{run.id} started on {where} first, so what was bought for it on "
-                    f"{self.cloud} was given back."
+                    f"Run #{run.id} started on {self.label_of(where)} first, so what was "
+                    f"bought for it on {self.label_of(self.cloud)} was given back."
                     if where is not None and where != self.cloud
                     else None
                 )
                 return self._settle(run.id, st.GIVING_BACK, st.OWNED, said, now)
         return None
 
-    def _race_the_cluster(self, run: TrainingRun) -> str | None:
+    def _race_the_cluster(self, offer: BurstOffer, run: TrainingRun) -> str | None:
         """A taken offer of a run in a cluster's queue: an instance is launched for it;
         once one is ready, the job is withdrawn if it still pends and the run is gpubot's
         to place there. The cluster starting it first wins instead."""
@@ -288,9 +313,11 @@ class Bursts:
         if fleet is None:
             return None
         if not self._cloud_ready_for(run):
-            done = fleet.provision_for(run.id)
+            done = fleet.provision_for(
+                run.id, offer.instance_type, offer.usd_per_hour / run.gpu_count, in_cluster=True
+            )
             return f"run {run.id}: {done}" if done else None
-        cluster = self.service.runs.ctx.cluster
+        cluster = self.runs.ctx.cluster
         executor = cluster[1] if cluster is not None else None
         gone: bool | None = True
         if run.state == RUN_STARTING:
@@ -410,6 +437,24 @@ class Bursts:
             "given back. You get a DM when it starts."
         )
 
+    def set_policy(self, actor: Actor, user_key: str, policy: str) -> views.Reply:
+        """`/gpu cloud @alice ok|never|ask`: an admin's word on the cloud for a person."""
+        if not actor.admin:
+            raise UserError("Only an admin can say what the cloud is for someone.")
+        key = user_key.strip().lstrip("@")
+        with transaction(self.service.engine) as s:
+            user = self.service.user_row(s, key)
+            user.cloud = None if policy == "ask" else policy
+            s.add(user)
+            audit(actor, "cloud", f"{user.key} to {policy}", session=s)
+            name = user.display_name
+        said = {
+            "ok": "offers of the cloud are taken for them in advance, within their budget",
+            "never": "their runs wait for the team's own GPUs and are never offered the cloud",
+            "ask": "they are asked, with the price, when a run has waited long",
+        }[policy]
+        return views.message(f"Cloud for {name}: {policy} ({said}).")
+
     def list_for(self, actor: Actor) -> views.Reply:
         """`/gpu cloud`: the caller's offers that are still live, newest first."""
         with transaction(self.service.engine, write=False) as s:
@@ -438,11 +483,36 @@ class Bursts:
         return views.message("\n".join(lines))
 
 
+def consent(run: TrainingRun, user: User) -> str | None:
+    """What the run's owner said of the cloud, with the admin's word for them: "never"
+    from either wins, then "ok" from either; None: ask with the price."""
+    words = (run.cloud, user.cloud)
+    if "never" in words:
+        return "never"
+    return "ok" if "ok" in words else None
+
+
+def bought_running(s: Session, cloud: str) -> int:
+    """Instances of the cloud bought for waiting runs (an offer's launches) that run now."""
+    ids = select(LaunchRequest.instance_id).where(
+        col(LaunchRequest.run_id).in_(select(BurstOffer.run_id)),
+        col(LaunchRequest.instance_id).is_not(None),
+    )
+    hosts = s.exec(
+        select(Host.id).where(
+            Host.provider == cloud,
+            col(Host.state).in_(HOST_BILLED_RUNNING),
+            col(Host.instance_id).in_(ids),
+        )
+    )
+    return len(list(hosts))
+
+
 def offer_view(
     offer: BurstOffer, run: TrainingRun, waited_s: float, stage: str, cloud: str
 ) -> views.View:
     """The plan as its owner reads it, with the two buttons (Block Kit keeps their labels
-    within 75 characters: bot.faces.slack.blocks)."""
+    within 75 characters: bot.faces.slack.blocks). `cloud`: the cloud as people name it."""
     take = f"/gpu cloud take {offer.run_id}"
     wait = f"/gpu cloud wait {offer.run_id}"
     length = (
@@ -478,8 +548,7 @@ def offer_view(
             blocks=(views.Text(head), views.Text(plan), views.Text(tail)),
         )
     tail = "It keeps its place in the team's queue either way, and runs wherever it starts first."
-    where = "EC2" if cloud == "aws" else cloud
-    label = f"Run on {where} now, about {_usd(offer.estimate_usd)}"
+    label = f"Run on {cloud} now, about {_usd(offer.estimate_usd)}"
     return views.View(
         text=f"{head} {plan} {tail}",
         blocks=(
@@ -528,7 +597,3 @@ def _aware(when: datetime) -> datetime:
     from datetime import UTC
 
     return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-
-
-def _is_cloud_side(fleet: object) -> bool:
-    return all(hasattr(fleet, name) for name in ("provision_for", "give_back", "pool_refusal"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sqlmodel import Session, col, select
 
-from db.models import BurstOffer
+from db.models import BurstOffer, TrainingRun
 
 # Made, DM'd with its buttons, not answered yet: the run keeps its place on the owned side.
 OPEN = "open"
@@ -35,10 +35,15 @@ ON_CLOUD = (MOVED, CLOUD)
 FINAL = (DECLINED, WITHDRAWN, REFUSED, CLOUD, OWNED)
 
 
-def may_buy(s: Session, run_id: int) -> bool:
-    """Whether the cloud may be bought for the run now: its owner took the offer."""
-    state = s.exec(select(BurstOffer.state).where(BurstOffer.run_id == run_id)).first()
-    return state in BUYING
+def taken(s: Session, run_id: int) -> tuple[str, float] | None:
+    """The instance type offered and the most a GPU-hour may cost, where the run's owner
+    took the offer (the cloud may be bought for it now); None otherwise."""
+    offer = s.exec(select(BurstOffer).where(BurstOffer.run_id == run_id)).first()
+    if offer is None or offer.state not in BUYING:
+        return None
+    run = s.get(TrainingRun, run_id)
+    gpus = max(1, run.gpu_count if run is not None else 1)
+    return offer.instance_type, offer.usd_per_hour / gpus
 
 
 def on_cloud(s: Session) -> set[int]:

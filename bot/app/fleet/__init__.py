@@ -171,11 +171,16 @@ class Fleet:
         with self._lock:
             return self.buyer.provision_run(run_id, instance_type)
 
-    def provision_for(self, run_id: int) -> str | None:
-        """A launch for a run whose owner took the cloud while it waits in a cluster's
-        queue (bot.app.burst); the first place to start it wins."""
+    def provision_for(
+        self, run_id: int, instance_type: str, price_cap: float, *, in_cluster: bool
+    ) -> str | None:
+        """A launch for a run whose owner took the cloud's offer (bot.app.burst): the type
+        offered first, none dearer a GPU-hour than the price shown. `in_cluster`: it still
+        waits in a cluster's queue; the first place to start it wins."""
         with self._lock:
-            return self.buyer.provision_run(run_id, in_cluster=True)
+            return self.buyer.provision_run(
+                run_id, instance_type, in_cluster=in_cluster, price_cap=price_cap
+            )
 
     def give_back(self, run_id: int) -> bool:
         """Ends what was bought for a run the owned GPUs started first; True when done."""

@@ -15,7 +15,11 @@ from sqlmodel import select
 from bot.app.hosts.remote import RemoteAccess
 from bot.app.service import GpuService
 from bot.domain import views
-from db.models import HOST_PENDING, HOST_READY, HOST_TERMINATED, HOST_UNREACHABLE, LaunchRequest
+from db.models import (
+    HOST_BILLED_RUNNING,
+    HOST_TERMINATED,
+    LaunchRequest,
+)
 from db.session import transaction
 from provisioning.base import Instance
 from provisioning.catalog import Catalog
@@ -28,7 +32,7 @@ REQ_LAUNCHED = "launched"
 REQ_FAILED = "failed"
 
 # States in which an instance is billed as running and counts against the pool.
-RUNNING_STATES = (HOST_READY, HOST_PENDING, HOST_UNREACHABLE)
+RUNNING_STATES = HOST_BILLED_RUNNING
 # After a failed launch (no capacity, a quota), the next try for that reservation waits
 # this long: EC2 capacity comes back in minutes, and each try costs API calls and a DM.
 LAUNCH_RETRY_AFTER = timedelta(minutes=10)

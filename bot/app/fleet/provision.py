@@ -55,7 +55,7 @@ from db.models import (
 )
 from db.session import transaction
 from provisioning.base import Compute, Instance, ProvisioningError
-from provisioning.catalog import InstanceType
+from provisioning.catalog import Catalog, InstanceType
 from provisioning.compute import LaunchSpec
 from provisioning.costs import gpu_share
 
@@ -148,12 +148,19 @@ class Buyer:
         return done
 
     def provision_run(
-        self, run_id: int, instance_type: str | None = None, *, in_cluster: bool = False
+        self,
+        run_id: int,
+        instance_type: str | None = None,
+        *,
+        in_cluster: bool = False,
+        price_cap: float | None = None,
     ) -> str | None:
         """Carries out the scheduler's Launch/Start for a queued run through the same path
         as reservations: a stopped instance first, else a launch (one per request key).
         `in_cluster`: the run waits in a cluster's queue, not gpubot's (its owner took the
-        cloud: bot.app.burst), so it is claimed there and still counts as waiting."""
+        cloud: bot.app.burst), so it is claimed there and still counts as waiting.
+        `price_cap`: the most a GPU-hour may cost (the price its owner was shown), so a
+        type the offer did not name is bought only where it is no dearer."""
         now = self.ctx.service.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             found = s.exec(
@@ -225,11 +232,17 @@ class Buyer:
             if h.state == HOST_STOPPED
             and h.provider == self.ctx.compute.name
             and (count == 1 or h.instance_type == instance_type)
+            and (
+                price_cap is None
+                or _gpu_hourly(self.ctx.catalog, h, want.market) <= price_cap + 1e-9
+            )
         ]
         started = self._start_stopped(want, stopped, hosts, gpus)
         if started is not None:
             return f"started {started.instance_id} for run {run_id}"
-        inst = self._launch(want, len(reqs), hosts, prefer=instance_type, only=count > 1)
+        inst = self._launch(
+            want, len(reqs), hosts, prefer=instance_type, only=count > 1, price_cap=price_cap
+        )
         return None if inst is None else f"launched {inst.instance_id} for run {run_id}"
 
     def give_back(self, run_id: int) -> bool:
@@ -354,6 +367,7 @@ class Buyer:
         prefer: str | None = None,
         *,
         only: bool = False,
+        price_cap: float | None = None,
     ) -> Instance | None:
         """Writes the launch request, commits, then asks the cloud with the same key.
         `only`: `prefer` and no other type (the instances of a run over several hosts
@@ -361,6 +375,8 @@ class Buyer:
         fits = [t for t in self.ctx.catalog.for_model(want.model) if t.gpus >= want.gpus]
         if only:
             fits = [t for t in fits if t.instance_type == prefer]
+        if price_cap is not None:
+            fits = [t for t in fits if t.gpu_hourly(want.market) <= price_cap + 1e-9]
         if not fits:
             dm(
                 self.ctx,
@@ -494,6 +510,12 @@ class Buyer:
         except UserError as exc:
             return f"{exc.text} It stays in line and gets GPUs only if some free up."
         return None
+
+
+def _gpu_hourly(catalog: Catalog, host: Host, market: str) -> float:
+    """A stopped host's GPU-hour at its type's price (unknown types: its own share)."""
+    itype = catalog.get(host.instance_type or "")
+    return float("inf") if itype is None else itype.gpu_hourly(market)
 
 
 def _per_gpu_hour(itype: InstanceType) -> float:

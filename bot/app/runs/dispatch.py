@@ -205,15 +205,21 @@ class Dispatcher:
         if fleet is None:
             log.info("scheduler wants %s; no cloud provider is configured, skipped", action)
             return
+        itype = action.instance_type if isinstance(action, Launch) else None
         if self.ctx.bursting:
             # Owned GPUs first: the cloud is bought only for a run whose owner took the
-            # priced offer (bot.app.burst), never on the scheduler's word alone.
+            # priced offer (bot.app.burst), never on the scheduler's word alone, and
+            # nothing dearer than the price shown.
             with transaction(self.ctx.engine, write=False) as s:
-                allowed = burst_state.may_buy(s, int(action.for_run))
-            if not allowed:
+                taken = burst_state.taken(s, int(action.for_run))
+            if taken is None:
                 log.debug("scheduler wants %s; its owner has not taken the cloud", action)
                 return
-        itype = action.instance_type if isinstance(action, Launch) else None
+            offered, cap = taken
+            done = fleet.provision_for(int(action.for_run), offered, cap, in_cluster=False)
+            if done:
+                log.info("fleet: %s", done)
+            return
         done = fleet.provision_run(int(action.for_run), itype)
         if done:
             log.info("fleet: %s", done)

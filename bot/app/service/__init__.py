@@ -121,7 +121,14 @@ class GpuService:
         # Owned places with a cloud after them: a long wait is offered the cloud, priced.
         cloud = self.places.cloud
         self.bursts: Bursts | None = (
-            Bursts(self, cloud.name, cloud.runs.catalog)
+            Bursts(
+                self,
+                self._runs,
+                self._provider_of,
+                cloud.name,
+                cloud.runs.catalog,
+                self.places.label,
+            )
             if self.places.bursting and cloud is not None and cloud.runs is not None
             else None
         )

@@ -257,6 +257,7 @@ class SlurmProvider:
         )
         return Wiring(
             name,
+            label="the Slurm cluster",
             display=self,
             runs=RunParts(access, self._catalog, executor),
             holder=holder,

@@ -7,7 +7,7 @@ Create Date: 2026-12-06
 With owned places and a cloud (GPUBOT_PROVIDERS=slurm,aws), a run that has waited past
 GPUBOT_BURST_AFTER is offered the cloud with its price (bot.app.burst); the offer is a
 row, one per run, so one request is never bought twice, and `--cloud ok|never` is kept
-on the run.
+on the run; an admin's word for a person (`/gpu cloud @alice ok|never|ask`) on the user.
 """
 
 from collections.abc import Sequence
@@ -24,8 +24,9 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("trainingrun", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("cloud", sa.String(length=8), nullable=True))
+    for table in ("trainingrun", "user"):
+        with op.batch_alter_table(table, schema=None) as batch_op:
+            batch_op.add_column(sa.Column("cloud", sa.String(length=8), nullable=True))
     op.create_table(
         "burstoffer",
         sa.Column("id", sa.Integer(), primary_key=True),
@@ -38,6 +39,8 @@ def upgrade() -> None:
         sa.Column("assumed", sa.Boolean(), nullable=False),
         sa.Column("estimate_usd", sa.Float(), nullable=False),
         sa.Column("state", sa.String(length=16), nullable=False),
+        sa.Column("expected_start", UTCDateTime(), nullable=True),
+        sa.Column("cloud_start", UTCDateTime(), nullable=True),
         sa.Column("note", sa.Text(), nullable=False, server_default=""),
         sa.Column("created_at", UTCDateTime(), nullable=False),
         sa.Column("decided_at", UTCDateTime(), nullable=True),
@@ -51,5 +54,6 @@ def downgrade() -> None:
     op.drop_index("ix_burstoffer_state", table_name="burstoffer")
     op.drop_index("ix_burstoffer_user_id", table_name="burstoffer")
     op.drop_table("burstoffer")
-    with op.batch_alter_table("trainingrun", schema=None) as batch_op:
-        batch_op.drop_column("cloud")
+    for table in ("user", "trainingrun"):
+        with op.batch_alter_table(table, schema=None) as batch_op:
+            batch_op.drop_column("cloud")
