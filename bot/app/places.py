@@ -167,6 +167,29 @@ class Places:
         no longer configured)."""
         return self._by_name.get(provider)
 
+    def lines(self, hosts: Sequence[HostState], burst_after_s: float | None) -> list[str]:
+        """`/gpu status` where there are several places: each in the team's order, with
+        its GPUs free now, and when the cloud is offered to a run that waits."""
+        if len(self.wirings) < 2:
+            return []
+        parts = []
+        for w in self.wirings:
+            mine = [h for h in hosts if h.provider == w.name and h.state == "ready"]
+            free = sum(h.free for h in mine)
+            total = sum(len(h.gpus) for h in mine)
+            said = f"{self.label(w.name)}: {free} of {total} free"
+            if w is self.cloud and self.bursting:
+                after = (
+                    "never offered (GPUBOT_BURST_AFTER=never)"
+                    if burst_after_s is None
+                    else f"offered, priced, to a run that has waited {_span(burst_after_s)}"
+                )
+                said += f", {after}"
+            elif w is self.cloud:
+                said += ", grows on demand"
+            parts.append(said)
+        return ["Places, in the team's order: " + "; ".join(parts) + "."]
+
     def label(self, provider: str) -> str:
         """The place as a sentence names it ("started on the Slurm cluster")."""
         place = self.of(provider)
@@ -215,6 +238,14 @@ def _runs(
         # beside SSH hosts that take runs: they still do).
         refusal=refusals[0] if all(r is not None for r in refusals) else None,
     )
+
+
+def _span(seconds: float) -> str:
+    from datetime import timedelta
+
+    from bot.domain.durations import format_duration
+
+    return format_duration(timedelta(seconds=round(seconds)))
 
 
 class _AnySupply:

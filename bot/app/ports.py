@@ -296,8 +296,12 @@ class PlainDisplay:
 
 class Core(Protocol):
     """The part of `GpuService` that runs, the host watch and budgets use: its engine,
-    settings and clock, users, GPU holdings and the outbox; and the fleet the runtime
-    attached, if any (bot.app.fleet.attach)."""
+    settings and clock, users, GPU holdings and the outbox; and the fleet of the place
+    that buys machines, if any (bot.app.places)."""
+
+    def place_lines(self, hosts: Sequence[HostState]) -> list[str]:
+        """Where several places are: each, in the team's order, with what is free there."""
+        ...
 
     @property
     def engine(self) -> Engine: ...

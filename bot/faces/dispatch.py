@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from decimal import Decimal
 from functools import lru_cache
 
+from bot.app.burst.summary import burst_line
 from bot.app.fleet import pool as fleet_pool
 from bot.app.money.advice import Totals
 from bot.app.money.billing import team_cost_view
@@ -42,6 +44,7 @@ from bot.domain.commands import (
     parse,
 )
 from bot.domain.errors import UserError, failure_message
+from bot.domain.metering import money
 from provisioning.catalog import Catalog
 
 log = logging.getLogger(__name__)
@@ -177,6 +180,8 @@ def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
                     service, bill.window, catalog, Totals(bill.instances, bill.held, bill.idle)
                 ),
             )
+        if service.places.bursting:
+            view = views.View(view.text, view.blocks + _sides_blocks(service, cmd.period))
         return views.Reply(view).with_note(note)
     who = actor.key if cmd.scope == "me" else (cmd.user.key if cmd.user else None)
     window, costs, names = service.costs(cmd.period, None if cmd.scope == "team" else who)
@@ -184,7 +189,43 @@ def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
         names[who] = who
     tz = service.settings.timezone
     reply = views.Reply(views.cost_view(cmd.scope, cmd.period, window, costs, names, tz, who))
+    if service.places.bursting and who is not None and costs.get(who):
+        sides, _ = service.cost_sides(cmd.period, who)
+        owned, bought = sides.get(who, (Decimal(0), Decimal(0)))
+        cloud = _cloud_label(service)
+        reply = reply.with_note(
+            f"Of it, {money(owned)} on the team's own GPUs (at the team's rates) and "
+            f"{money(bought)} on {cloud}."
+        )
     return reply.with_note(note)
+
+
+def _cloud_label(service: GpuService) -> str:
+    cloud = service.places.cloud
+    return service.places.label(cloud.name) if cloud is not None else "the cloud"
+
+
+def _sides_blocks(service: GpuService, period: str) -> tuple[views.Block, ...]:
+    """`/gpu cost team` where owned places come first and a cloud after: each person's
+    use of the team's own GPUs beside their cloud bill, and what bursting did."""
+    sides, bursting = service.cost_sides(period)
+    cloud = _cloud_label(service)
+    blocks: list[views.Block] = []
+    if sides:
+        _, _, names = service.costs(period)
+        blocks.append(views.Text(f"*The team's own GPUs and {cloud}, per person*"))
+        blocks.append(
+            views.Table(
+                ("who", "own GPUs", cloud),
+                tuple(
+                    (names.get(k, k), money(owned), money(bought))
+                    for k, (owned, bought) in sides.items()
+                ),
+            )
+        )
+    if bursting is not None:
+        blocks.append(views.Text(burst_line(bursting, cloud)))
+    return tuple(blocks)
 
 
 def _budget(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:

@@ -24,11 +24,13 @@ from bot.app.burst import state as st
 from bot.app.config import Settings
 from bot.app.fleet import Fleet
 from bot.app.hosts.remote import PreparedHost, RemoteAccess
+from bot.app.money.digest import build_digest, digest_view
 from bot.app.places import RunParts, Wiring
 from bot.app.service import GpuService
 from bot.domain import views
 from bot.domain.clock import VirtualClock
 from bot.domain.commands import Reserve, Run
+from bot.domain.metering import money
 from bot.faces.dispatch import handle_text
 from bot.faces.slack import blocks
 from db.models import (
@@ -125,10 +127,13 @@ class Team:
             return list(s.exec(select(LaunchRequest).order_by(col(LaunchRequest.id))))
 
     def until(self, what: str, check: Any) -> None:
+        """Ticks, the virtual clock moving 30 s a tick (what runs meanwhile is billed for
+        it), until `check`."""
         deadline = time.monotonic() + GUARD_S
         while not check():
             assert time.monotonic() < deadline, f"{what}: not within the guard"
             self.tick()
+            self.clock.advance(timedelta(seconds=30))
             time.sleep(0.2)
 
     def dms(self, user: str) -> list[str]:
@@ -175,6 +180,11 @@ def test_a_long_wait_is_offered_ec2_with_its_price_and_taking_it_runs_the_run_th
     _box_taken(t)
     rid = _submit(t, "alice", _script(tmp_path))
     t.tick()
+    status = handle_text(t.service, t.service.actor("alice"), "/gpu status")
+    assert (
+        "Places, in the team's order: the team's SSH hosts: 0 of 1 free; EC2: 0 of 0 free, "
+        "offered, priced, to a run that has waited 15m."
+    ) in str(status.view.blocks)
     # Owned first: nothing is bought while she waits under the threshold.
     t.clock.advance(timedelta(minutes=14))
     t.tick()
@@ -218,8 +228,32 @@ def test_a_long_wait_is_offered_ec2_with_its_price_and_taking_it_runs_the_run_th
         inst = s.exec(select(Host).where(Host.instance_id == req.instance_id)).one()
     assert len(ivs) == 1 and ivs[0].host_id == inst.id
     assert ivs[0].usd_per_hour == pytest.approx(inst.hourly_usd)
+    # Her cost says which side it was on; the team's says what bursting did and saved:
+    # the box was expected free for her when bob's two hours end, 2h after she asked.
+    _, costs, _ = t.service.costs("week", "alice")
     cost = handle_text(t.service, t.service.actor("alice"), "/gpu cost")
     assert not cost.error
+    assert (
+        f"Of it, $0.00 on the team's own GPUs (at the team's rates) and {money(costs['alice'])} on EC2"
+        in str(cost.view.blocks)
+    )
+    assert costs["alice"] > 0
+    (o,) = [t.offer(rid)]
+    assert o is not None and o.expected_start is not None and o.cloud_start is not None
+    saved_h = (o.expected_start - o.cloud_start).total_seconds() / 3600
+    assert saved_h == pytest.approx(2 - 16 / 60, abs=0.05)
+    bill = handle_text(t.service, t.service.actor("alice"), "/gpu cost team")
+    said = str(bill.view.blocks)
+    assert "The team's own GPUs and EC2, per person" in said
+    assert f"1 run went to EC2 after waiting, costing {money(costs['alice'])} there" in said
+    assert f"starting {saved_h:,.1f} h sooner" in said and "Offers made: 1 (1 taken" in said
+    with Session(t.service.engine) as s:
+        now = t.clock.now()
+        year, week, _ = now.isocalendar()
+        digest = build_digest(s, year, week, now, t.service.settings)
+    assert digest.bursting is not None and digest.bursting.on_cloud == 1
+    shown = str(digest_view(digest).blocks)
+    assert "*Bursting*: 1 run went to the cloud after waiting" in shown
     assert len(t.launches()) == 1
 
 

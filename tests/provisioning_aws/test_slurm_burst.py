@@ -217,6 +217,8 @@ def test_alice_takes_ec2_her_job_leaves_slurms_queue_and_the_run_is_billed_at_ec
     assert ivs[0].usd_per_hour == pytest.approx(inst.hourly_usd / 8)
     _, costs, _ = lab.service.costs("today", "alice")
     assert costs["alice"] > 0
+    said = str(handle_text(lab.service, alice, "/gpu cost today").view.blocks)
+    assert "on the team's own GPUs (at the team's rates) and $" in said and " on EC2" in said
     lab.service.runs.cancel(lab.service.actor("bob"), Cancel(bobs))
 
 

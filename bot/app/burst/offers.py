@@ -41,6 +41,7 @@ from bot.app.ports import Actor, Core, Provisioner
 from bot.domain import views
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
+from bot.domain.timefmt import when
 from db.models import (
     HOST_BILLED_RUNNING,
     HOST_READY,
@@ -118,14 +119,17 @@ class Bursts:
         cloud: str,
         catalog: Catalog,
         label_of: Callable[[str], str] = str,
+        owned: frozenset[str] = frozenset(),
     ) -> None:
         """`runs`: the team's runs (where each waits or runs); `provider_of`: a host's
         provider by its name; `cloud` and `catalog`: the place that buys, and its prices;
-        `label_of`: a place as a sentence names it (bot.app.places.Places.label)."""
+        `label_of`: a place as a sentence names it (bot.app.places.Places.label);
+        `owned`: the owned places that run (whose queue estimate an offer weighs)."""
         self.service = service
         self.runs = runs
         self.provider_of = provider_of
         self.label_of = label_of
+        self.owned = owned
         self.cloud = cloud  # the cloud place's name (its hosts' provider)
         self.catalog = catalog
 
@@ -171,7 +175,7 @@ class Bursts:
             waited = (now - _aware(run.submitted_at)).total_seconds()
             if waited < after:
                 continue
-            note = self._offer(run.id, user.key, waited, now)
+            note = self._offer(run.id, user.key, waited, now, self._expected(run))
             if note:
                 done.append(note)
         return done
@@ -193,8 +197,19 @@ class Bursts:
         host = run.placement.get("host")
         return self.provider_of(host) if isinstance(host, str) and host else None
 
+    def _expected(self, run: TrainingRun) -> datetime | None:
+        """When the owned side expects to start the run: the cluster's own estimate (kept
+        on its placement by the poll), else gpubot's queue estimate over the owned hosts."""
+        if run.state != RUN_QUEUED:
+            said = run.placement.get("expected")
+            return datetime.fromisoformat(said) if isinstance(said, str) else None
+        assert run.id is not None
+        return self.runs.board.expected_start(run.id, set(self.owned))
+
     @retrying
-    def _offer(self, run_id: int, owner: str, waited_s: float, now: datetime) -> str | None:
+    def _offer(
+        self, run_id: int, owner: str, waited_s: float, now: datetime, expected: datetime | None
+    ) -> str | None:
         """The plan, written (one per run) and sent; taken at once for `--cloud ok`."""
         with transaction(self.service.engine) as s:
             run = locked(s, TrainingRun, run_id)
@@ -217,6 +232,7 @@ class Bursts:
                 estimate_usd=plan.estimate_usd,
                 state=st.ACCEPTED if take else (st.REFUSED if refusal else st.OPEN),
                 note=refusal or "",
+                expected_start=expected,
                 created_at=now,
                 decided_at=now if take or refusal else None,
             )
@@ -226,7 +242,8 @@ class Bursts:
             except IntegrityError:
                 return None  # another worker made it
             stage = str(run.placement.get("stage") or "")
-            view = offer_view(offer, run, waited_s, stage, self.label_of(self.cloud))
+            owned = _expected_words(expected, now, self.service.settings.timezone)
+            view = offer_view(offer, run, waited_s, stage or owned, self.label_of(self.cloud))
             self.service.notify_dm(s, owner, view, now, f"burst-offer:{run_id}")
         self.service.nudge()
         return f"offered {self.cloud} to run {run_id} ({offer.state})"
@@ -286,7 +303,8 @@ class Bursts:
             return self._settle(run.id, offer.state, st.WITHDRAWN, said, now)
         if offer.state in st.BUYING:
             if where == self.cloud:
-                return self._settle(run.id, offer.state, st.CLOUD, None, now)
+                started = run.started_at
+                return self._settle(run.id, offer.state, st.CLOUD, None, now, started)
             if where is not None or ended:
                 return self._settle(run.id, offer.state, st.GIVING_BACK, None, now)
             if offer.state == st.ACCEPTED and self.runs.ctx.cluster is not None:
@@ -374,7 +392,13 @@ class Bursts:
 
     @retrying
     def _settle(
-        self, run_id: int, was: str, to: str, said: str | None, now: datetime
+        self,
+        run_id: int,
+        was: str,
+        to: str,
+        said: str | None,
+        now: datetime,
+        cloud_start: datetime | None = None,
     ) -> str | None:
         """`was` -> `to`, once (a conditional update), with its DM."""
         with transaction(self.service.engine) as s:
@@ -383,6 +407,7 @@ class Bursts:
                 return None
             offer.state = to
             offer.decided_at = offer.decided_at or now
+            offer.cloud_start = cloud_start or offer.cloud_start
             s.add(offer)
             if said:
                 owner = s.get(User, offer.user_id)
@@ -563,6 +588,13 @@ def offer_view(
             ),
         ),
     )
+
+
+def _expected_words(expected: datetime | None, now: datetime, tz: str) -> str:
+    """The owned side's estimate as the plan says it."""
+    if expected is None:
+        return "no start is known on them yet (a holder without a known end)"
+    return f"expected to start on them {when(expected, now, tz)}"
 
 
 def _answered(offer: BurstOffer, run_id: int) -> str:

@@ -38,6 +38,7 @@ from db.models import (
     HOST_READY,
     HOST_STOPPED,
     HOST_UNREACHABLE,
+    MARKET_CLUSTER,
     Gpu,
     Host,
     HostPeriod,
@@ -149,6 +150,10 @@ def host_periods(s: Session, window: Window) -> list[MeteredPeriod]:
 # --- the team's bill: users, idle overhead, instances ---------------------------------
 
 
+# The markets of GPUs the team does not rent by the hour: its own hosts, a cluster's nodes.
+OWNED_MARKETS = ("owned", MARKET_CLUSTER)
+
+
 @dataclass(frozen=True)
 class MeteredUsage:
     """A usage interval as metering takes it, with what the savings need beside it."""
@@ -218,6 +223,21 @@ class WindowCosts:
         out = {k: Decimal(m).scaleb(-6) for k, m in micro.items()}
         for k, v in raw.items():
             out[k] = out.get(k, Decimal(0)) + v
+        return {k: out[k] for k in sorted(out)}
+
+    def sides(self) -> dict[str, tuple[Decimal, Decimal]]:
+        """Each user's cost split as (the team's own GPUs, bought ones): the owned hosts'
+        and a cluster's use at the team's rates beside the cloud's bill (issue 37: owned
+        use and cloud bill side by side). The two add up to `users()` exactly."""
+        micro: dict[str, list[int]] = {}
+        for r in self.part.rolled:
+            micro.setdefault(r.user, [0, 0])[0 if r.market in OWNED_MARKETS else 1] += r.micro_usd
+        out = {k: (Decimal(a).scaleb(-6), Decimal(b).scaleb(-6)) for k, (a, b) in micro.items()}
+        for side in (0, 1):
+            part = [r.usage for r in self.part.raw if (r.market in OWNED_MARKETS) == (side == 0)]
+            for k, v in cost_by_user(part, self.window, self.now).items():
+                owned, cloud = out.get(k, (Decimal(0), Decimal(0)))
+                out[k] = (owned + v, cloud) if side == 0 else (owned, cloud + v)
         return {k: out[k] for k in sorted(out)}
 
     def gpu_hours(self) -> dict[str, Decimal]:

@@ -33,6 +33,7 @@ from zoneinfo import ZoneInfo
 
 from sqlmodel import Session, col, select
 
+from bot.app.burst.summary import BurstWeek, burst_line, burst_week
 from bot.app.config import Settings, parse_weekly_time
 from bot.app.money.advice import Totals, WeekReport, report_blocks, report_csv, report_for
 from bot.app.money.billing import WindowCosts, dearest_runs, shown_cents, window_costs
@@ -77,6 +78,10 @@ class UserLine:
     idle_waste_usd: Decimal
     spot_savings_usd: Decimal
     last_week_usd: Decimal
+    # `usd` split: on the team's own GPUs (owned hosts, a cluster, at its rates) and on
+    # bought ones (the cloud's bill).
+    owned_usd: Decimal = Decimal(0)
+    cloud_usd: Decimal = Decimal(0)
 
     @property
     def change_usd(self) -> Decimal:
@@ -104,6 +109,13 @@ class Digest:
     last_week_held_usd: Decimal
     # The week's largest wastes and the replay's advice (bot.app.money.advice); None: not asked.
     report: WeekReport | None = None
+    # What bursting to the cloud did (bot.app.burst.summary); None: no offer this week.
+    bursting: BurstWeek | None = None
+
+    @property
+    def both_sides(self) -> bool:
+        """Someone used the team's own GPUs and someone bought ones: show them apart."""
+        return any(u.owned_usd for u in self.users) and any(u.cloud_usd for u in self.users)
 
     @property
     def used(self) -> tuple[UserLine, ...]:
@@ -176,6 +188,7 @@ def build_digest(
     users = {u.key: u for u in s.exec(select(User)).all()}
     by_id = {u.id: u for u in users.values()}
     hours = spend.gpu_hours()
+    sides = spend.sides()
     eff, waste = _samples(s, window, settings.idle_util_pct, by_id)
     keys = sorted(set(costs) | set(last) | set(hours), key=lambda k: (-costs.get(k, _ZERO), k))
     lines = tuple(
@@ -188,6 +201,8 @@ def build_digest(
             idle_waste_usd=waste.get(k, _ZERO),
             spot_savings_usd=savings.get(k, _ZERO),
             last_week_usd=last.get(k, _ZERO),
+            owned_usd=sides.get(k, (_ZERO, _ZERO))[0],
+            cloud_usd=sides.get(k, (_ZERO, _ZERO))[1],
         )
         for k in keys
     )
@@ -201,6 +216,7 @@ def build_digest(
         idle_overhead_usd=spend.idle(periods),
         instances_usd=host_cost(periods, window, now),
         last_week_held_usd=sum(last.values(), _ZERO),
+        bursting=burst_week(s, window, now),
     )
 
 
@@ -335,6 +351,15 @@ def digest_view(d: Digest) -> views.View:
         blocks.append(views.Text("Nobody held a GPU this week."))
     if d.unused:
         blocks.append(views.Text(_unused_line(d.unused)))
+    if d.both_sides:
+        blocks.append(
+            views.Table(
+                ("who", "own GPUs", "cloud"),
+                tuple((u.name, money(u.owned_usd), money(u.cloud_usd)) for u in d.used),
+            )
+        )
+    if d.bursting is not None:
+        blocks.append(views.Text(burst_line(d.bursting, "the cloud")))
     blocks.append(
         views.Fields(
             (

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from sqlmodel import Session, col, select
 
@@ -247,6 +247,25 @@ class RunBoard:
         ]
         found = estimates.estimate_queue(waiting, pictures, now.timestamp())
         return {e.run_id: e for e in found if isinstance(e.run_id, int)}
+
+    def expected_start(self, run_id: int, places: set[str]) -> datetime | None:
+        """When the run is expected to start on the hosts of `places` alone (the owned
+        ones: what it would wait without the cloud), by the queue's own estimate; None
+        when that depends on a holder of unknown length, or it never fits there."""
+        now = self.ctx.core.clock.now()
+        with transaction(self.ctx.engine, write=False) as s:
+            runs = list(
+                s.exec(
+                    select(TrainingRun)
+                    .where(TrainingRun.state == RUN_QUEUED)
+                    .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
+                )
+            )
+            fleet = [h for h in read_fleet(s) if h.provider in places]
+            found = self._estimates(s, now, runs, fleet).get(run_id)
+        if found is None or found.start_s is None:
+            return None
+        return datetime.fromtimestamp(found.start_s, tz=UTC)
 
     @staticmethod
     def _per_gpu_prices(fleet: list[FleetHost]) -> dict[str, float]:

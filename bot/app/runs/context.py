@@ -148,6 +148,8 @@ class FleetHost:
     # The scheduler's instance type (its type, or its provider for a static host): a run
     # over several hosts takes hosts of one kind.
     kind: str = ""
+    # Its place (its provider's name).
+    provider: str = ""
 
     @property
     def gpus(self) -> int:
@@ -191,6 +193,7 @@ def read_fleet(s: Session) -> list[FleetHost]:
             down_reason=reason,
             models=dict(sorted(counts.get(hid, {}).items())),
             kind=itype or provider,
+            provider=provider,
         )
         for hid, name, state, hourly, created, down_since, reason, itype, provider in hosts
     ]

@@ -57,6 +57,8 @@ class Look:
     # A cluster's run that its scheduler has not started yet: why, in the cluster's words
     # with its expected start ("pending: Resources, expected 15:20 UTC"); None otherwise.
     waiting: str | None = None
+    # ... and when its scheduler expects to start it, where it says (Slurm's estimate).
+    expected_start: datetime | None = None
     # A cluster's run that its scheduler started: each node and the GPU indexes it holds
     # there, so its GPUs are metered from then (empty for an executor gpubot places for).
     where: tuple[tuple[str, tuple[int, ...]], ...] = ()

@@ -91,8 +91,14 @@ class Poller:
                     # its GPUs go back until the cluster starts it again.
                     self.records.back_in_cluster_queue(run.id, look.waiting)
                 elif placement.get("stage") != look.waiting:
-                    # A cluster's scheduler has not started it: `/gpu queue` says why.
-                    self.records.update_placement(run.id, stage=look.waiting)
+                    # A cluster's scheduler has not started it: `/gpu queue` says why, and
+                    # when it expects to (what an offer of the cloud weighs: bot.app.burst).
+                    expected = look.expected_start
+                    self.records.update_placement(
+                        run.id,
+                        stage=look.waiting,
+                        expected=expected.isoformat() if expected is not None else None,
+                    )
                 continue
             if look.where and run.state == RUN_STARTING:
                 # A cluster's scheduler started it: its GPUs are metered from now.

@@ -32,6 +32,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from bot.app.burst.offers import Bursts
+from bot.app.burst.summary import BurstWeek
 from bot.app.config import Settings
 from bot.app.money.billing import TeamBill, note_host_state
 from bot.app.places import Places, Wiring
@@ -50,7 +51,7 @@ from bot.domain.clock import Clock
 from bot.domain.commands import Extend, Release, Reserve, Status
 from bot.domain.errors import UserError
 from bot.domain.metering import Window
-from bot.domain.readmodels import HomeSnapshot
+from bot.domain.readmodels import HomeSnapshot, HostState
 from db.models import HOST_READY, Gpu, Host, User
 from db.session import is_postgres, lock_pool, retrying, transaction
 from provisioning.base import Instance
@@ -128,6 +129,7 @@ class GpuService:
                 cloud.name,
                 cloud.runs.catalog,
                 self.places.label,
+                frozenset(w.name for w in self.places.owned),
             )
             if self.places.bursting and cloud is not None and cloud.runs is not None
             else None
@@ -168,6 +170,9 @@ class GpuService:
     def upkeep(self) -> tuple[Callable[[], object], ...]:
         """The places' periodic upkeep, which the worker runs every few seconds."""
         return self.places.upkeep
+
+    def place_lines(self, hosts: Sequence[HostState]) -> list[str]:
+        return self.places.lines(hosts, self.settings.burst_after_s)
 
     def _provider_of(self, host_name: str) -> str | None:
         """The provider of a host row, by its name (several places route by it)."""
@@ -356,6 +361,12 @@ class GpuService:
         intervals: every GPU-second held at its share of the host's price. Returns the
         window, cost per user key, and display names. Only `user_key` when given."""
         return self.board.costs(period, user_key)
+
+    def cost_sides(
+        self, period: str, user_key: str | None = None
+    ) -> tuple[dict[str, tuple[Decimal, Decimal]], BurstWeek | None]:
+        """Each user's cost split (the team's own GPUs, bought ones) and the bursting."""
+        return self.board.cost_sides(period, user_key)
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
         """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.money.billing)."""

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 from sqlmodel import Session, col, select
 
+from bot.app.burst.summary import BurstWeek, burst_week
 from bot.app.money.billing import TeamBill, team_bill, window_costs
 from bot.app.ports import Actor, Core
 from bot.app.service.common import read_hosts, reservation_info
@@ -58,7 +59,7 @@ class StatusBoard:
             empty_pool=views.GROWS_ON_DEMAND
             if self.core.supply.offered()
             else display.empty_pool(),
-            notes=tuple(display.status_lines()),
+            notes=(*self.core.place_lines(hosts), *display.status_lines()),
             tz=self.core.settings.timezone,
         )
         return views.Reply(views.status_view(snap))
@@ -296,6 +297,22 @@ class StatusBoard:
                 else {}
             )
         return window, costs, names
+
+    def cost_sides(
+        self, period: str, user_key: str | None = None
+    ) -> tuple[dict[str, tuple[Decimal, Decimal]], BurstWeek | None]:
+        """Each user's cost over the period as (the team's own GPUs, bought ones), and
+        what bursting did in it (bot.app.burst.summary)."""
+        now = self.core.clock.now()
+        window = period_window(period, now, self.core.settings.timezone)  # type: ignore[arg-type]
+        with transaction(self.core.engine, write=False) as s:
+            user_id: int | None = None
+            if user_key is not None:
+                user = s.exec(select(User).where(User.key == user_key)).first()
+                if user is None:
+                    return {}, None
+                user_id = user.id
+            return window_costs(s, window, now, user_id).sides(), burst_week(s, window, now)
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
         """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.money.billing)."""

@@ -343,8 +343,13 @@ class SlurmExecutor:
             and job.state == "PENDING"
             and (line is None or job.restarts > line.restarts)
         ):
+            now = self.clock.now()
+            expected = job.start_time if job.start_time and job.start_time > now else None
             return Look(
-                alive=True, status=None, waiting=pending_words(job, self.clock.now(), self.tz)
+                alive=True,
+                status=None,
+                waiting=pending_words(job, now, self.tz),
+                expected_start=expected,
             )
         if line is not None:
             where: tuple[tuple[str, tuple[int, ...]], ...] = ((line.node, line.gpu_indexes),)
