@@ -147,7 +147,8 @@ def test_the_clouds_offer_renders_within_slack_limits_with_its_two_buttons(
     )
     run = TrainingRun(id=123456789, user_id=1, gpu_model="A100-80GB", gpu_count=8)
     stage = "pending: Resources, expected 15:20 UTC"
-    body = blocks.message(offer_view(offer, run, 3 * 3600.0, stage, "EC2"))
+    head = f"Run #{run.id} has waited 3h for the team's own A100-80GB GPUs."
+    body = blocks.message(offer_view(offer, run, head, stage, "EC2"))
     assert fake.message_problems(body) == []
     (actions,) = [b for b in body["blocks"] if b["type"] == "actions"]
     labels = [e["text"]["text"] for e in actions["elements"]]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sqlalchemy.exc import IntegrityError
@@ -67,6 +67,10 @@ ACTION_TAKE = "gpubot_cloud_take"
 ACTION_WAIT = "gpubot_cloud_wait"
 # The length priced for a run without `--max` (bot.app.money.budgets counts such a run so).
 ASSUMED_HOURS = 1.0
+# How often the queue's estimate is asked while no waiting run has reached the threshold.
+ESTIMATE_EVERY_S = 60.0
+# The owned side's "expected start" of a run none of its hosts can ever hold.
+NEVER = datetime.max.replace(tzinfo=UTC)
 
 
 @runtime_checkable
@@ -130,6 +134,7 @@ class Bursts:
         self.provider_of = provider_of
         self.label_of = label_of
         self.owned = owned
+        self._estimated_at: datetime | None = None
         self.cloud = cloud  # the cloud place's name (its hosts' provider)
         self.catalog = catalog
 
@@ -165,17 +170,30 @@ class Bursts:
             if note:
                 done.append(note)
         after = self.service.settings.burst_after_s
-        for run, user in waiting:
-            if run.id is None or run.id in offered or after is None:
-                continue
-            if consent(run, user) == "never":
-                continue
-            if not self._waits_on_owned(run):
-                continue
+        if after is None:
+            return done
+        due = [
+            (run, user)
+            for run, user in waiting
+            if run.id is not None
+            and run.id not in offered
+            and consent(run, user) != "never"
+            and self._waits_on_owned(run)
+        ]
+        expected = self._expected(due, now, after)
+        for run, user in due:
+            assert run.id is not None
             waited = (now - _aware(run.submitted_at)).total_seconds()
-            if waited < after:
+            when = expected.get(run.id)
+            # Offered once it has waited the threshold, or at once where the owned side
+            # expects to take that long from when it was asked (or never fits it).
+            predicted = (
+                when is not None and (when - _aware(run.submitted_at)).total_seconds() >= after
+            )
+            if waited < after and not predicted:
                 continue
-            note = self._offer(run.id, user.key, waited, now, self._expected(run))
+            at = None if when is None or when == NEVER else when
+            note = self._offer(run.id, user.key, waited, now, at, never=when == NEVER)
             if note:
                 done.append(note)
         return done
@@ -197,18 +215,54 @@ class Bursts:
         host = run.placement.get("host")
         return self.provider_of(host) if isinstance(host, str) and host else None
 
-    def _expected(self, run: TrainingRun) -> datetime | None:
-        """When the owned side expects to start the run: the cluster's own estimate (kept
-        on its placement by the poll), else gpubot's queue estimate over the owned hosts."""
-        if run.state != RUN_QUEUED:
-            said = run.placement.get("expected")
-            return datetime.fromisoformat(said) if isinstance(said, str) else None
-        assert run.id is not None
-        return self.runs.board.expected_start(run.id, set(self.owned))
+    def _expected(
+        self, due: list[tuple[TrainingRun, User]], now: datetime, after: float
+    ) -> dict[int, datetime]:
+        """When the owned side expects to start each run (NEVER: no owned host fits it): a
+        cluster's own estimate, kept on its placement by the poll; else gpubot's queue
+        estimate over the owned hosts, one pass for all. Asked at most once a minute while
+        no run is old enough to be offered anyway (the estimate reads the whole queue)."""
+        out: dict[int, datetime] = {}
+        queued: list[TrainingRun] = []
+        for run, _ in due:
+            assert run.id is not None
+            if run.state != RUN_QUEUED:
+                said = run.placement.get("expected")
+                if isinstance(said, str):
+                    out[run.id] = _aware(datetime.fromisoformat(said))
+            else:
+                queued.append(run)
+        if not queued:
+            return out
+        oldest = max((now - _aware(r.submitted_at)).total_seconds() for r in queued)
+        if (
+            oldest < after
+            and self._estimated_at is not None
+            and (now - self._estimated_at).total_seconds() < ESTIMATE_EVERY_S
+        ):
+            return out
+        self._estimated_at = now
+        owned = set(self.owned)
+        starts = self.runs.board.expected_starts(owned)
+        for run in queued:
+            assert run.id is not None
+            start = starts.get(run.id)
+            if start is not None:
+                out[run.id] = start
+            elif not self.runs.board.fits_on(owned, run.gpu_model or "", run.gpu_count):
+                out[run.id] = NEVER
+        return out
 
     @retrying
     def _offer(
-        self, run_id: int, owner: str, waited_s: float, now: datetime, expected: datetime | None
+        self,
+        run_id: int,
+        owner: str,
+        waited_s: float,
+        now: datetime,
+        expected: datetime | None,
+        *,
+        never: bool = False,
     ) -> str | None:
         """The plan, written (one per run) and sent; taken at once for `--cloud ok`."""
         with transaction(self.service.engine) as s:
@@ -242,8 +296,10 @@ class Bursts:
             except IntegrityError:
                 return None  # another worker made it
             stage = str(run.placement.get("stage") or "")
-            owned = _expected_words(expected, now, self.service.settings.timezone)
-            view = offer_view(offer, run, waited_s, stage or owned, self.label_of(self.cloud))
+            after = self.service.settings.burst_after_s or 0.0
+            head = wait_words(run, waited_s, after, NEVER if never else expected, now)
+            owned = "" if never else _expected_words(expected, now, self.service.settings.timezone)
+            view = offer_view(offer, run, head, stage or owned, self.label_of(self.cloud))
             self.service.notify_dm(s, owner, view, now, f"burst-offer:{run_id}")
         self.service.nudge()
         return f"offered {self.cloud} to run {run_id} ({offer.state})"
@@ -533,11 +589,25 @@ def bought_running(s: Session, cloud: str) -> int:
     return len(list(hosts))
 
 
+def wait_words(
+    run: TrainingRun, waited_s: float, after_s: float, expected: datetime | None, now: datetime
+) -> str:
+    """The plan's first words: how long the run has waited, or (offered before the
+    threshold because the owned side expects to take that long) how long it would."""
+    mine = f"the team's own {run.gpu_model} GPUs"
+    if waited_s >= after_s or expected is None:
+        return f"Run #{run.id} has waited {_span(waited_s)} for {mine}."
+    if expected == NEVER:
+        return f"Run #{run.id} would wait for good for {mine}: none of them can hold it."
+    return f"Run #{run.id} would wait about {_span((expected - now).total_seconds())} for {mine}."
+
+
 def offer_view(
-    offer: BurstOffer, run: TrainingRun, waited_s: float, stage: str, cloud: str
+    offer: BurstOffer, run: TrainingRun, head: str, stage: str, cloud: str
 ) -> views.View:
     """The plan as its owner reads it, with the two buttons (Block Kit keeps their labels
-    within 75 characters: bot.faces.slack.blocks). `cloud`: the cloud as people name it."""
+    within 75 characters: bot.faces.slack.blocks). `head`: `wait_words`; `stage`: what the
+    owned side's queue says of it; `cloud`: the cloud as people name it."""
     take = f"/gpu cloud take {offer.run_id}"
     wait = f"/gpu cloud wait {offer.run_id}"
     length = (
@@ -545,13 +615,8 @@ def offer_view(
         if offer.assumed
         else f"its --max of {_span(offer.hours * 3600)}"
     )
-    queue = (
-        f" The team's queue says: {stage}." if stage and stage != "handed to the cluster" else ""
-    )
-    head = (
-        f"Run #{offer.run_id} has waited {_span(waited_s)} for the team's own "
-        f"{run.gpu_model} GPUs.{queue}"
-    )
+    if stage and stage != "handed to the cluster":
+        head = f"{head} Their queue says: {stage}."
     plan = (
         f"It could run on {cloud} now: {offer.instance_type}, {_usd(offer.usd_per_hour)}/h for "
         f"its {run.gpu_count} GPU{'s' if run.gpu_count != 1 else ''}, about "
@@ -626,6 +691,4 @@ def _hours(plan: Plan) -> str:
 
 
 def _aware(when: datetime) -> datetime:
-    from datetime import UTC
-
     return when if when.tzinfo is not None else when.replace(tzinfo=UTC)

@@ -248,10 +248,11 @@ class RunBoard:
         found = estimates.estimate_queue(waiting, pictures, now.timestamp())
         return {e.run_id: e for e in found if isinstance(e.run_id, int)}
 
-    def expected_start(self, run_id: int, places: set[str]) -> datetime | None:
-        """When the run is expected to start on the hosts of `places` alone (the owned
-        ones: what it would wait without the cloud), by the queue's own estimate; None
-        when that depends on a holder of unknown length, or it never fits there."""
+    def expected_starts(self, places: set[str]) -> dict[int, datetime | None]:
+        """When each queued run is expected to start on the hosts of `places` alone (the
+        owned ones: what it would wait without the cloud), by the queue's own estimate, in
+        one pass; None where that depends on a holder of unknown length, or the run never
+        fits there (`fits_on` tells the two apart)."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             runs = list(
@@ -261,11 +262,21 @@ class RunBoard:
                     .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
                 )
             )
+            if not runs:
+                return {}
             fleet = [h for h in read_fleet(s) if h.provider in places]
-            found = self._estimates(s, now, runs, fleet).get(run_id)
-        if found is None or found.start_s is None:
-            return None
-        return datetime.fromtimestamp(found.start_s, tz=UTC)
+            found = self._estimates(s, now, runs, fleet)
+        return {
+            rid: datetime.fromtimestamp(e.start_s, tz=UTC) if e.start_s is not None else None
+            for rid, e in found.items()
+        }
+
+    def fits_on(self, places: set[str], model: str, gpus: int) -> bool:
+        """Whether some host of `places` that is not gone has `gpus` GPUs of `model`."""
+        with transaction(self.ctx.engine, write=False) as s:
+            return any(
+                h.provider in places and h.models.get(model, 0) >= gpus for h in read_fleet(s)
+            )
 
     @staticmethod
     def _per_gpu_prices(fleet: list[FleetHost]) -> dict[str, float]:
