@@ -27,6 +27,7 @@ from sqlmodel import Session, col, select
 
 import bot.providers
 from bot.app.burst import state as st
+from bot.app.burst.offers import Bursts
 from bot.app.config import load_settings
 from bot.app.fleet import Fleet
 from bot.app.hosts.remote import PreparedHost, RemoteAccess, bootstrap_prepare
@@ -62,11 +63,18 @@ def ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
 
 
 class Lab:
-    def __init__(self, service: GpuService, cluster: SlurmCluster, client: SshClient) -> None:
-        self.service = service
+    def __init__(
+        self, make: Callable[[], GpuService], cluster: SlurmCluster, client: SshClient
+    ) -> None:
+        self.make = make
         self.cluster = cluster
         self.client = client
-        fleet = service.fleet
+        self.restart()
+
+    def restart(self) -> None:
+        """The bot made anew on the same database, cluster and cloud (a worker that died)."""
+        self.service = self.make()
+        fleet = self.service.fleet
         assert isinstance(fleet, Fleet)
         self.fleet = fleet
 
@@ -141,20 +149,24 @@ def lab(
         client = SshClient(connect_timeout=5, command_timeout=60)
         slurm = bot.providers.KINDS["slurm"].from_env(settings, os.environ, client)
         resolver = LoopbackResolver(lab_target(ssh))
-        access = RemoteAccess(engine, client, resolver, prepare=prepare)
-        cloud = cloud_place(inprocess_lab.compute(), access)
         # The cluster prepares its own interpreter (the real preparation, kept between
         # sessions, as tests/provisioning/test_slurm_provider.py has it); only the
         # instances take the shortcut.
         parts = Parts(settings, engine, client, None, bootstrap_prepare, True)
 
-        def wire(core: GpuService) -> list[Wiring]:
-            return [slurm.connect(core, parts), *cloud(core)]
+        def make() -> GpuService:
+            access = RemoteAccess(engine, client, resolver, prepare=prepare)
+            cloud = cloud_place(inprocess_lab.compute(), access)
 
-        service = GpuService(engine, settings, SystemClock(), wire)
-        assert service.places.names == ("slurm", "aws") and service.bursts is not None
+            def wire(core: GpuService) -> list[Wiring]:
+                return [slurm.connect(core, parts), *cloud(core)]
+
+            service = GpuService(engine, settings, SystemClock(), wire)
+            assert service.places.names == ("slurm", "aws") and service.bursts is not None
+            return service
+
         try:
-            yield Lab(service, slurm_cluster, client)
+            yield Lab(make, slurm_cluster, client)
         finally:
             client.close()
             engine.dispose()
@@ -198,7 +210,7 @@ def test_alice_takes_ec2_her_job_leaves_slurms_queue_and_the_run_is_billed_at_ec
     assert f"Run #{rid} has waited" in plan or f"Run #{rid} would wait about" in plan, plan
     assert (
         "Their queue says: Slurm job" in plan
-        and "pends (Resources)" in plan
+        and " pends (" in plan
         and f"about ${offer.estimate_usd:.2f}" in plan
     )
     assert lab.launches() == [], "an offer buys nothing"
@@ -248,3 +260,39 @@ def test_the_cluster_frees_before_she_answers_so_slurm_runs_it_and_nothing_is_bo
     assert lab.launches() == []
     late = handle_text(lab.service, alice, f"/gpu cloud take {rid}")
     assert late.error
+
+
+class Died(Exception):
+    """The worker, gone between its cancel of the job and the move it was making."""
+
+
+def test_a_worker_that_dies_after_withdrawing_the_job_finishes_the_move_when_back(
+    lab: Lab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The withdrawal is written before the job is cancelled: the bot that comes back
+    finds it and moves the run, rather than reading the cancelled job as the run's end."""
+    bobs = _fill_the_cluster(lab)
+    alice = lab.service.actor("alice")
+    ask = Run(command=("true",), model="A100", max_duration=timedelta(minutes=10))
+    rid = int(lab.service.runs.submit(alice, ask).extra["run_id"])
+    job = _pending_job(lab, rid)
+    lab.until(lambda: lab.offer(rid) is not None, "the offer")
+    assert not handle_text(lab.service, alice, f"/gpu cloud take {rid}").error
+
+    def die(*_: object) -> None:
+        raise Died()
+
+    with monkeypatch.context() as patched, pytest.raises(Died):
+        patched.setattr(Bursts, "_move", die)
+        lab.until(lambda: False, "the worker dies in the move")
+    offer = lab.offer(rid)
+    assert offer is not None and offer.state == st.MOVING
+    state = lab.cluster.command("sacct", "-X", "-n", "-P", "-j", str(job), "-o", "State")
+    assert state.stdout.strip().startswith("CANCELLED")
+    assert lab.run(rid).state == "starting"
+    lab.restart()
+    lab.until(lambda: lab.run(rid).state in ("succeeded", "failed", "cancelled"), "the run")
+    run = lab.run(rid)
+    assert run.state == "succeeded" and run.placement["at"] == "aws", run.metrics
+    lab.until(lambda: (o := lab.offer(rid)) is not None and o.state == st.CLOUD, "settled")
+    lab.service.runs.cancel(lab.service.actor("bob"), Cancel(bobs))

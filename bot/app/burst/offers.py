@@ -363,8 +363,8 @@ class Bursts:
                 return self._settle(run.id, offer.state, st.CLOUD, None, now, started)
             if where is not None or ended:
                 return self._settle(run.id, offer.state, st.GIVING_BACK, None, now)
-            if offer.state == st.ACCEPTED and self.runs.ctx.cluster is not None:
-                return self._race_the_cluster(offer, run)
+            if offer.state in (st.ACCEPTED, st.MOVING) and self.runs.ctx.cluster is not None:
+                return self._race_the_cluster(offer, run, now)
             return None
         if offer.state == st.GIVING_BACK:
             fleet = self._fleet
@@ -378,19 +378,27 @@ class Bursts:
                 return self._settle(run.id, st.GIVING_BACK, st.OWNED, said, now)
         return None
 
-    def _race_the_cluster(self, offer: BurstOffer, run: TrainingRun) -> str | None:
+    def _race_the_cluster(self, offer: BurstOffer, run: TrainingRun, now: datetime) -> str | None:
         """A taken offer of a run in a cluster's queue: an instance is launched for it;
         once one is ready, the job is withdrawn if it still pends and the run is gpubot's
-        to place there. The cluster starting it first wins instead."""
+        to place there. The cluster starting it first wins instead. The withdrawal is
+        written down first (MOVING), so a worker that dies after the cancel finishes the
+        move when it comes back, before the poll could read the cancel as the run's end."""
         assert run.id is not None
         fleet = self._fleet
         if fleet is None:
             return None
-        if not self._cloud_ready_for(run):
-            done = fleet.provision_for(
-                run.id, offer.instance_type, offer.usd_per_hour / run.gpu_count, in_cluster=True
-            )
-            return f"run {run.id}: {done}" if done else None
+        if offer.state == st.ACCEPTED:
+            if not self._cloud_ready_for(run):
+                done = fleet.provision_for(
+                    run.id,
+                    offer.instance_type,
+                    offer.usd_per_hour / run.gpu_count,
+                    in_cluster=True,
+                )
+                return f"run {run.id}: {done}" if done else None
+            if self._settle(run.id, st.ACCEPTED, st.MOVING, None, now) is None:
+                return None
         cluster = self.runs.ctx.cluster
         executor = cluster[1] if cluster is not None else None
         gone: bool | None = True
@@ -401,7 +409,8 @@ class Bursts:
         if gone is None:
             return None  # the controller cannot say now: asked again next tick
         if not gone:
-            return None  # it started there first: poll sees it run, and the tick gives back
+            # It started there first: the poll sees it run, and the tick gives back.
+            return self._settle(run.id, st.MOVING, st.GIVING_BACK, None, now)
         self._move(run.id, dict(run.placement))
         self.service.nudge()
         return f"run {run.id} moved from the cluster's queue to {self.cloud}"
@@ -432,7 +441,7 @@ class Bursts:
         with transaction(self.service.engine) as s:
             run = locked(s, TrainingRun, run_id)
             offer = s.exec(select(BurstOffer).where(BurstOffer.run_id == run_id)).one()
-            if run is None or offer.state != st.ACCEPTED:
+            if run is None or offer.state != st.MOVING:
                 return
             if run.state == RUN_STARTING and run.placement.get("job") == withdrawn.get("job"):
                 resume = run.placement.get("resume_from")
@@ -665,6 +674,7 @@ def _expected_words(expected: datetime | None, now: datetime, tz: str) -> str:
 def _answered(offer: BurstOffer, run_id: int) -> str:
     said = {
         st.ACCEPTED: "it was taken already: the cloud is being bought for it",
+        st.MOVING: "it was taken: its job is leaving the cluster's queue for the cloud",
         st.MOVED: "it was taken: it runs on the cloud as soon as it is placed there",
         st.CLOUD: "it runs on the cloud",
         st.DECLINED: "you chose to keep waiting",

@@ -18,6 +18,10 @@ DECLINED = "declined"
 WITHDRAWN = "withdrawn"
 # Its owner's budget cannot cover the estimate: offered with the figures, nothing bought.
 REFUSED = "refused"
+# Its cluster job is being withdrawn for the instance bought for it: written before the
+# cancel, so a worker that dies in between finds it and finishes the move (the poll
+# leaves such a run alone meanwhile, its job's cancel not being its end).
+MOVING = "moving"
 # Taken out of the cluster's queue for the instance bought for it (gpubot places it there).
 MOVED = "moved"
 # It started on the cloud.
@@ -28,7 +32,7 @@ GIVING_BACK = "giving_back"
 OWNED = "owned"
 
 # The states in which the cloud may be bought for the run.
-BUYING = (ACCEPTED, MOVED)
+BUYING = (ACCEPTED, MOVING, MOVED)
 # The states in which gpubot's scheduler, not the cluster, places the run.
 ON_CLOUD = (MOVED, CLOUD)
 # The states an offer does not leave.
@@ -44,6 +48,11 @@ def taken(s: Session, run_id: int) -> tuple[str, float] | None:
     run = s.get(TrainingRun, run_id)
     gpus = max(1, run.gpu_count if run is not None else 1)
     return offer.instance_type, offer.usd_per_hour / gpus
+
+
+def moving(s: Session) -> set[int]:
+    """The runs whose cluster job is being withdrawn for the cloud."""
+    return set(s.exec(select(BurstOffer.run_id).where(BurstOffer.state == MOVING)))
 
 
 def on_cloud(s: Session) -> set[int]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlmodel import col, select
 
+from bot.app.burst import state as burst_state
 from bot.app.hosts.agentwatch import (
     checkpoint_dir,
     requeue_resumable,
@@ -60,6 +61,10 @@ class Poller:
                     )
                 )
             )
+            # A run whose cluster job is being withdrawn for the cloud (bot.app.burst) is
+            # the offers' to settle: its job's cancel is not the run's end.
+            moving = burst_state.moving(s) if self.ctx.bursting else set()
+        rows = [r for r in rows if r.id not in moving]
         self._watch(rows)
         finished = 0
         now = self.ctx.core.clock.now()
