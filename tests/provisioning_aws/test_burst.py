@@ -389,3 +389,45 @@ def _release(res_id: int) -> Any:
     from bot.domain.commands import Release
 
     return Release(res_id)
+
+
+def test_the_runtime_takes_owned_places_then_the_cloud_and_refuses_the_cloud_first(
+    inprocess_lab: AwsLab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The composition root from the environment, as `gpubot serve` starts: `ssh,aws` is
+    the team's SSH host first and EC2 after it; `aws,ssh` is refused at start, saying
+    the order it wants."""
+    from bot.app.config import ConfigError, load_settings
+    from bot.faces.runtime import build_runtime
+    from tests.provisioning_aws.conftest import REGION
+
+    key = tmp_path / "id_test"
+    key.write_text("not a key: nothing is dialled here\n")
+    key.chmod(0o600)
+    lab = inprocess_lab
+    env = {
+        "GPUBOT_HOME": str(tmp_path / "home"),
+        "GPUBOT_PROVIDERS": "ssh,aws",
+        "GPUBOT_SSH_HOSTS": "box=127.0.0.1:1/1xT4",
+        "GPUBOT_SSH_KEY": str(key),
+        "GPUBOT_AWS_REGION": REGION,
+        "GPUBOT_AWS_SUBNETS": ",".join(lab.subnet_ids),
+        "GPUBOT_AWS_SECURITY_GROUPS": lab.security_group_id,
+        "GPUBOT_AWS_KEY_NAME": lab.key_name,
+        "GPUBOT_AWS_AMI": lab.ami_id,
+    }
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    rt = build_runtime(load_settings())
+    try:
+        svc = rt.service
+        assert svc.places.names == ("ssh", "aws") and svc.bursts is not None
+        said = str(handle_text(svc, svc.actor("alice"), "/gpu status").view.blocks)
+        assert "Places, in the team's order: the team's SSH hosts: " in said
+        assert "EC2: 0 of 0 free, offered, priced, to a run that has waited 15m." in said
+    finally:
+        rt.engine.dispose()
+    monkeypatch.setenv("GPUBOT_PROVIDERS", "aws,ssh")
+    with pytest.raises(ConfigError, match=r"aws buys machines, so it goes last.*=ssh,aws"):
+        build_runtime(load_settings())
