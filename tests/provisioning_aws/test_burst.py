@@ -431,3 +431,22 @@ def test_the_runtime_takes_owned_places_then_the_cloud_and_refuses_the_cloud_fir
     monkeypatch.setenv("GPUBOT_PROVIDERS", "aws,ssh")
     with pytest.raises(ConfigError, match=r"aws buys machines, so it goes last.*=ssh,aws"):
         build_runtime(load_settings())
+
+
+def test_a_reservation_waits_for_the_owned_model_and_only_another_model_is_bought(
+    team: Team,
+) -> None:
+    """Offers are made for runs; a reservation of a model the team's own hosts have waits
+    for them, and one of a model only the cloud has is bought for as a cloud alone would."""
+    t = team
+    _box_taken(t)
+    carol = t.service.actor("carol")
+    t4 = t.service.reserve(carol, Reserve(count=1, model="T4", duration=HOUR))
+    assert not t4.error
+    t.fleet.cycle()
+    assert t.launches() == [], "a T4 reservation waits for the box"
+    v100 = t.service.reserve(carol, Reserve(count=1, model="V100", duration=HOUR))
+    assert not v100.error
+    t.fleet.cycle()
+    (req,) = t.launches()
+    assert req.reservation_id is not None and req.gpu_model == "V100"

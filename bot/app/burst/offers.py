@@ -179,6 +179,8 @@ class Bursts:
             and run.id not in offered
             and consent(run, user) != "never"
             and self._waits_on_owned(run)
+            # A run the cloud cannot hold on one machine is not offered: it waits.
+            and plan_for(self.catalog, run.gpu_model, run.gpu_count, run.spot, None) is not None
         ]
         expected = self._expected(due, now, after)
         for run, user in due:

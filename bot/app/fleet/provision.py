@@ -72,10 +72,8 @@ class Buyer:
         """For each waiting reservation no ready or booting host can serve: start a stopped
         instance of its model, else launch one within the pool limits. Returns what was
         done, in words (for the log and tests)."""
-        if self.ctx.service.places.bursting:
-            # Owned places first: a waiting reservation gets the owned GPUs as they free
-            # up, and nothing is bought for it unasked (offers are made for runs only).
-            return []
+        places = self.ctx.service.places
+        owned = {w.name for w in places.owned} if places.bursting else set()
         now = self.ctx.service.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             waiting = list(
@@ -118,10 +116,18 @@ class Buyer:
             h for h in hosts if h.state == HOST_STOPPED and h.provider == self.ctx.compute.name
         ]
         done: list[str] = []
+        # Owned places first: a reservation of a model the team's own hosts have waits for
+        # them (offers of the cloud are made for runs only); the cloud is the first place
+        # that has any other model, so one of those is bought for as a cloud alone would.
+        owned_models = {
+            g.model for h in hosts if h.provider in owned for g in gpus.get(h.id or -1, [])
+        }
         for res, user in waiting:
             model = res.gpu_model
             if model is None or model == "cpu":
                 continue  # "any GPU" is served by whatever frees up; nothing to buy for it
+            if model in owned_models:
+                continue
             if _take(supply, model, res.gpu_count):
                 continue
             reqs = requests.get(res.id or -1, [])
