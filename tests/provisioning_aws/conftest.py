@@ -23,6 +23,7 @@ from moto.server import ThreadedMotoServer
 
 from provisioning.aws import Ec2Compute, Ec2Settings
 from provisioning.catalog import Catalog
+from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
 
 REGION = "us-east-1"
 # moto refuses to create parameters under /aws/ (reserved, as on AWS), so the lab's DLAMI
@@ -213,3 +214,20 @@ def lab(request: pytest.FixtureRequest) -> AwsLab:
     """Both ways of running moto: the provider must behave the same against each."""
     result: AwsLab = request.getfixturevalue(f"{request.param}_lab")
     return result
+
+
+@pytest.fixture(scope="module")
+def ssh(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SshLab]:
+    """Loopback sshd hosts for a module whose instances are reached on them (moto's
+    addresses are never dialled): one lab per module, started once."""
+    name = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    try:
+        lab = start_lab(tmp_path_factory.mktemp(f"sshd-{name}"))
+    except SshdUnavailable as exc:
+        pytest.skip(f"no sshd test hosts: {exc}")
+    try:
+        yield lab
+    finally:
+        lab.stop()

@@ -48,22 +48,10 @@ from provisioning.ssh import SshClient, SshTarget
 from tests.core.fleet_helpers import LoopbackResolver, cloud_place, lab_target, notes
 from tests.core.helpers import host
 from tests.provisioning_aws.conftest import AwsLab
-from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+from tests.ssh_hosts import SshLab
 
 HOUR = timedelta(hours=1)
 GUARD_S = 120.0  # a guard against a hang, not a speed assertion
-
-
-@pytest.fixture(scope="module")
-def ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    try:
-        lab = start_lab(tmp_path_factory.mktemp("sshd-burst"))
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test hosts: {exc}")
-    try:
-        yield lab
-    finally:
-        lab.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -134,6 +134,13 @@ class World:
 
     # --- what must hold -------------------------------------------------------------
 
+    def bought(self, s: Session) -> tuple[list[LaunchRequest], list[Host]]:
+        """The launches made for the run, and their instances not terminated."""
+        reqs = list(s.exec(select(LaunchRequest).where(LaunchRequest.run_id == self.rid)))
+        ids = [r.instance_id for r in reqs if r.instance_id]
+        alive = select(Host).where(col(Host.instance_id).in_(ids), Host.state != HOST_TERMINATED)
+        return reqs, list(s.exec(alive))
+
     def check(self) -> None:
         with Session(self.engine) as s:
             run = s.get(TrainingRun, self.rid)
@@ -145,15 +152,7 @@ class World:
                     .order_by(col(UsageInterval.started_at))
                 )
             )
-            reqs = list(s.exec(select(LaunchRequest).where(LaunchRequest.run_id == self.rid)))
-            ids = [r.instance_id for r in reqs if r.instance_id]
-            live = list(
-                s.exec(
-                    select(Host).where(
-                        col(Host.instance_id).in_(ids), Host.state != HOST_TERMINATED
-                    )
-                )
-            )
+            reqs, live = self.bought(s)
             offer = s.exec(select(BurstOffer).where(BurstOffer.run_id == self.rid)).first()
         # Held once: one interval at a time, never two open ones.
         assert sum(1 for iv in ivs if iv.ended_at is None) <= 1, ivs
@@ -184,15 +183,7 @@ class World:
             assert time.monotonic() < deadline, (run.state, offer and offer.state)
             time.sleep(0.1)
         with Session(self.engine) as s:
-            reqs = list(s.exec(select(LaunchRequest).where(LaunchRequest.run_id == self.rid)))
-            ids = [r.instance_id for r in reqs if r.instance_id]
-            live = list(
-                s.exec(
-                    select(Host).where(
-                        col(Host.instance_id).in_(ids), Host.state != HOST_TERMINATED
-                    )
-                )
-            )
+            _, live = self.bought(s)
             ivs = list(s.exec(select(UsageInterval).where(UsageInterval.run_id == self.rid)))
         # What the examples reached (`pytest --hypothesis-show-statistics`).
         event(f"offer {offer.state if offer is not None else 'never made'}, run {run.state}")

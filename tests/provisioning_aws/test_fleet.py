@@ -46,21 +46,9 @@ from provisioning.ssh import SshTarget
 from tests.core.fleet_helpers import FleetBench, make_fleet
 from tests.provisioning_aws.conftest import AwsLab
 from tests.provisioning_aws.faults import RunInstancesFaults
-from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+from tests.ssh_hosts import SshLab
 
 HOUR = timedelta(hours=1)
-
-
-@pytest.fixture(scope="module")
-def ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    try:
-        lab = start_lab(tmp_path_factory.mktemp("sshd-fleet"))
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test hosts: {exc}")
-    try:
-        yield lab
-    finally:
-        lab.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

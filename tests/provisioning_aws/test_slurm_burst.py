@@ -45,21 +45,9 @@ from tests.core.fleet_helpers import LoopbackResolver, cloud_place, lab_target, 
 from tests.provisioning_aws.conftest import AwsLab
 from tests.slurm_cluster import SlurmCluster
 from tests.slurm_lab import as_bot_account, lab_env
-from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+from tests.ssh_hosts import SshLab
 
 GUARD_S = 240.0  # a guard against a hang, not a speed assertion
-
-
-@pytest.fixture(scope="module")
-def ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    try:
-        lab = start_lab(tmp_path_factory.mktemp("sshd-slurm-burst"))
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test hosts: {exc}")
-    try:
-        yield lab
-    finally:
-        lab.stop()
 
 
 class Lab:

@@ -38,6 +38,7 @@ from bot.app.access import audit
 from bot.app.burst import state as st
 from bot.app.money.budgets import check_budget
 from bot.app.ports import Actor, Core, Provisioner
+from bot.app.runs.records import back_in_line
 from bot.domain import views
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
@@ -446,11 +447,7 @@ class Bursts:
             if run is None or offer.state != st.MOVING:
                 return
             if run.state == RUN_STARTING and run.placement.get("job") == withdrawn.get("job"):
-                resume = run.placement.get("resume_from")
-                run.placement = {"resume_from": resume} if resume else {}
-                run.state = RUN_QUEUED
-                run.started_at = None
-                run.host_id = None
+                back_in_line(run)  # a pending job holds no GPUs: nothing to close
                 s.add(run)
             elif run.state != RUN_QUEUED:
                 return

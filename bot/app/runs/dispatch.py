@@ -28,7 +28,7 @@ from bot.app.money import budgets
 from bot.app.runs.context import RunContext
 from bot.app.runs.executor import RunExecutor, StartFailed, Unavailable
 from bot.app.runs.inputs import anything_to_decide, scheduler_inputs
-from bot.app.runs.records import RunRecords
+from bot.app.runs.records import RunRecords, back_in_line
 from bot.app.runs.routed import AT
 from bot.app.watching.held import held_gpu_ids
 from bot.domain import code_sources, views
@@ -334,11 +334,7 @@ class Dispatcher:
             if run is None or run.state != RUN_STARTING:
                 return
             self.records.close_intervals(s, run_id, self.ctx.core.clock.now())
-            resume = run.placement.get("resume_from")
-            run.placement = {"resume_from": resume} if resume else {}
-            run.state = RUN_QUEUED
-            run.host_id = None
-            run.started_at = None
+            back_in_line(run)
             s.add(run)
 
     @retrying

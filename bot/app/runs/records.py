@@ -302,3 +302,13 @@ def _base_options(rows: list[tuple[TrainingRun, float]]) -> set[str]:
     one is the other."""
     first = rows[0][0].options
     return {k for k, v in first.items() if all(r.options.get(k) == v for r, _ in rows)}
+
+
+def back_in_line(run: TrainingRun) -> None:
+    """A claimed run back in line as it was: queued, on no host, its resume point kept
+    (a start its place could not make, a cluster job withdrawn for the cloud)."""
+    resume = run.placement.get("resume_from")
+    run.placement = {"resume_from": resume} if resume else {}
+    run.state = RUN_QUEUED
+    run.host_id = None
+    run.started_at = None

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import replace
 from decimal import Decimal
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy.engine import Connection
 from sqlmodel import Session, col, select
@@ -283,12 +283,9 @@ class StatusBoard:
         now = self.core.clock.now()
         window = period_window(period, now, self.core.settings.timezone)  # type: ignore[arg-type]
         with transaction(self.core.engine, write=False) as s:
-            user_id: int | None = None
-            if user_key is not None:
-                user = s.exec(select(User).where(User.key == user_key)).first()
-                if user is None:
-                    return window, {}, {}
-                user_id = user.id
+            user_id = _user_id(s, user_key)
+            if user_id is False:
+                return window, {}, {}
             costs = window_costs(s, window, now, user_id).users()
             keys = set(costs)
             names = (
@@ -306,12 +303,9 @@ class StatusBoard:
         now = self.core.clock.now()
         window = period_window(period, now, self.core.settings.timezone)  # type: ignore[arg-type]
         with transaction(self.core.engine, write=False) as s:
-            user_id: int | None = None
-            if user_key is not None:
-                user = s.exec(select(User).where(User.key == user_key)).first()
-                if user is None:
-                    return {}, None
-                user_id = user.id
+            user_id = _user_id(s, user_key)
+            if user_id is False:
+                return {}, None
             return window_costs(s, window, now, user_id).sides(), burst_week(s, window, now)
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
@@ -320,3 +314,11 @@ class StatusBoard:
         window = period_window(period, now, self.core.settings.timezone)  # type: ignore[arg-type]
         with transaction(self.core.engine, write=False) as s:
             return team_bill(s, window, now, catalog)
+
+
+def _user_id(s: Session, user_key: str | None) -> int | Literal[False] | None:
+    """The id of the user a cost is asked for; None: everyone; False: nobody known."""
+    if user_key is None:
+        return None
+    user = s.exec(select(User).where(User.key == user_key)).first()
+    return False if user is None else user.id
