@@ -434,13 +434,14 @@ class LaunchRequest(SQLModel, table=True):
 
 
 class BurstOffer(SQLModel, table=True):
-    """The cloud offered, priced, to a run waiting for the team's own GPUs (bot.app.burst):
-    one per run, so one request is never bought twice. Its state moves once each way:
-    open -> accepted | declined | withdrawn | refused; accepted -> cloud (it runs there)
-    | owned (the owned place started it first: the cloud side given back) | failed."""
+    """The cloud offered, priced, to a run or a reservation waiting for the team's own GPUs
+    (bot.app.burst): one per request, so one request is never bought twice. Its states are
+    bot.app.burst.state's, each left once."""
 
     id: int | None = Field(default=None, primary_key=True)
-    run_id: int = Field(foreign_key="trainingrun.id", unique=True)
+    # What it is for: a run or a reservation (exactly one of the two).
+    run_id: int | None = Field(default=None, foreign_key="trainingrun.id", unique=True)
+    reservation_id: int | None = Field(default=None, foreign_key="reservation.id", unique=True)
     user_id: int = Field(foreign_key="user.id", index=True)
     # The cloud place (its provider's name) and what it would run on.
     place: str = Field(max_length=32)

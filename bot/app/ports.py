@@ -124,8 +124,9 @@ class Provisioner(Protocol):
         `price_cap`; `in_cluster`: it still waits in a cluster's queue."""
         ...
 
-    def give_back(self, run_id: int) -> bool:
-        """Ends what was bought for a run another place started first; True when done."""
+    def give_back(self, kind: str, ref: int) -> bool:
+        """Ends what was bought for a run ("run") or reservation ("res") that another place
+        started first; True when done."""
         ...
 
     def pool_refusal(self, instance_type: str) -> str | None:

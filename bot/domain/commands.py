@@ -164,14 +164,19 @@ VERBS: dict[str, VerbSpec] = {
         "other GPUs are scaled by their peak bf16 throughput. --spot prices at spot.",
     ),
     "cloud": VerbSpec(
-        "/gpu cloud [take ID | wait ID | @user ok|never|ask]",
-        "your runs' offers of the cloud while they wait for the team's own GPUs",
-        ("/gpu cloud", "/gpu cloud take 42", "/gpu cloud wait 42", "/gpu cloud @alice never"),
+        "/gpu cloud [take [res] ID | wait [res] ID | @user ok|never|ask]",
+        "your offers of the cloud while a run or reservation waits for the team's own GPUs",
+        (
+            "/gpu cloud",
+            "/gpu cloud take 42",
+            "/gpu cloud wait res 7",
+            "/gpu cloud @alice never",
+        ),
         "Where the team's own GPUs come first and a cloud after (GPUBOT_PROVIDERS=slurm,aws), "
-        "a run that waits longer than GPUBOT_BURST_AFTER is offered the cloud with its price: "
-        "`take ID` buys it (your budget is checked against the estimate first), and the run "
-        "starts wherever it can first, the other side given back; `wait ID` keeps it on "
-        "the team's GPUs. `/gpu run --cloud ok` takes the offer in advance. An admin sets "
+        "a run (or a reservation) that waits longer than GPUBOT_BURST_AFTER is offered the "
+        "cloud with its price: `take ID` (`take res ID`) buys it (your budget is checked "
+        "against the estimate first), and it starts wherever it can first, the other side "
+        "given back; `wait ID` keeps it on the team's GPUs. `/gpu run --cloud ok` takes the offer in advance. An admin sets "
         "it for a person: `@alice ok` (taken in advance, within budget), `@alice never` "
         "(never offered: a `never` from either the admin or the run wins), `@alice ask`.",
     ),
@@ -320,6 +325,8 @@ class Cloud:
 
     run_id: int | None = None
     take: bool = False
+    # `res ID`: the id is a reservation's, not a run's.
+    reservation: bool = False
     user: UserRef | None = None
     policy: str | None = None  # "ok", "never" or "ask" (for `user`)
 
@@ -980,9 +987,14 @@ def _parse_cloud(rest: str, ctx: _Ctx) -> Cloud:
             raise ctx.fail("Say what the cloud is for them: `ok`, `never` or `ask`.")
         return Cloud(user=ref, policy=policy)
     answer = words[0].lower()
-    if answer not in ("take", "wait") or len(words) != 2:
-        raise ctx.fail("Say `take ID` to run it on the cloud, or `wait ID` to keep waiting.")
-    return Cloud(_int(words[1].lstrip("#"), ctx, "A run ID"), take=answer == "take")
+    reservation = len(words) == 3 and words[1].lower() in ("res", "reservation")
+    if answer not in ("take", "wait") or len(words) != (3 if reservation else 2):
+        raise ctx.fail(
+            "Say `take ID` to run it on the cloud, or `wait ID` to keep waiting "
+            "(`take res ID` for a reservation)."
+        )
+    what = "A reservation ID" if reservation else "A run ID"
+    return Cloud(_int(words[-1], ctx, what), take=answer == "take", reservation=reservation)
 
 
 _PARSERS: dict[str, Callable[[str, _Ctx], Command]] = {

@@ -252,7 +252,7 @@ def _cloud(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> 
         return bursts.set_policy(actor, cmd.user.key, cmd.policy)
     if cmd.run_id is None:
         return bursts.list_for(actor)
-    return bursts.answer(actor, cmd.run_id, cmd.take)
+    return bursts.answer(actor, cmd.run_id, cmd.take, reservation=cmd.reservation)
 
 
 def _pool(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> views.Reply:

@@ -189,7 +189,7 @@ class Buys:
     ) -> str | None:
         return None
 
-    def give_back(self, run_id: int) -> bool:
+    def give_back(self, kind: str, ref: int) -> bool:
         return True
 
     def pool_refusal(self, instance_type: str) -> str | None:

@@ -199,7 +199,7 @@ def test_a_long_wait_is_offered_ec2_with_its_price_and_taking_it_runs_the_run_th
     assert "no start is known on them yet" in dm
     assert f"about ${offer.estimate_usd:.2f} for its --max of 1h" in dm
     # The buttons, as Slack gets them: within Block Kit's limits, each a /gpu line.
-    view = _offer_view(t, rid)
+    view = _offer_view(t, f"run:{rid}")
     actions = [b for b in blocks.message(view)["blocks"] if b["type"] == "actions"]
     (buttons,) = [a["elements"] for a in actions]
     assert [b["text"]["text"] for b in buttons] == [
@@ -240,15 +240,15 @@ def test_a_long_wait_is_offered_ec2_with_its_price_and_taking_it_runs_the_run_th
     bill = handle_text(t.service, t.service.actor("alice"), "/gpu cost team")
     said = str(bill.view.blocks)
     assert "The team's own GPUs and EC2, per person" in said
-    assert f"1 run went to EC2 after waiting, costing {money(costs['alice'])} there" in said
-    assert "(1 run had no expected start there)" in said and "Offers made: 1 (1 taken" in said
+    assert f"1 request went to EC2 after waiting, costing {money(costs['alice'])} there" in said
+    assert "(1 had no expected start there)" in said and "Offers made: 1 (1 taken" in said
     with Session(t.service.engine) as s:
         now = t.clock.now()
         year, week, _ = now.isocalendar()
         digest = build_digest(s, year, week, now, t.service.settings)
     assert digest.bursting is not None and digest.bursting.on_cloud == 1
     shown = str(digest_view(digest).blocks)
-    assert "*Bursting*: 1 run went to the cloud after waiting" in shown
+    assert "*Bursting*: 1 request went to the cloud after waiting" in shown
     assert len(t.launches()) == 1
     t.service.runs.cancel(t.service.actor("bob"), Cancel(bobs))
     t.until("bob's run stopped", lambda: t.run(bobs).state == "cancelled")
@@ -364,11 +364,11 @@ def test_what_was_bought_for_a_run_the_owned_host_started_first_is_given_back(
     assert len(t.launches()) == 1
 
 
-def _offer_view(t: Team, rid: int) -> views.View:
-    """The plan's DM as it was written for the outbox."""
+def _offer_view(t: Team, key: str) -> views.View:
+    """The plan's DM as it was written for the outbox (`run:12`, `res:3`)."""
     with Session(t.service.engine) as s:
         (note,) = s.exec(
-            select(Notification).where(col(Notification.dedupe_key).endswith(f"burst-offer:{rid}"))
+            select(Notification).where(col(Notification.dedupe_key).endswith(f"burst-offer:{key}"))
         )
     return views.View.from_dict(note.view)
 
@@ -421,20 +421,72 @@ def test_the_runtime_takes_owned_places_then_the_cloud_and_refuses_the_cloud_fir
         build_runtime(load_settings())
 
 
-def test_a_reservation_waits_for_the_owned_model_and_only_another_model_is_bought(
-    team: Team,
-) -> None:
-    """Offers are made for runs; a reservation of a model the team's own hosts have waits
-    for them, and one of a model only the cloud has is bought for as a cloud alone would."""
+def test_a_reservation_is_offered_ec2_and_held_wherever_gpus_free_first(team: Team) -> None:
+    """A reservation gpubot grants itself: nothing is bought while it waits; one whose
+    model no owned host has is offered at once and bought when taken, and granted on the
+    instance; one for the box is offered by the box's expected end, taken, and the box
+    freeing first gets it, the instance bought for it given back."""
     t = team
-    _box_taken(t)
+    res_box = _box_taken(t)
     carol = t.service.actor("carol")
+    assert not t.service.reserve(carol, Reserve(count=1, model="V100", duration=HOUR)).error
     t4 = t.service.reserve(carol, Reserve(count=1, model="T4", duration=HOUR))
     assert not t4.error
+    v100, mine = sorted(_waiting_reservations(t))
     t.fleet.cycle()
-    assert t.launches() == [], "a T4 reservation waits for the box"
-    v100 = t.service.reserve(carol, Reserve(count=1, model="V100", duration=HOUR))
-    assert not v100.error
+    assert t.launches() == [], "nothing is bought for a reservation unasked"
+    t.tick()
+    offers = {o.reservation_id: o for o in _offers(t)}
+    assert set(offers) == {v100, mine} and all(o.state == st.OPEN for o in offers.values())
+    said = "\n".join(t.dms("carol"))
+    assert f"Reservation #{v100} would wait for good for the team's own V100 GPUs" in said
+    assert f"Reservation #{mine} would wait about 2h for the team's own T4 GPUs" in said
+    assert f"/gpu cloud take res {v100}" in str(_offer_view(t, f"res:{v100}").blocks)
+    for rid in (v100, mine):
+        taken = handle_text(t.service, carol, f"/gpu cloud take res {rid}")
+        assert not taken.error, taken.view.text
     t.fleet.cycle()
-    (req,) = t.launches()
-    assert req.reservation_id is not None and req.gpu_model == "V100"
+    bought = {r.reservation_id: r for r in t.launches()}
+    assert set(bought) == {v100, mine}
+    # The box frees before the T4 instance is ready: the box's reservation gets it.
+    t.service.release(t.service.actor("bob"), _release(res_box))
+    t.until("the T4 reservation held", lambda: _res(t, mine).state == "active")
+    assert _host_of(t, mine) == "box"
+    t.fleet.refresh()
+    t.until("the V100 reservation held", lambda: _res(t, v100).state == "active")
+    t.until(
+        "settled",
+        lambda: {o.reservation_id: o.state for o in _offers(t)} == {v100: st.CLOUD, mine: st.OWNED},
+    )
+    with Session(t.service.engine) as s:
+        given = s.exec(select(Host).where(Host.instance_id == bought[mine].instance_id)).one()
+    assert given.state == HOST_TERMINATED
+    assert any(
+        f"Reservation #{mine} started on the team's SSH hosts first" in d for d in t.dms("carol")
+    )
+
+
+def _waiting_reservations(t: Team) -> list[int]:
+    with Session(t.service.engine) as s:
+        return [
+            r.id or 0 for r in s.exec(select(Reservation).where(Reservation.state == "waiting"))
+        ]
+
+
+def _offers(t: Team) -> list[BurstOffer]:
+    with Session(t.service.engine) as s:
+        return list(s.exec(select(BurstOffer).order_by(col(BurstOffer.id))))
+
+
+def _res(t: Team, res_id: int) -> Reservation:
+    with Session(t.service.engine) as s:
+        res = s.get(Reservation, res_id)
+        assert res is not None
+        return res
+
+
+def _host_of(t: Team, res_id: int) -> str:
+    with Session(t.service.engine) as s:
+        res = s.get(Reservation, res_id)
+        host = s.get(Host, res.host_id) if res is not None and res.host_id else None
+        return host.name if host is not None else ""

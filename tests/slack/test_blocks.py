@@ -131,8 +131,8 @@ def test_the_clouds_offer_renders_within_slack_limits_with_its_two_buttons(
     """The plan a waiting run's owner gets (bot.app.burst.offers), with a long price."""
     from datetime import UTC, datetime
 
-    from bot.app.burst.offers import offer_view
-    from db.models import BurstOffer, TrainingRun
+    from bot.app.burst.offers import Ask, offer_view
+    from db.models import BurstOffer, User
 
     offer = BurstOffer(
         run_id=123456789,
@@ -145,10 +145,26 @@ def test_the_clouds_offer_renders_within_slack_limits_with_its_two_buttons(
         estimate_usd=40.97 * 8 * 72,
         created_at=datetime(2026, 12, 6, tzinfo=UTC),
     )
-    run = TrainingRun(id=123456789, user_id=1, gpu_model="A100-80GB", gpu_count=8)
+    when = datetime(2026, 12, 6, tzinfo=UTC)
+    owner = User(id=1, key="U0123456789", display_name="alice")
+    ask = Ask(
+        "run",
+        123456789,
+        owner,
+        "A100-80GB",
+        8,
+        False,
+        72 * 3600,
+        when,
+        None,
+        True,
+        None,
+        False,
+        None,
+    )
     stage = "pending: Resources, expected 15:20 UTC"
-    head = f"Run #{run.id} has waited 3h for the team's own A100-80GB GPUs."
-    body = blocks.message(offer_view(offer, run, head, stage, "EC2"))
+    head = f"{ask.name} has waited 3h for the team's own A100-80GB GPUs."
+    body = blocks.message(offer_view(offer, ask, head, stage, "EC2"))
     assert fake.message_problems(body) == []
     (actions,) = [b for b in body["blocks"] if b["type"] == "actions"]
     labels = [e["text"]["text"] for e in actions["elements"]]

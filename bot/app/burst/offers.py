@@ -1,12 +1,14 @@
-"""The cloud, offered with its price, to a run that waits long for the team's own GPUs.
+"""The cloud, offered with its price, to a run or a reservation that waits long for the
+team's own GPUs.
 
 Where the team's places are owned ones and a cloud after them (GPUBOT_PROVIDERS=
-slurm,aws, ssh,aws: bot.app.places.Places.bursting), a run waits on the owned side first.
-Once it has waited GPUBOT_BURST_AFTER its owner gets a plan by DM: the instance type, the
-run's share of its $/h, the estimate for its `--max` (one hour assumed without one, as
-budgets count such a run) and the buttons [Run on EC2 now, about $X] [Keep waiting].
-Nothing is bought before the owner takes it (`/gpu cloud take ID`, or `/gpu run --cloud
-ok` in advance); the budget and the pool's caps are checked when it is taken.
+slurm,aws, ssh,aws: bot.app.places.Places.bursting), a request waits on the owned side
+first. Once it has waited GPUBOT_BURST_AFTER (or at once, where the owned side itself
+expects to take that long, or can never hold it) its owner gets a plan by DM: the instance
+type, the request's share of its $/h, the estimate for its `--max` or its length (one hour
+assumed for a run without one, as budgets count such a run) and the buttons [Run on EC2
+now, about $X] [Keep waiting]. Nothing is bought before the owner takes it (`/gpu cloud
+take ID`, or `/gpu run --cloud ok` in advance); the budget and the caps are checked then.
 
 While an offer is open or taken, the run keeps its place on the owned side, and the first
 place to start it wins:
@@ -17,10 +19,13 @@ place to start it wins:
   there, and when the instance is ready the job is withdrawn only if it still pends
   (`scancel --state=PENDING`: the controller decides, so it is never both running there
   and moved here) and the run is placed on the instance.
-Whatever was bought for a run the owned side started first is given back at once.
+A reservation gpubot grants itself (SSH hosts, this machine) is granted wherever GPUs free
+first, the instance bought for it or the owned host; a cluster's reservations (Slurm's
+holding jobs) are not offered the cloud. Whatever was bought for a request the owned side
+started first is given back at once.
 
-One offer per run (a unique row), each state left once (bot.app.burst.state): one request
-is never bought twice, and a restarted worker picks up where the rows say.
+One offer per request (a unique row), each state left once (bot.app.burst.state): one
+request is never bought twice, and a restarted worker picks up where the rows say.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from bot.domain.timefmt import when
 from db.models import (
     HOST_BILLED_RUNNING,
     HOST_READY,
+    RES_ACTIVE,
+    RES_WAITING,
     RUN_ON_HOST,
     RUN_QUEUED,
     RUN_STARTING,
@@ -53,6 +60,7 @@ from db.models import (
     Gpu,
     Host,
     LaunchRequest,
+    Reservation,
     TrainingRun,
     User,
 )
@@ -83,6 +91,43 @@ class Withdraws(Protocol):
 
 
 @dataclass(frozen=True)
+class Ask:
+    """A run or a reservation as the offers see it: what it asks for, who asked, and where
+    it is now. Runs and reservations have their own ids: `kind` tells them apart."""
+
+    kind: str  # "run" or "res"
+    id: int
+    owner: User
+    model: str | None
+    gpus: int
+    spot: bool
+    seconds: int | None  # a run's --max, a reservation's length
+    asked_at: datetime
+    # The request's own word on the cloud (a run's --cloud), beside the admin's (owner).
+    cloud: str | None
+    # It waits on the owned side (gpubot's line, a cluster's queue).
+    waits: bool
+    # The place it started on or was granted on, or None.
+    where: str | None
+    # It is over (ended, cancelled, released) without that.
+    ended: bool
+    started_at: datetime | None
+    # What the owned side's queue says of it, and when it expects to start it (a cluster's
+    # own estimate, kept on the run by the poll); "" and None where gpubot queues it.
+    stage: str = ""
+    expected: datetime | None = None
+
+    @property
+    def name(self) -> str:
+        return f"Run #{self.id}" if self.kind == "run" else f"Reservation #{self.id}"
+
+    @property
+    def command(self) -> str:
+        """How `/gpu cloud take|wait` names it."""
+        return str(self.id) if self.kind == "run" else f"res {self.id}"
+
+
+@dataclass(frozen=True)
 class Plan:
     """Where a run could run on the cloud, and what it would cost its owner."""
 
@@ -90,7 +135,7 @@ class Plan:
     market: str
     usd_per_hour: float  # the run's GPUs' share of the instance
     hours: float
-    assumed: bool  # no --max: `hours` is assumed
+    assumed: bool  # a run without --max: `hours` is assumed
 
     @property
     def estimate_usd(self) -> float:
@@ -100,8 +145,8 @@ class Plan:
 def plan_for(
     catalog: Catalog, model: str | None, gpus: int, spot: bool, max_s: int | None
 ) -> Plan | None:
-    """The cheapest instance type of the cloud that holds the run on one machine, or None
-    (no such type: such a run is not offered, it waits)."""
+    """The cheapest instance type of the cloud that holds the request on one machine, or
+    None (no such type: such a request is not offered, it waits)."""
     if not model or model == "cpu":
         return None
     market = "spot" if spot else "ondemand"
@@ -125,16 +170,21 @@ class Bursts:
         catalog: Catalog,
         label_of: Callable[[str], str] = str,
         owned: frozenset[str] = frozenset(),
+        *,
+        reservations: bool = True,
     ) -> None:
         """`runs`: the team's runs (where each waits or runs); `provider_of`: a host's
         provider by its name; `cloud` and `catalog`: the place that buys, and its prices;
         `label_of`: a place as a sentence names it (bot.app.places.Places.label);
-        `owned`: the owned places that run (whose queue estimate an offer weighs)."""
+        `owned`: the owned places that run (whose queue estimate an offer weighs);
+        `reservations`: gpubot grants reservations itself (no cluster holds them), so they
+        are offered too."""
         self.service = service
         self.runs = runs
         self.provider_of = provider_of
         self.label_of = label_of
         self.owned = owned
+        self.reservations = reservations
         self._estimated_at: datetime | None = None
         self.cloud = cloud  # the cloud place's name (its hosts' provider)
         self.catalog = catalog
@@ -143,6 +193,99 @@ class Bursts:
     def _fleet(self) -> Provisioner | None:
         return self.service.fleet
 
+    # --- what the offers see -----------------------------------------------------------
+
+    def _run_ask(self, run: TrainingRun, owner: User) -> Ask:
+        assert run.id is not None
+        waits = run.state == RUN_QUEUED or (
+            run.state == RUN_STARTING and self.runs.ctx.places_itself(dict(run.placement))
+        )
+        where: str | None = None
+        if run.state in RUN_ON_HOST and not waits:
+            at = run.placement.get("at")
+            host = run.placement.get("host")
+            if isinstance(at, str) and at:
+                where = at
+            elif isinstance(host, str) and host:
+                where = self.provider_of(host)
+        said = run.placement.get("expected")
+        return Ask(
+            kind="run",
+            id=run.id,
+            owner=owner,
+            model=run.gpu_model,
+            gpus=run.gpu_count,
+            spot=run.spot,
+            seconds=run.max_seconds,
+            asked_at=_aware(run.submitted_at),
+            cloud=run.cloud,
+            waits=waits,
+            where=where,
+            ended=not waits and where is None and run.state not in RUN_ON_HOST,
+            started_at=run.started_at,
+            stage=str(run.placement.get("stage") or "") if waits else "",
+            expected=_aware(datetime.fromisoformat(said)) if isinstance(said, str) else None,
+        )
+
+    def _res_ask(self, s: Session, res: Reservation, owner: User) -> Ask:
+        assert res.id is not None
+        host = s.get(Host, res.host_id) if res.host_id is not None else None
+        granted = res.state == RES_ACTIVE
+        return Ask(
+            kind="res",
+            id=res.id,
+            owner=owner,
+            model=res.gpu_model,
+            gpus=res.gpu_count,
+            spot=False,
+            seconds=res.duration_s,
+            asked_at=_aware(res.requested_at),
+            cloud=None,
+            waits=res.state == RES_WAITING,
+            where=host.provider if granted and host is not None else None,
+            ended=res.state not in (RES_WAITING, RES_ACTIVE),
+            started_at=res.granted_at,
+        )
+
+    def _asks(
+        self, s: Session, offers: list[BurstOffer] | None
+    ) -> list[tuple[Ask, BurstOffer | None]]:
+        """The live offers' requests (`offers`), or (None) every request that waits."""
+        out: list[tuple[Ask, BurstOffer | None]] = []
+        if offers is not None:
+            for o in offers:
+                row: TrainingRun | Reservation | None = (
+                    s.get(TrainingRun, o.run_id)
+                    if o.run_id is not None
+                    else s.get(Reservation, o.reservation_id)
+                )
+                owner = s.get(User, o.user_id)
+                if row is None or owner is None:
+                    continue
+                ask = (
+                    self._run_ask(row, owner)
+                    if isinstance(row, TrainingRun)
+                    else self._res_ask(s, row, owner)
+                )
+                out.append((ask, o))
+            return out
+        for run, owner in s.exec(
+            select(TrainingRun, User)
+            .join(User, col(User.id) == col(TrainingRun.user_id))
+            .where(col(TrainingRun.state).in_((RUN_QUEUED, RUN_STARTING)))
+            .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
+        ):
+            out.append((self._run_ask(run, owner), None))
+        if self.reservations:
+            for res, owner in s.exec(
+                select(Reservation, User)
+                .join(User, col(User.id) == col(Reservation.user_id))
+                .where(Reservation.state == RES_WAITING)
+                .order_by(col(Reservation.requested_at), col(Reservation.id))
+            ):
+                out.append((self._res_ask(s, res, owner), None))
+        return out
+
     # --- the worker's side ----------------------------------------------------------
 
     def tick(self) -> list[str]:
@@ -150,137 +293,96 @@ class Bursts:
         done: list[str] = []
         now = self.service.clock.now()
         with transaction(self.service.engine, write=False) as s:
-            live = list(
-                s.exec(
-                    select(BurstOffer, TrainingRun)
-                    .join(TrainingRun, col(TrainingRun.id) == col(BurstOffer.run_id))
-                    .where(col(BurstOffer.state).not_in(st.FINAL))
-                )
+            live = self._asks(
+                s, list(s.exec(select(BurstOffer).where(col(BurstOffer.state).not_in(st.FINAL))))
             )
-            offered = set(s.exec(select(BurstOffer.run_id)))
-            waiting = list(
-                s.exec(
-                    select(TrainingRun, User)
-                    .join(User, col(User.id) == col(TrainingRun.user_id))
-                    .where(col(TrainingRun.state).in_((RUN_QUEUED, RUN_STARTING)))
-                    .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
-                )
-            )
-        for offer, run in live:
-            note = self._forward(offer, run, now)
+            offered = {
+                (("run", o.run_id) if o.run_id is not None else ("res", o.reservation_id))
+                for o in s.exec(select(BurstOffer))
+            }
+            waiting = [ask for ask, _ in self._asks(s, None)]
+        for ask, offer in live:
+            assert offer is not None
+            note = self._forward(offer, ask, now)
             if note:
                 done.append(note)
         after = self.service.settings.burst_after_s
         if after is None:
             return done
         due = [
-            (run, user)
-            for run, user in waiting
-            if run.id is not None
-            and run.id not in offered
-            and consent(run, user) != "never"
-            and self._waits_on_owned(run)
-            # A run the cloud cannot hold on one machine is not offered: it waits.
-            and plan_for(self.catalog, run.gpu_model, run.gpu_count, run.spot, None) is not None
+            ask
+            for ask in waiting
+            if (ask.kind, ask.id) not in offered
+            and ask.waits
+            and consent(ask) != "never"
+            # What the cloud cannot hold on one machine is not offered: it waits.
+            and plan_for(self.catalog, ask.model, ask.gpus, ask.spot, None) is not None
         ]
         expected = self._expected(due, now, after)
-        for run, user in due:
-            assert run.id is not None
-            waited = (now - _aware(run.submitted_at)).total_seconds()
-            when = expected.get(run.id)
+        for ask in due:
+            waited = (now - ask.asked_at).total_seconds()
+            when = expected.get((ask.kind, ask.id))
             # Offered once it has waited the threshold, or at once where the owned side
             # expects to take that long from when it was asked (or never fits it).
-            predicted = (
-                when is not None and (when - _aware(run.submitted_at)).total_seconds() >= after
-            )
+            predicted = when is not None and (when - ask.asked_at).total_seconds() >= after
             if waited < after and not predicted:
                 continue
-            at = None if when is None or when == NEVER else when
-            note = self._offer(run.id, user.key, waited, now, at, never=when == NEVER)
+            note = self._offer(ask, waited, now, when)
             if note:
                 done.append(note)
         return done
 
-    def _waits_on_owned(self, run: TrainingRun) -> bool:
-        """In gpubot's queue, or claimed by a cluster that has not started it."""
-        if run.state == RUN_QUEUED:
-            return True
-        ctx = self.runs.ctx
-        return run.state == RUN_STARTING and ctx.places_itself(dict(run.placement))
-
-    def _where(self, run: TrainingRun) -> str | None:
-        """The place a started run runs on (its placement's `at`), or None."""
-        if run.state not in RUN_ON_HOST or self._waits_on_owned(run):
-            return None
-        at = run.placement.get("at")
-        if isinstance(at, str) and at:
-            return at
-        host = run.placement.get("host")
-        return self.provider_of(host) if isinstance(host, str) and host else None
-
     def _expected(
-        self, due: list[tuple[TrainingRun, User]], now: datetime, after: float
-    ) -> dict[int, datetime]:
-        """When the owned side expects to start each run (NEVER: no owned host fits it): a
-        cluster's own estimate, kept on its placement by the poll; else gpubot's queue
-        estimate over the owned hosts, one pass for all. Asked at most once a minute while
-        no run is old enough to be offered anyway (the estimate reads the whole queue)."""
-        out: dict[int, datetime] = {}
-        queued: list[TrainingRun] = []
-        for run, _ in due:
-            assert run.id is not None
-            if run.state != RUN_QUEUED:
-                said = run.placement.get("expected")
-                if isinstance(said, str):
-                    out[run.id] = _aware(datetime.fromisoformat(said))
+        self, due: list[Ask], now: datetime, after: float
+    ) -> dict[tuple[str, int], datetime]:
+        """When the owned side expects to start each request (NEVER: no owned host can
+        hold it): a cluster's own estimate, kept on its run by the poll; else gpubot's
+        queue estimate over the owned hosts, one pass for all. Asked at most once a minute
+        while nothing is old enough to be offered anyway (the estimate reads the queue)."""
+        out: dict[tuple[str, int], datetime] = {}
+        queued: list[Ask] = []
+        for ask in due:
+            if ask.kind == "run" and ask.stage:
+                if ask.expected is not None:
+                    out[(ask.kind, ask.id)] = ask.expected
             else:
-                queued.append(run)
+                queued.append(ask)
         if not queued:
             return out
-        oldest = max((now - _aware(r.submitted_at)).total_seconds() for r in queued)
-        if (
-            oldest < after
-            and self._estimated_at is not None
-            and (now - self._estimated_at).total_seconds() < ESTIMATE_EVERY_S
-        ):
+        oldest = max((now - a.asked_at).total_seconds() for a in queued)
+        recent = self._estimated_at is not None and (
+            (now - self._estimated_at).total_seconds() < ESTIMATE_EVERY_S
+        )
+        if oldest < after and recent:
             return out
         self._estimated_at = now
         owned = set(self.owned)
         starts = self.runs.board.expected_starts(owned)
-        for run in queued:
-            assert run.id is not None
-            start = starts.get(run.id)
+        for ask in queued:
+            start = starts.get((ask.kind, ask.id))
             if start is not None:
-                out[run.id] = start
-            elif not self.runs.board.fits_on(owned, run.gpu_model or "", run.gpu_count):
-                out[run.id] = NEVER
+                out[(ask.kind, ask.id)] = start
+            elif not self.runs.board.fits_on(owned, ask.model or "", ask.gpus):
+                out[(ask.kind, ask.id)] = NEVER
         return out
 
     @retrying
     def _offer(
-        self,
-        run_id: int,
-        owner: str,
-        waited_s: float,
-        now: datetime,
-        expected: datetime | None,
-        *,
-        never: bool = False,
+        self, ask: Ask, waited_s: float, now: datetime, expected: datetime | None
     ) -> str | None:
-        """The plan, written (one per run) and sent; taken at once for `--cloud ok`."""
+        """The plan, written (one per request) and sent; taken at once for `--cloud ok`."""
         with transaction(self.service.engine) as s:
-            run = locked(s, TrainingRun, run_id)
-            user = s.exec(select(User).where(User.key == owner)).one()
-            if run is None or not self._waits_on_owned(run):
+            if not self._still_waits(s, ask):
                 return None
-            plan = plan_for(self.catalog, run.gpu_model, run.gpu_count, run.spot, run.max_seconds)
+            plan = plan_for(self.catalog, ask.model, ask.gpus, ask.spot, ask.seconds)
             if plan is None:
                 return None
-            refusal = self._refusal(s, user, run, plan, now)
-            take = consent(run, user) == "ok" and refusal is None
+            refusal = self._refusal(s, ask, plan, now)
+            take = consent(ask) == "ok" and refusal is None
             offer = BurstOffer(
-                run_id=run_id,
-                user_id=user.id or 0,
+                run_id=ask.id if ask.kind == "run" else None,
+                reservation_id=ask.id if ask.kind == "res" else None,
+                user_id=ask.owner.id or 0,
                 place=self.cloud,
                 instance_type=plan.instance_type.instance_type,
                 usd_per_hour=plan.usd_per_hour,
@@ -289,7 +391,7 @@ class Bursts:
                 estimate_usd=plan.estimate_usd,
                 state=st.ACCEPTED if take else (st.REFUSED if refusal else st.OPEN),
                 note=refusal or "",
-                expected_start=expected,
+                expected_start=None if expected == NEVER else expected,
                 created_at=now,
                 decided_at=now if take or refusal else None,
             )
@@ -298,28 +400,38 @@ class Bursts:
                     s.add(offer)
             except IntegrityError:
                 return None  # another worker made it
-            stage = str(run.placement.get("stage") or "")
             after = self.service.settings.burst_after_s or 0.0
-            head = wait_words(run, waited_s, after, NEVER if never else expected, now)
-            owned = "" if never else _expected_words(expected, now, self.service.settings.timezone)
-            view = offer_view(offer, run, head, stage or owned, self.label_of(self.cloud))
-            self.service.notify_dm(s, owner, view, now, f"burst-offer:{run_id}")
+            head = wait_words(ask, waited_s, after, expected, now)
+            owned = (
+                ""
+                if expected == NEVER
+                else _expected_words(expected, now, self.service.settings.timezone)
+            )
+            view = offer_view(offer, ask, head, ask.stage or owned, self.label_of(self.cloud))
+            self.service.notify_dm(s, ask.owner.key, view, now, f"burst-offer:{_key(offer)}")
         self.service.nudge()
-        return f"offered {self.cloud} to run {run_id} ({offer.state})"
+        return f"offered {self.cloud} to {ask.name} ({offer.state})"
 
-    def _refusal(
-        self, s: Session, user: User, run: TrainingRun, plan: Plan, now: datetime
-    ) -> str | None:
-        """Why taking the plan is refused now (budget, pool caps), in words; None if not."""
+    def _still_waits(self, s: Session, ask: Ask) -> bool:
+        """The request, locked, as it is now: does it still wait on the owned side?"""
+        if ask.kind == "run":
+            run = locked(s, TrainingRun, ask.id)
+            return run is not None and self._run_ask(run, ask.owner).waits
+        res = locked(s, Reservation, ask.id)
+        return res is not None and res.state == RES_WAITING
+
+    def _refusal(self, s: Session, ask: Ask, plan: Plan, now: datetime) -> str | None:
+        """Why taking the plan is refused now (budget, caps), in words; None if not."""
         try:
             check_budget(
                 s,
-                user,
+                ask.owner,
                 plan.estimate_usd,
                 now,
                 self.service.settings,
-                what=f"Run #{run.id} on {plan.instance_type.instance_type}",
-                skip_run=run.id,
+                what=f"{ask.name} on {plan.instance_type.instance_type}",
+                skip_run=ask.id if ask.kind == "run" else None,
+                skip_reservation=ask.id if ask.kind == "res" else None,
             )
         except UserError as exc:
             return exc.text
@@ -329,14 +441,14 @@ class Bursts:
             return (
                 f"{plan.instance_type.instance_type} costs {_usd(price)}/h, over the admin's cap "
                 f"of {_usd(cfg.burst_max_usd_per_hour)}/h for an instance bought for a waiting "
-                "run (GPUBOT_BURST_MAX_USD_PER_HOUR)."
+                "request (GPUBOT_BURST_MAX_USD_PER_HOUR)."
             )
         if cfg.burst_max_instances:
             running = bought_running(s, self.cloud)
             if running >= cfg.burst_max_instances:
                 return (
-                    f"{running} instance{'s' if running != 1 else ''} bought for waiting runs "
-                    f"{'are' if running != 1 else 'is'} running, the admin's cap "
+                    f"{running} instance{'s' if running != 1 else ''} bought for waiting "
+                    f"requests {'are' if running != 1 else 'is'} running, the admin's cap "
                     "(GPUBOT_BURST_MAX_INSTANCES); the next is offered when one ends."
                 )
         fleet = self._fleet
@@ -345,51 +457,50 @@ class Bursts:
             return f"The pool allows no more now: {caps}."
         return None
 
-    def _forward(self, offer: BurstOffer, run: TrainingRun, now: datetime) -> str | None:
-        """One live offer moved on by what happened to its run."""
-        assert run.id is not None
-        where = self._where(run)
-        ended = run.state not in (RUN_QUEUED, *RUN_ON_HOST)
+    def _forward(self, offer: BurstOffer, ask: Ask, now: datetime) -> str | None:
+        """One live offer moved on by what happened to its request."""
+        where = ask.where
         if offer.state in (st.OPEN, st.REFUSED):
-            if where is None and not ended:
+            if where is None and not ask.ended:
                 return None
             said = (
-                f"Run #{run.id} started on {self.label_of(where)}, so the offer of "
+                f"{ask.name} started on {self.label_of(where)}, so the offer of "
                 f"{self.label_of(self.cloud)} is withdrawn; nothing was bought."
                 if where is not None
                 else None
             )
-            return self._settle(run.id, offer.state, st.WITHDRAWN, said, now)
+            return self._settle(offer, st.WITHDRAWN, said, now)
         if offer.state in st.BUYING:
             if where == self.cloud:
-                started = run.started_at
-                return self._settle(run.id, offer.state, st.CLOUD, None, now, started)
-            if where is not None or ended:
-                return self._settle(run.id, offer.state, st.GIVING_BACK, None, now)
-            if offer.state in (st.ACCEPTED, st.MOVING) and self.runs.ctx.cluster is not None:
-                return self._race_the_cluster(offer, run, now)
-            return None
+                return self._settle(offer, st.CLOUD, None, now, ask.started_at)
+            if where is not None or ask.ended:
+                return self._settle(offer, st.GIVING_BACK, None, now)
+            cluster = self.runs.ctx.cluster
+            if ask.kind == "run" and offer.state in (st.ACCEPTED, st.MOVING) and cluster:
+                return self._race_the_cluster(offer, now)
+            return None  # gpubot places or grants it: the first GPUs free win
         if offer.state == st.GIVING_BACK:
             fleet = self._fleet
-            if fleet is None or fleet.give_back(run.id):
+            if fleet is None or fleet.give_back(ask.kind, ask.id):
                 said = (
-                    f"Run #{run.id} started on {self.label_of(where)} first, so what was "
+                    f"{ask.name} started on {self.label_of(where)} first, so what was "
                     f"bought for it on {self.label_of(self.cloud)} was given back."
                     if where is not None and where != self.cloud
                     else None
                 )
-                return self._settle(run.id, st.GIVING_BACK, st.OWNED, said, now)
+                return self._settle(offer, st.OWNED, said, now)
         return None
 
-    def _race_the_cluster(self, offer: BurstOffer, run: TrainingRun, now: datetime) -> str | None:
+    def _race_the_cluster(self, offer: BurstOffer, now: datetime) -> str | None:
         """A taken offer of a run in a cluster's queue: an instance is launched for it;
         once one is ready, the job is withdrawn if it still pends and the run is gpubot's
         to place there. The cluster starting it first wins instead. The withdrawal is
         written down first (MOVING), so a worker that dies after the cancel finishes the
         move when it comes back, before the poll could read the cancel as the run's end."""
-        assert run.id is not None
         fleet = self._fleet
-        if fleet is None:
+        with transaction(self.service.engine, write=False) as s:
+            run = s.get(TrainingRun, offer.run_id)
+        if fleet is None or run is None or run.id is None:
             return None
         if offer.state == st.ACCEPTED:
             if not self._cloud_ready_for(run):
@@ -400,7 +511,7 @@ class Bursts:
                     in_cluster=True,
                 )
                 return f"run {run.id}: {done}" if done else None
-            if self._settle(run.id, st.ACCEPTED, st.MOVING, None, now) is None:
+            if self._settle(offer, st.MOVING, None, now) is None:
                 return None
         cluster = self.runs.ctx.cluster
         executor = cluster[1] if cluster is not None else None
@@ -413,7 +524,7 @@ class Bursts:
             return None  # the controller cannot say now: asked again next tick
         if not gone:
             # It started there first: the poll sees it run, and the tick gives back.
-            return self._settle(run.id, st.MOVING, st.GIVING_BACK, None, now)
+            return self._settle(offer, st.GIVING_BACK, None, now, was=st.MOVING)
         self._move(run.id, dict(run.placement))
         self.service.nudge()
         return f"run {run.id} moved from the cluster's queue to {self.cloud}"
@@ -457,73 +568,83 @@ class Bursts:
     @retrying
     def _settle(
         self,
-        run_id: int,
-        was: str,
+        offer: BurstOffer,
         to: str,
         said: str | None,
         now: datetime,
         cloud_start: datetime | None = None,
+        *,
+        was: str | None = None,
     ) -> str | None:
-        """`was` -> `to`, once (a conditional update), with its DM."""
+        """The offer from the state it was read in (`was`, else its own) to `to`, once (a
+        conditional update under its lock), with its DM."""
+        was = was or offer.state
         with transaction(self.service.engine) as s:
-            offer = s.exec(select(BurstOffer).where(BurstOffer.run_id == run_id)).first()
-            if offer is None or offer.state != was:
+            row = locked(s, BurstOffer, offer.id) if offer.id is not None else None
+            if row is None or row.state != was:
                 return None
-            offer.state = to
-            offer.decided_at = offer.decided_at or now
-            offer.cloud_start = cloud_start or offer.cloud_start
-            s.add(offer)
+            row.state = to
+            row.decided_at = row.decided_at or now
+            row.cloud_start = cloud_start or row.cloud_start
+            s.add(row)
             if said:
-                owner = s.get(User, offer.user_id)
+                owner = s.get(User, row.user_id)
                 if owner is not None:
                     self.service.notify_dm(
-                        s, owner.key, views.message(said).view, now, f"burst-{to}:{run_id}"
+                        s, owner.key, views.message(said).view, now, f"burst-{to}:{_key(row)}"
                     )
-        return f"run {run_id}: offer {was} -> {to}"
+        return f"{_key(row)}: offer {was} -> {to}"
 
     # --- the owner's side -----------------------------------------------------------
 
-    def answer(self, actor: Actor, run_id: int, take: bool) -> views.Reply:
-        """`/gpu cloud take ID` (a button) or `wait ID`."""
+    def answer(
+        self, actor: Actor, ref: int, take: bool, *, reservation: bool = False
+    ) -> views.Reply:
+        """`/gpu cloud take ID` (a button) or `wait ID`; `take res ID` for a reservation."""
         now = self.service.clock.now()
+        kind = "res" if reservation else "run"
         with transaction(self.service.engine) as s:
-            offer = s.exec(select(BurstOffer).where(BurstOffer.run_id == run_id)).first()
-            run = locked(s, TrainingRun, run_id)
-            owner = s.get(User, offer.user_id) if offer is not None else None
-            if offer is None or run is None or owner is None:
+            column = BurstOffer.reservation_id if reservation else BurstOffer.run_id
+            offer = s.exec(select(BurstOffer).where(column == ref)).first()
+            found = self._asks(s, [offer]) if offer is not None else []
+            name = f"Run #{ref}" if kind == "run" else f"Reservation #{ref}"
+            if offer is None or not found:
                 raise UserError(
-                    f"Run #{run_id} has no offer of the cloud: runs are offered it once they "
-                    "have waited long for the team's own GPUs. `/gpu cloud` lists yours."
+                    f"{name} has no offer of the cloud: a request is offered it once it has "
+                    "waited long for the team's own GPUs. `/gpu cloud` lists yours."
                 )
-            if owner.key != actor.key and not actor.admin:
-                raise UserError(f"Run #{run_id} is {owner.display_name}'s; only they can answer.")
+            ((ask, _),) = found
+            if ask.owner.key != actor.key and not actor.admin:
+                raise UserError(f"{name} is {ask.owner.display_name}'s; only they can answer.")
             if offer.state not in (st.OPEN, st.REFUSED):
-                raise UserError(_answered(offer, run_id))
+                raise UserError(_answered(offer, name))
+            offer = locked(s, BurstOffer, offer.id)
+            assert offer is not None
             if not take:
                 offer.state, offer.decided_at = st.DECLINED, now
                 s.add(offer)
                 return views.message(
-                    f"Run #{run_id} keeps waiting for the team's own GPUs; it is not offered "
-                    "the cloud again."
+                    f"{name} keeps waiting for the team's own GPUs; it is not offered the "
+                    "cloud again."
                 )
-            plan = plan_for(self.catalog, run.gpu_model, run.gpu_count, run.spot, run.max_seconds)
+            plan = plan_for(self.catalog, ask.model, ask.gpus, ask.spot, ask.seconds)
             if plan is None:
-                raise UserError(f"The cloud no longer sells {run.gpu_model} for run #{run_id}.")
-            refusal = self._refusal(s, owner, run, plan, now)
+                raise UserError(f"The cloud no longer sells {ask.model} for {name}.")
+            refusal = self._refusal(s, ask, plan, now)
             if refusal is not None:
                 offer.state, offer.note = st.REFUSED, refusal
                 s.add(offer)
-                raise UserError(f"Nothing was bought for run #{run_id}. {refusal}")
+                raise UserError(f"Nothing was bought for {name}. {refusal}")
             offer.state, offer.decided_at = st.ACCEPTED, now
             offer.instance_type = plan.instance_type.instance_type
             offer.usd_per_hour, offer.estimate_usd = plan.usd_per_hour, plan.estimate_usd
             s.add(offer)
         self.service.nudge()
         return views.message(
-            f"Taken: a {plan.instance_type.instance_type} is being bought for run #{run_id} "
+            f"Taken: a {plan.instance_type.instance_type} is being bought for {name} "
             f"(about {_usd(plan.estimate_usd)} for {_hours(plan)}). It keeps its place on the "
-            "team's own GPUs meanwhile and runs wherever it can start first; the other side is "
-            "given back. You get a DM when it starts."
+            "team's own GPUs meanwhile and starts wherever GPUs are free first; the other side "
+            "is given back. You get a DM when it starts."
         )
 
     def set_policy(self, actor: Actor, user_key: str, policy: str) -> views.Reply:
@@ -539,8 +660,8 @@ class Bursts:
             name = user.display_name
         said = {
             "ok": "offers of the cloud are taken for them in advance, within their budget",
-            "never": "their runs wait for the team's own GPUs and are never offered the cloud",
-            "ask": "they are asked, with the price, when a run has waited long",
+            "never": "what they ask for waits for the team's own GPUs, never offered the cloud",
+            "ask": "they are asked, with the price, when a request has waited long",
         }[policy]
         return views.message(f"Cloud for {name}: {policy} ({said}).")
 
@@ -560,31 +681,34 @@ class Bursts:
             when = (
                 "never (GPUBOT_BURST_AFTER=never)"
                 if after is None
-                else f"once a run has waited {_span(after)} for the team's own GPUs"
+                else f"once a request has waited {_span(after)} for the team's own GPUs"
             )
-            return views.message(f"No offers of the cloud for your runs. They are made {when}.")
+            return views.message(
+                f"No offers of the cloud for your runs or reservations. They are made {when}."
+            )
         lines = [
-            f"Run #{o.run_id}: {o.instance_type} on {o.place}, about {_usd(o.estimate_usd)} "
-            f"({_usd(o.usd_per_hour)}/h), {o.state}"
+            f"{_name(o)}: {o.instance_type} on {self.label_of(o.place)}, about "
+            f"{_usd(o.estimate_usd)} ({_usd(o.usd_per_hour)}/h), {o.state}"
             + (f": {o.note}" if o.state == st.REFUSED and o.note else "")
             for o in rows
         ]
         return views.message("\n".join(lines))
 
 
-def consent(run: TrainingRun, user: User) -> str | None:
-    """What the run's owner said of the cloud, with the admin's word for them: "never"
-    from either wins, then "ok" from either; None: ask with the price."""
-    words = (run.cloud, user.cloud)
+def consent(ask: Ask) -> str | None:
+    """What the request's owner said of the cloud (a run's --cloud), with the admin's word
+    for them: "never" from either wins, then "ok" from either; None: ask with the price."""
+    words = (ask.cloud, ask.owner.cloud)
     if "never" in words:
         return "never"
     return "ok" if "ok" in words else None
 
 
 def bought_running(s: Session, cloud: str) -> int:
-    """Instances of the cloud bought for waiting runs (an offer's launches) that run now."""
+    """Instances of the cloud bought for waiting requests (an offer's launches) that run now."""
     ids = select(LaunchRequest.instance_id).where(
-        col(LaunchRequest.run_id).in_(select(BurstOffer.run_id)),
+        col(LaunchRequest.run_id).in_(select(BurstOffer.run_id))
+        | col(LaunchRequest.reservation_id).in_(select(BurstOffer.reservation_id)),
         col(LaunchRequest.instance_id).is_not(None),
     )
     hosts = s.exec(
@@ -598,36 +722,36 @@ def bought_running(s: Session, cloud: str) -> int:
 
 
 def wait_words(
-    run: TrainingRun, waited_s: float, after_s: float, expected: datetime | None, now: datetime
+    ask: Ask, waited_s: float, after_s: float, expected: datetime | None, now: datetime
 ) -> str:
-    """The plan's first words: how long the run has waited, or (offered before the
+    """The plan's first words: how long the request has waited, or (offered before the
     threshold because the owned side expects to take that long) how long it would."""
-    mine = f"the team's own {run.gpu_model} GPUs"
+    mine = f"the team's own {ask.model} GPUs"
     if waited_s >= after_s or expected is None:
-        return f"Run #{run.id} has waited {_span(waited_s)} for {mine}."
+        return f"{ask.name} has waited {_span(waited_s)} for {mine}."
     if expected == NEVER:
-        return f"Run #{run.id} would wait for good for {mine}: none of them can hold it."
-    return f"Run #{run.id} would wait about {_span((expected - now).total_seconds())} for {mine}."
+        return f"{ask.name} would wait for good for {mine}: none of them can hold it."
+    return f"{ask.name} would wait about {_span((expected - now).total_seconds())} for {mine}."
 
 
-def offer_view(
-    offer: BurstOffer, run: TrainingRun, head: str, stage: str, cloud: str
-) -> views.View:
+def offer_view(offer: BurstOffer, ask: Ask, head: str, stage: str, cloud: str) -> views.View:
     """The plan as its owner reads it, with the two buttons (Block Kit keeps their labels
     within 75 characters: bot.faces.slack.blocks). `head`: `wait_words`; `stage`: what the
     owned side's queue says of it; `cloud`: the cloud as people name it."""
-    take = f"/gpu cloud take {offer.run_id}"
-    wait = f"/gpu cloud wait {offer.run_id}"
-    length = (
-        f"{_span(offer.hours * 3600)} (no --max given: {ASSUMED_HOURS:g}h assumed)"
-        if offer.assumed
-        else f"its --max of {_span(offer.hours * 3600)}"
-    )
+    take = f"/gpu cloud take {ask.command}"
+    wait = f"/gpu cloud wait {ask.command}"
+    if ask.kind == "res":
+        length = f"its {_span(offer.hours * 3600)}"
+    elif offer.assumed:
+        length = f"{_span(offer.hours * 3600)} (no --max given: {ASSUMED_HOURS:g}h assumed)"
+    else:
+        length = f"its --max of {_span(offer.hours * 3600)}"
     if stage and stage != "handed to the cluster":
         head = f"{head} Their queue says: {stage}."
+    verb = "run" if ask.kind == "run" else "be held"
     plan = (
-        f"It could run on {cloud} now: {offer.instance_type}, {_usd(offer.usd_per_hour)}/h for "
-        f"its {run.gpu_count} GPU{'s' if run.gpu_count != 1 else ''}, about "
+        f"It could {verb} on {cloud} now: {offer.instance_type}, {_usd(offer.usd_per_hour)}/h "
+        f"for its {ask.gpus} GPU{'s' if ask.gpus != 1 else ''}, about "
         f"{_usd(offer.estimate_usd)} for {length}."
     )
     if offer.state == st.REFUSED:
@@ -638,14 +762,14 @@ def offer_view(
         )
     if offer.state == st.ACCEPTED:
         tail = (
-            "You took it in advance (--cloud ok): it is being bought now, and the run starts "
+            "You took it in advance (--cloud ok): it is being bought now, and it starts "
             "wherever it can first."
         )
         return views.View(
             text=f"{head} {plan} {tail}",
             blocks=(views.Text(head), views.Text(plan), views.Text(tail)),
         )
-    tail = "It keeps its place in the team's queue either way, and runs wherever it starts first."
+    tail = "It keeps its place in the team's queue either way, and starts wherever it can first."
     label = f"Run on {cloud} now, about {_usd(offer.estimate_usd)}"
     return views.View(
         text=f"{head} {plan} {tail}",
@@ -670,18 +794,31 @@ def _expected_words(expected: datetime | None, now: datetime, tz: str) -> str:
     return f"expected to start on them {when(expected, now, tz)}"
 
 
-def _answered(offer: BurstOffer, run_id: int) -> str:
+def _answered(offer: BurstOffer, name: str) -> str:
     said = {
         st.ACCEPTED: "it was taken already: the cloud is being bought for it",
         st.MOVING: "it was taken: its job is leaving the cluster's queue for the cloud",
         st.MOVED: "it was taken: it runs on the cloud as soon as it is placed there",
         st.CLOUD: "it runs on the cloud",
         st.DECLINED: "you chose to keep waiting",
-        st.WITHDRAWN: "the run started on the team's own GPUs, or ended, before an answer",
+        st.WITHDRAWN: "it started on the team's own GPUs, or ended, before an answer",
         st.GIVING_BACK: "the team's own GPUs started it first",
         st.OWNED: "the team's own GPUs started it first",
     }
-    return f"The offer for run #{run_id} is closed: {said.get(offer.state, offer.state)}."
+    return f"The offer for {name.lower()} is closed: {said.get(offer.state, offer.state)}."
+
+
+def _key(offer: BurstOffer) -> str:
+    """The offer's request, as dedupe keys and logs name it: `run:12`, `res:3`."""
+    return f"run:{offer.run_id}" if offer.run_id is not None else f"res:{offer.reservation_id}"
+
+
+def _name(offer: BurstOffer) -> str:
+    return (
+        f"Run #{offer.run_id}"
+        if offer.run_id is not None
+        else f"Reservation #{offer.reservation_id}"
+    )
 
 
 def _usd(x: float) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sqlmodel import Session, col, select
 
-from db.models import BurstOffer, TrainingRun
+from db.models import BurstOffer, Reservation, TrainingRun
 
 # Made, DM'd with its buttons, not answered yet: the run keeps its place on the owned side.
 OPEN = "open"
@@ -50,11 +50,31 @@ def taken(s: Session, run_id: int) -> tuple[str, float] | None:
     return offer.instance_type, offer.usd_per_hour / gpus
 
 
+def taken_reservations(s: Session) -> dict[int, tuple[str, float]]:
+    """Each reservation whose owner took the offer: the type offered and the most a
+    GPU-hour may cost (the fleet buys for it now, and for no other waiting reservation of
+    a model the owned places have)."""
+    out: dict[int, tuple[str, float]] = {}
+    for offer, res in s.exec(
+        select(BurstOffer, Reservation)
+        .join(Reservation, col(Reservation.id) == col(BurstOffer.reservation_id))
+        .where(col(BurstOffer.state).in_(BUYING))
+    ):
+        assert res.id is not None
+        out[res.id] = (offer.instance_type, offer.usd_per_hour / max(1, res.gpu_count))
+    return out
+
+
 def moving(s: Session) -> set[int]:
     """The runs whose cluster job is being withdrawn for the cloud."""
-    return set(s.exec(select(BurstOffer.run_id).where(BurstOffer.state == MOVING)))
+    return _runs(s, (MOVING,))
 
 
 def on_cloud(s: Session) -> set[int]:
     """The runs gpubot's scheduler places on the cloud (they left the cluster's queue)."""
-    return set(s.exec(select(BurstOffer.run_id).where(col(BurstOffer.state).in_(ON_CLOUD))))
+    return _runs(s, ON_CLOUD)
+
+
+def _runs(s: Session, states: tuple[str, ...]) -> set[int]:
+    found = s.exec(select(BurstOffer.run_id).where(col(BurstOffer.state).in_(states)))
+    return {i for i in found if i is not None}

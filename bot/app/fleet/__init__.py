@@ -182,10 +182,11 @@ class Fleet:
                 run_id, instance_type, in_cluster=in_cluster, price_cap=price_cap
             )
 
-    def give_back(self, run_id: int) -> bool:
-        """Ends what was bought for a run the owned GPUs started first; True when done."""
+    def give_back(self, kind: str, ref: int) -> bool:
+        """Ends what was bought for a run or reservation the owned GPUs started first;
+        True when done."""
         with self._lock:
-            return self.buyer.give_back(run_id)
+            return self.buyer.give_back(kind, ref)
 
     def pool_refusal(self, instance_type: str) -> str | None:
         return self.buyer.pool_refusal(instance_type)

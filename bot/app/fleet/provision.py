@@ -14,6 +14,7 @@ from datetime import datetime
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from bot.app.burst import state as burst_state
 from bot.app.fleet.common import (
     LAUNCH_READY_MIN,
     LAUNCH_RETRY_AFTER,
@@ -72,8 +73,7 @@ class Buyer:
         """For each waiting reservation no ready or booting host can serve: start a stopped
         instance of its model, else launch one within the pool limits. Returns what was
         done, in words (for the log and tests)."""
-        places = self.ctx.service.places
-        owned = {w.name for w in places.owned} if places.bursting else set()
+        bursting = self.ctx.service.places.bursting
         now = self.ctx.service.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             waiting = list(
@@ -101,6 +101,9 @@ class Buyer:
             ):
                 assert req.reservation_id is not None
                 requests.setdefault(req.reservation_id, []).append(req)
+            # Owned places first: only a reservation whose owner took the cloud's offer
+            # (bot.app.burst) is bought for, at no more than the price shown.
+            taken = burst_state.taken_reservations(s) if bursting else {}
         # Free GPUs of each model per host, as supply: ready hosts now, booting ones soon.
         supply: dict[int, dict[str, int]] = {}
         for h in hosts:
@@ -116,17 +119,12 @@ class Buyer:
             h for h in hosts if h.state == HOST_STOPPED and h.provider == self.ctx.compute.name
         ]
         done: list[str] = []
-        # Owned places first: a reservation of a model the team's own hosts have waits for
-        # them (offers of the cloud are made for runs only); the cloud is the first place
-        # that has any other model, so one of those is bought for as a cloud alone would.
-        owned_models = {
-            g.model for h in hosts if h.provider in owned for g in gpus.get(h.id or -1, [])
-        }
         for res, user in waiting:
             model = res.gpu_model
             if model is None or model == "cpu":
                 continue  # "any GPU" is served by whatever frees up; nothing to buy for it
-            if model in owned_models:
+            offered, cap = taken.get(res.id or -1, (None, None))
+            if bursting and offered is None:
                 continue
             if _take(supply, model, res.gpu_count):
                 continue
@@ -141,14 +139,19 @@ class Buyer:
             ):
                 continue
             want = Want(kind="res", id=res.id or 0, owner=user.key, model=model, gpus=res.gpu_count)
-            started = self._start_stopped(want, stopped, hosts, gpus)
+            cheap = [
+                h
+                for h in stopped
+                if cap is None or _gpu_hourly(self.ctx.catalog, h, want.market) <= cap + 1e-9
+            ]
+            started = self._start_stopped(want, cheap, hosts, gpus)
             if started is not None:
                 stopped = [h for h in stopped if h.id != started.id]
                 assert started.id is not None
                 supply[started.id] = {model: len(gpus.get(started.id, [])) - res.gpu_count}
                 done.append(f"started {started.instance_id} for reservation {res.id}")
                 continue
-            launched = self._launch(want, len(reqs), hosts)
+            launched = self._launch(want, len(reqs), hosts, prefer=offered, price_cap=cap)
             if launched is not None:
                 done.append(f"launched {launched.instance_id} for reservation {res.id}")
         return done
@@ -251,13 +254,16 @@ class Buyer:
         )
         return None if inst is None else f"launched {inst.instance_id} for run {run_id}"
 
-    def give_back(self, run_id: int) -> bool:
-        """What was bought for a run that started elsewhere first (bot.app.burst): each
-        instance launched for it that nobody holds anything on is terminated at once (it
-        never ran anything, so its disk is worth nothing). True once nothing is left to
-        give back; False while a launch for it is still unsettled (reconcile settles it)."""
+    def give_back(self, kind: str, ref: int) -> bool:
+        """What was bought for a run ("run") or reservation ("res") that started elsewhere
+        first (bot.app.burst): each instance launched for it that nobody holds anything on
+        is terminated at once (it never ran anything, so its disk is worth nothing). True
+        once nothing is left to give back; False while a launch for it is still unsettled
+        (reconcile settles it)."""
+        column = LaunchRequest.run_id if kind == "run" else LaunchRequest.reservation_id
+        what = f"run #{ref}" if kind == "run" else f"reservation #{ref}"
         with transaction(self.ctx.engine, write=False) as s:
-            reqs = list(s.exec(select(LaunchRequest).where(LaunchRequest.run_id == run_id)))
+            reqs = list(s.exec(select(LaunchRequest).where(column == ref)))
             ids = [r.instance_id for r in reqs if r.state == REQ_LAUNCHED and r.instance_id]
             hosts = list(s.exec(select(Host).where(col(Host.instance_id).in_(ids)))) if ids else []
             held = held_gpu_ids(s)
@@ -281,7 +287,7 @@ class Buyer:
             self.ctx.service.notify_channel(
                 text_view(
                     f"Terminated {host.instance_id} ({host.instance_type}): it was launched "
-                    f"for run #{run_id}, which the team's own GPUs started first."
+                    f"for {what}, which the team's own GPUs started first."
                 ),
                 dedupe=f"fleet-give-back:{host.instance_id}",
             )

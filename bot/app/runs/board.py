@@ -183,6 +183,13 @@ class RunBoard:
     def _estimates(
         self, s: Session, now: datetime, runs: list[TrainingRun], fleet: list[FleetHost]
     ) -> dict[int, estimates.Estimate]:
+        """The queued runs' estimates by run id (`_estimate_all`)."""
+        found = self._estimate_all(s, now, runs, fleet)
+        return {e.run_id: e for e in found if isinstance(e.run_id, int)}
+
+    def _estimate_all(
+        self, s: Session, now: datetime, runs: list[TrainingRun], fleet: list[FleetHost]
+    ) -> list[estimates.Estimate]:
         """The queue as `bot.domain.estimates` sees it: who holds which host's GPUs until when
         (a run's ETA from its status, else its --max; a reservation's end), and the
         waiting runs in line order."""
@@ -245,14 +252,13 @@ class RunBoard:
             for r in runs
             if r.state == RUN_QUEUED and r.id is not None
         ]
-        found = estimates.estimate_queue(waiting, pictures, now.timestamp())
-        return {e.run_id: e for e in found if isinstance(e.run_id, int)}
+        return estimates.estimate_queue(waiting, pictures, now.timestamp())
 
-    def expected_starts(self, places: set[str]) -> dict[int, datetime | None]:
-        """When each queued run is expected to start on the hosts of `places` alone (the
-        owned ones: what it would wait without the cloud), by the queue's own estimate, in
-        one pass; None where that depends on a holder of unknown length, or the run never
-        fits there (`fits_on` tells the two apart)."""
+    def expected_starts(self, places: set[str]) -> dict[tuple[str, int], datetime | None]:
+        """When each queued run ("run", id) and waiting reservation ("res", id) is expected
+        to start on the hosts of `places` alone (the owned ones: what it would wait without
+        the cloud), by the queue's own estimate, in one pass; None where that depends on a
+        holder of unknown length, or it never fits there (`fits_on` tells the two apart)."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             runs = list(
@@ -262,14 +268,15 @@ class RunBoard:
                     .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
                 )
             )
-            if not runs:
-                return {}
             fleet = [h for h in read_fleet(s) if h.provider in places]
-            found = self._estimates(s, now, runs, fleet)
-        return {
-            rid: datetime.fromtimestamp(e.start_s, tz=UTC) if e.start_s is not None else None
-            for rid, e in found.items()
-        }
+            found = self._estimate_all(s, now, runs, fleet)
+        out: dict[tuple[str, int], datetime | None] = {}
+        for e in found:
+            key: tuple[str, int] = (
+                ("run", e.run_id) if isinstance(e.run_id, int) else ("res", int(e.run_id[4:]))
+            )
+            out[key] = datetime.fromtimestamp(e.start_s, tz=UTC) if e.start_s is not None else None
+        return out
 
     def fits_on(self, places: set[str], model: str, gpus: int) -> bool:
         """Whether some host of `places` that is not gone has `gpus` GPUs of `model`."""

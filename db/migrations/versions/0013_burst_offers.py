@@ -4,9 +4,9 @@ Revision ID: 0013
 Revises: 0012
 Create Date: 2026-12-06
 
-With owned places and a cloud (GPUBOT_PROVIDERS=slurm,aws), a run that has waited past
-GPUBOT_BURST_AFTER is offered the cloud with its price (bot.app.burst); the offer is a
-row, one per run, so one request is never bought twice, and `--cloud ok|never` is kept
+With owned places and a cloud (GPUBOT_PROVIDERS=slurm,aws), a run or a reservation that
+has waited past GPUBOT_BURST_AFTER is offered the cloud with its price (bot.app.burst); the
+offer is a row, one per request, so one request is never bought twice; `--cloud ok|never` is kept
 on the run; an admin's word for a person (`/gpu cloud @alice ok|never|ask`) on the user.
 """
 
@@ -30,7 +30,8 @@ def upgrade() -> None:
     op.create_table(
         "burstoffer",
         sa.Column("id", sa.Integer(), primary_key=True),
-        sa.Column("run_id", sa.Integer(), sa.ForeignKey("trainingrun.id"), nullable=False),
+        sa.Column("run_id", sa.Integer(), sa.ForeignKey("trainingrun.id"), nullable=True),
+        sa.Column("reservation_id", sa.Integer(), sa.ForeignKey("reservation.id"), nullable=True),
         sa.Column("user_id", sa.Integer(), sa.ForeignKey("user.id"), nullable=False),
         sa.Column("place", sa.String(length=32), nullable=False),
         sa.Column("instance_type", sa.String(length=64), nullable=False),
@@ -45,6 +46,7 @@ def upgrade() -> None:
         sa.Column("created_at", UTCDateTime(), nullable=False),
         sa.Column("decided_at", UTCDateTime(), nullable=True),
         sa.UniqueConstraint("run_id"),
+        sa.UniqueConstraint("reservation_id"),
     )
     op.create_index("ix_burstoffer_user_id", "burstoffer", ["user_id"])
     op.create_index("ix_burstoffer_state", "burstoffer", ["state"])
