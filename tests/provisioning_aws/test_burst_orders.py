@@ -1,7 +1,10 @@
 """The offer of the cloud under random orders of what can happen to it (issue 37's Done
-when (e)): the owned host frees, its owner takes or declines the offer, a launch fails,
-the run is cancelled, the bot restarts, time passes, in any order. Whatever the order,
-nothing is held twice, billed twice or left running for nobody.
+when (e)): the owned host frees, the owners take or decline their offers, a launch fails,
+the run is cancelled, the reservation released, the bot restarts, time passes, in any
+order. Whatever the order, nothing is held twice, billed twice or left running for nobody.
+
+Two requests compete for the one owned T4 that bob holds: alice's run and carol's
+reservation, each offered EC2.
 
 The places are `ssh,aws` on EC2 in moto (in process); every host, the owned one and the
 instances, is reached through the real `RemoteAccess` with a `LocalRunner` in place of
@@ -18,6 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as hs
@@ -35,7 +39,7 @@ from bot.domain.commands import Release, Reserve, Run
 from bot.faces.dispatch import handle_text
 from db.migrate import upgrade
 from db.models import (
-    HOST_TERMINATED,
+    HOST_BILLED_RUNNING,
     RES_ACTIVE,
     BurstOffer,
     Host,
@@ -54,8 +58,8 @@ from tests.core.helpers import host
 from tests.provisioning_aws.conftest import AwsLab, _build_world, fresh_session
 from tests.provisioning_aws.faults import RunInstancesFaults
 
-EVENTS = ("tick", "tick", "free", "take", "wait", "fail", "cancel", "restart")
-TERMINAL = ("succeeded", "failed", "cancelled")
+EVENTS = ("tick", "tick", "free", "take", "wait", "fail", "cancel", "release", "restart")
+TERMINAL = ("succeeded", "failed", "cancelled", "released", "expired")
 SETTLE_S = 60.0  # a guard against a hang, not a speed assertion
 
 
@@ -83,6 +87,10 @@ class World:
         assert not self.svc.reserve(bob, Reserve(1, "T4", timedelta(hours=8))).error
         ask = Run(command=("sleep", "0.3"), model="T4", max_duration=timedelta(hours=1))
         self.rid = int(self.svc.runs.submit(self.svc.actor("alice"), ask).extra["run_id"])
+        carol = self.svc.actor("carol")
+        assert not self.svc.reserve(carol, Reserve(1, "T4", timedelta(minutes=30))).error
+        with Session(self.engine) as s:
+            self.res_id = max(r.id or 0 for r in s.exec(select(Reservation)))
 
     def build(self) -> None:
         """The bot, made anew on the same database and cloud: a restart."""
@@ -109,7 +117,7 @@ class World:
         svc.bursts.tick()
         svc.runs.poll()
         svc.runs.dispatch()
-        svc.fleet.refresh()  # type: ignore[attr-defined]
+        svc.fleet.cycle()
         self.failing = False
 
     def act(self, event: str) -> None:
@@ -118,85 +126,103 @@ class World:
             self.tick()
         elif event == "free":
             with Session(self.engine) as s:
-                held = s.exec(select(Reservation).where(Reservation.state == RES_ACTIVE)).first()
+                held = s.exec(
+                    select(Reservation).where(
+                        Reservation.state == RES_ACTIVE, Reservation.id != self.res_id
+                    )
+                ).first()
             if held is not None:
                 svc.release(svc.actor("bob"), Release(held.id))
-        elif event == "take":
-            handle_text(svc, alice, f"/gpu cloud take {self.rid}")
-        elif event == "wait":
-            handle_text(svc, alice, f"/gpu cloud wait {self.rid}")
+        elif event in ("take", "wait"):
+            handle_text(svc, alice, f"/gpu cloud {event} {self.rid}")
+            handle_text(svc, svc.actor("carol"), f"/gpu cloud {event} res {self.res_id}")
         elif event == "fail":
             self.failing = True
         elif event == "cancel":
             handle_text(svc, alice, f"/gpu cancel {self.rid}")
+        elif event == "release":
+            handle_text(svc, svc.actor("carol"), f"/gpu release {self.res_id}")
         elif event == "restart":
             self.build()
 
     # --- what must hold -------------------------------------------------------------
 
-    def bought(self, s: Session) -> tuple[list[LaunchRequest], list[Host]]:
-        """The launches made for the run, and their instances not terminated."""
-        reqs = list(s.exec(select(LaunchRequest).where(LaunchRequest.run_id == self.rid)))
+    def requests(self) -> tuple[tuple[str, int], ...]:
+        return (("run", self.rid), ("res", self.res_id))
+
+    def read(self, s: Session, kind: str, ref: int) -> Seen:
+        """One request as the database has it: its state, GPU time, launches and offer."""
+        is_run = kind == "run"
+        row: Any = s.get(TrainingRun if is_run else Reservation, ref)
+        used = UsageInterval.run_id if is_run else UsageInterval.reservation_id
+        bought = LaunchRequest.run_id if is_run else LaunchRequest.reservation_id
+        offered = BurstOffer.run_id if is_run else BurstOffer.reservation_id
+        ivs = list(s.exec(select(UsageInterval).where(used == ref)))
+        reqs = list(s.exec(select(LaunchRequest).where(bought == ref)))
         ids = [r.instance_id for r in reqs if r.instance_id]
-        alive = select(Host).where(col(Host.instance_id).in_(ids), Host.state != HOST_TERMINATED)
-        return reqs, list(s.exec(alive))
+        # Billed as running: a stopped instance costs its disk only, and is ended by policy.
+        alive = select(Host).where(
+            col(Host.instance_id).in_(ids), col(Host.state).in_(HOST_BILLED_RUNNING)
+        )
+        offer = s.exec(select(BurstOffer).where(offered == ref)).first()
+        return Seen(row.state, ivs, reqs, list(s.exec(alive)), offer)
 
     def check(self) -> None:
         with Session(self.engine) as s:
-            run = s.get(TrainingRun, self.rid)
-            assert run is not None
-            ivs = list(
-                s.exec(
-                    select(UsageInterval)
-                    .where(UsageInterval.run_id == self.rid)
-                    .order_by(col(UsageInterval.started_at))
-                )
-            )
-            reqs, live = self.bought(s)
-            offer = s.exec(select(BurstOffer).where(BurstOffer.run_id == self.rid)).first()
-        # Held once: one interval at a time, never two open ones.
-        assert sum(1 for iv in ivs if iv.ended_at is None) <= 1, ivs
-        # Billed once: one run, one stretch of GPU time (nothing here requeues it).
-        assert len(ivs) <= 1, ivs
-        # Bought once: never two instances alive for one request.
-        assert len(live) <= 1, live
-        # Nothing bought unasked: an instance exists only for a taken offer.
-        if reqs:
-            assert offer is not None and offer.state not in (st.OPEN, st.DECLINED, st.REFUSED)
-        if offer is not None and offer.state in (st.DECLINED, st.WITHDRAWN):
-            assert reqs == [], "a declined or withdrawn offer bought something"
+            seen = [self.read(s, kind, ref) for kind, ref in self.requests()]
+        for x in seen:
+            # Held once: its one GPU under one open interval at most.
+            assert sum(1 for iv in x.ivs if iv.ended_at is None) <= 1, x.ivs
+            # Billed once: one stretch of GPU time (nothing here requeues or regrants it).
+            assert len(x.ivs) <= 1, x.ivs
+            # Bought once: never two instances running for one request.
+            assert len(x.live) <= 1, x.live
+            # Nothing bought unasked: an instance exists only for a taken offer.
+            if x.reqs:
+                assert x.offer is not None
+                assert x.offer.state not in (st.OPEN, st.DECLINED, st.REFUSED)
+            if x.offer is not None and x.offer.state in (st.DECLINED, st.WITHDRAWN):
+                assert x.reqs == [], "a declined or withdrawn offer bought something"
 
     def settle(self) -> None:
-        """The box freed, time passing: the run ends, the offer closes, nothing leaks."""
+        """The box freed, time passing: both end, the offers close, nothing leaks."""
         self.act("free")
         deadline = time.monotonic() + SETTLE_S
         while True:
             self.tick()
             self.check()
             with Session(self.engine) as s:
-                run = s.get(TrainingRun, self.rid)
-                offer = s.exec(select(BurstOffer).where(BurstOffer.run_id == self.rid)).first()
-            assert run is not None
-            done = run.state in TERMINAL and (offer is None or offer.state in st.FINAL)
-            if done:
+                seen = [self.read(s, kind, ref) for kind, ref in self.requests()]
+            over = all(x.state in TERMINAL for x in seen)
+            if over and all(x.offer is None or x.offer.state in st.FINAL for x in seen):
                 break
-            assert time.monotonic() < deadline, (run.state, offer and offer.state)
-            time.sleep(0.1)
-        with Session(self.engine) as s:
-            _, live = self.bought(s)
-            ivs = list(s.exec(select(UsageInterval).where(UsageInterval.run_id == self.rid)))
-        # What the examples reached (`pytest --hypothesis-show-statistics`).
-        event(f"offer {offer.state if offer is not None else 'never made'}, run {run.state}")
-        assert all(iv.ended_at is not None for iv in ivs)
-        if offer is None or offer.state != st.CLOUD:
-            # It never ran on the cloud: whatever was bought for it was given back.
-            assert live == [], [(h.instance_id, h.state) for h in live]
-        else:
-            assert [iv.host_id for iv in ivs] == [h.id for h in live]
+            assert time.monotonic() < deadline, [(x.state, x.offer and x.offer.state) for x in seen]
+            time.sleep(0.05)
+        for (kind, _), x in zip(self.requests(), seen, strict=True):
+            # What the examples reached (`pytest --hypothesis-show-statistics`).
+            event(f"{kind}: offer {x.offer.state if x.offer else 'never made'}, {x.state}")
+            assert all(iv.ended_at is not None for iv in x.ivs)
+            if x.offer is None or x.offer.state != st.CLOUD:
+                # It never started on the cloud: whatever was bought for it was given back.
+                assert x.live == [], [(h.instance_id, h.state) for h in x.live]
+            else:
+                # It started on the cloud: its GPU time was on an instance, never the box.
+                with Session(self.engine) as s:
+                    on = {s.get(Host, iv.host_id).provider for iv in x.ivs}  # type: ignore[union-attr]
+                assert on <= {"aws"}, on
+
+
+@dataclass
+class Seen:
+    state: str
+    ivs: list[UsageInterval]
+    reqs: list[LaunchRequest]
+    live: list[Host]
+    offer: BurstOffer | None
 
 
 @settings(
-    max_examples=25,
+    max_examples=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -232,7 +258,7 @@ def test_the_orders_include_a_take_that_runs_on_the_cloud(aws_env: None) -> None
                 world.tick()
                 world.check()
                 with Session(engine) as s:
-                    offer = s.exec(select(BurstOffer)).one()
+                    offer = s.exec(select(BurstOffer).where(BurstOffer.run_id == world.rid)).one()
                     run = s.get(TrainingRun, world.rid)
                 if run is not None and run.state in TERMINAL:
                     break
