@@ -151,6 +151,8 @@ def lab(
 
             service = GpuService(engine, settings, SystemClock(), wire)
             assert service.places.names == ("slurm", "aws") and service.bursts is not None
+            # Slurm holds reservations itself (holding jobs): they are not offered EC2.
+            assert not service.bursts.reservations
             return service
 
         try:

@@ -37,7 +37,15 @@ from bot.app.config import Settings
 from bot.app.money.billing import TeamBill, note_host_state
 from bot.app.places import Places, Wiring
 from bot.app.ports import Actor as Actor  # re-exported: the faces take it with the service
-from bot.app.ports import GpuRef, Holder, HostDisplay, HostSeat, Provisioner, Supply
+from bot.app.ports import (
+    GpuRef,
+    Holder,
+    HostDisplay,
+    HostSeat,
+    NoHolder,
+    Provisioner,
+    Supply,
+)
 from bot.app.runs import RunService
 from bot.app.runs.processes import ProcessExecutor
 from bot.app.service.common import IN_FLIGHT, OutboxItem, TickReport
@@ -130,6 +138,8 @@ class GpuService:
                 cloud.runs.catalog,
                 self.places.label,
                 frozenset(w.name for w in self.places.owned),
+                # A cluster that holds reservations itself (its holding jobs) keeps them.
+                reservations=isinstance(self.places.holder, NoHolder),
             )
             if self.places.bursting and cloud is not None and cloud.runs is not None
             else None
