@@ -209,6 +209,11 @@ def _runs(
     place it was claimed on, prices from the cloud's catalog (the owned GPUs' models
     are its models too, and only the cloud is bought from it)."""
     running = [w for w in wirings if w.runs is not None]
+    # A place that refuses runs (this machine without a run account, under `gpubot serve`)
+    # takes none beside places that do: its hosts are not routed to, so nothing is
+    # started there as the bot's own user; where every place refuses, the first says why.
+    willing = [w for w in running if w.runs is not None and w.runs.refusal is None]
+    running = willing or running[:1]
     if len(running) <= 1:
         return running[0].runs if running else None
     if provider_of is None or executor_for is None:
@@ -229,14 +234,10 @@ def _runs(
         raise ConflictingPlaces(str(exc)) from None
     cloud = next((w for w in running if w.fleet is not None), None)
     catalog = (cloud or running[0]).runs.catalog  # type: ignore[union-attr]
-    refusals = [p.refusal for p in parts.values()]
     return RunParts(
         access=RoutedAccess({n: p.access for n, p in parts.items()}, provider_of),
         catalog=catalog,
         executor=executor,
-        # Refused only where every place refuses (this machine without a run account,
-        # beside SSH hosts that take runs: they still do).
-        refusal=refusals[0] if all(r is not None for r in refusals) else None,
     )
 
 

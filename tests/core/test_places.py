@@ -152,6 +152,15 @@ def test_owned_places_and_a_cloud_after_them_are_routed_and_burst() -> None:
     assert made == [owned.access, cloud.access]
     with pytest.raises(ConflictingPlaces, match="goes last"):
         Places(wirings[::-1], provider_of=providers.get, executor_for=executor_for)
+    # This machine refusing runs (`gpubot serve` without a run account) takes none beside
+    # places that do: its hosts are not routed to.
+    refusing = Wiring("local", runs=RunParts(Reached("here"), owned_catalog, refusal="no"))
+    three = Places([refusing, *wirings], provider_of=providers.get, executor_for=executor_for)
+    assert three.runs is not None and three.runs.refusal is None
+    assert isinstance(three.runs.executor, RoutedExecutor)
+    assert set(three.runs.executor.executors) == {"ssh", "aws"}
+    alone = Places([refusing], provider_of=providers.get, executor_for=executor_for)
+    assert alone.runs is refusing.runs
     clusters = [Wiring(n, runs=RunParts(PlainAccess(), owned_catalog, _exec(True))) for n in "ab"]
     with pytest.raises(ConflictingPlaces, match="one cluster at a time"):
         Places(clusters, provider_of=providers.get, executor_for=executor_for)

@@ -83,6 +83,16 @@ class RunContext:
 
         return isinstance(self.executor, RoutedExecutor) or not self.executor.places
 
+    @property
+    def run_places(self) -> frozenset[str] | None:
+        """The places runs may be placed at, by name, where several are routed (the hosts
+        of a place that refuses runs are not among them); None: every host's."""
+        from bot.app.runs.routed import RoutedExecutor
+
+        if isinstance(self.executor, RoutedExecutor):
+            return frozenset(self.executor.executors)
+        return None
+
     def places_itself(self, placement: dict[str, Any]) -> bool:
         """Whether the place a run was claimed on places it itself (a cluster)."""
         from bot.app.runs.routed import RoutedExecutor

@@ -10,7 +10,7 @@ import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_
+from sqlalchemy import and_, func, or_, true
 from sqlmodel import Session, col, select
 
 from bot.app.burst.state import on_cloud
@@ -149,9 +149,13 @@ def scheduler_inputs(
         Host.ready_at,
         period_start,
     )
+    # Where several places are routed, only their hosts (a place that refuses runs, a
+    # cluster's nodes, are not the scheduler's to place on).
+    places = ctx.run_places
+    anywhere: Any = col(Host.provider).in_(sorted(places)) if places is not None else true()
     away: Any = (
         select(*away_cols)
-        .where(col(Host.state).in_((HOST_PENDING, HOST_STOPPED)))
+        .where(col(Host.state).in_((HOST_PENDING, HOST_STOPPED)), anywhere)
         .order_by(col(Host.id))
     )
     for name, state, itype, market, usd_hr, created, updated, was_ready, since in s.exec(away):
@@ -218,6 +222,7 @@ def scheduler_inputs(
             Host.state == HOST_READY,
             col(Host.market) != MARKET_CLUSTER,
             col(Gpu.present).is_(True),
+            anywhere,
         )
         .group_by(
             col(Host.id),
