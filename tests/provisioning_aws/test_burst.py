@@ -67,7 +67,7 @@ class Team:
 
     def __init__(self, engine: Engine, lab: AwsLab, ssh: SshLab, root: Path, **cfg: Any) -> None:
         self.clock = VirtualClock()
-        self.client = SshClient(connect_timeout=5, command_timeout=20)
+        self.client = SshClient(connect_timeout=5, command_timeout=60)
 
         def prepare(runner: HostShell, target: SshTarget) -> PreparedHost:
             return PreparedHost(root=str(root), python=sys.executable)
@@ -166,7 +166,8 @@ def _box_taken(t: Team) -> int:
 def _box_busy(t: Team) -> int:
     """bob's run of unknown length (no --max) holds the team's only T4."""
     bob = t.service.actor("bob")
-    rid = int(t.service.runs.submit(bob, Run(command=("sleep", "600"), model="T4")).extra["run_id"])
+    # Long enough to outlast the test, short enough not to linger long after it.
+    rid = int(t.service.runs.submit(bob, Run(command=("sleep", "120"), model="T4")).extra["run_id"])
     t.until("bob's run holds the box", lambda: t.run(rid).state == "running")
     return rid
 
@@ -251,7 +252,6 @@ def test_a_long_wait_is_offered_ec2_with_its_price_and_taking_it_runs_the_run_th
     assert "*Bursting*: 1 request went to the cloud after waiting" in shown
     assert len(t.launches()) == 1
     t.service.runs.cancel(t.service.actor("bob"), Cancel(bobs))
-    t.until("bob's run stopped", lambda: t.run(bobs).state == "cancelled")
 
 
 def test_a_wait_the_owned_side_predicts_long_is_offered_at_once_and_what_it_saved_counted(
