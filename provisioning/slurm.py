@@ -586,24 +586,24 @@ class SlurmClient:
             self._gids[user] = result.stdout.strip()
         return self._gids[user]
 
-    def cancel(self, job_id: int, signal: str | None = None, *, user: str | None = None) -> None:
+    def cancel(
+        self,
+        job_id: int,
+        signal: str | None = None,
+        *,
+        user: str | None = None,
+        pending_only: bool = False,
+    ) -> None:
         """End the job (or, with `signal`, signal its batch script and steps), as `user`
         (its owner) where jobs are people's. An id Slurm has forgotten is already over:
-        no error."""
+        no error. `pending_only` (`--state=PENDING`): only if it has not started; the
+        controller decides, so a job it starts meanwhile is left running, never killed."""
         argv = ["scancel"]
         if signal:
             argv += [f"--signal={signal}", "--full"]
+        if pending_only:
+            argv.append("--state=PENDING")
         result = self.run(self.as_person(user, [*argv, str(int(job_id))]))
-        if not result.ok and "Invalid job id" not in result.stderr:
-            raise SlurmError(
-                f"Slurm refused to cancel job {job_id}: {explain_denial(result.stderr)}"
-            )
-
-    def cancel_pending(self, job_id: int, *, user: str | None = None) -> None:
-        """End the job only if it has not started (`scancel --state=PENDING`): the
-        controller decides, so a job it starts meanwhile is left running, never killed."""
-        argv = ["scancel", "--state=PENDING", str(int(job_id))]
-        result = self.run(self.as_person(user, argv))
         if not result.ok and "Invalid job id" not in result.stderr:
             raise SlurmError(
                 f"Slurm refused to cancel job {job_id}: {explain_denial(result.stderr)}"

@@ -24,8 +24,11 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 # GPUBOT_SSHD points at another sshd binary (or a missing one, to see the tests skip).
 SSHD = os.environ.get("GPUBOT_SSHD", "/usr/sbin/sshd")
@@ -307,6 +310,20 @@ def start_lab(directory: Path, addresses: dict[str, str] | None = None) -> SshLa
         lab.stop()
         raise
     return lab
+
+
+@contextlib.contextmanager
+def running_lab(directory: Path) -> Iterator[SshLab]:
+    """`start_lab` for a fixture: the test skips (with why) where sshd cannot run here,
+    and the lab stops when the fixture ends."""
+    try:
+        lab = start_lab(directory)
+    except SshdUnavailable as exc:
+        pytest.skip(f"no sshd test hosts: {exc}")
+    try:
+        yield lab
+    finally:
+        lab.stop()
 
 
 # --- hosts that are not the bot's ---------------------------------------------------------

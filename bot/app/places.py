@@ -35,6 +35,7 @@ from bot.app.ports import (
     Provisioner,
     Supply,
 )
+from bot.domain.durations import format_seconds
 from bot.domain.readmodels import HostState
 from provisioning.catalog import Catalog
 
@@ -182,7 +183,7 @@ class Places:
                 after = (
                     "never offered (GPUBOT_BURST_AFTER=never)"
                     if burst_after_s is None
-                    else f"offered, priced, to a run that has waited {_span(burst_after_s)}"
+                    else f"offered, priced, to a run that has waited {format_seconds(burst_after_s)}"
                 )
                 said += f", {after}"
             elif w is self.cloud:
@@ -239,14 +240,6 @@ def _runs(
         catalog=catalog,
         executor=executor,
     )
-
-
-def _span(seconds: float) -> str:
-    from datetime import timedelta
-
-    from bot.domain.durations import format_duration
-
-    return format_duration(timedelta(seconds=round(seconds)))
 
 
 class _AnySupply:

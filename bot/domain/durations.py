@@ -73,6 +73,11 @@ def parse_threshold(text: str) -> float | None:
     return span.total_seconds()
 
 
+def format_seconds(seconds: float) -> str:
+    """`format_duration` of a count of seconds, to the nearest second."""
+    return format_duration(timedelta(seconds=round(seconds)))
+
+
 def format_duration(delta: timedelta) -> str:
     """Short and exact to the minute above an hour: `2h`, `1h30m`, `45m`, `30s`, `3d4h`."""
     secs = round(delta.total_seconds())

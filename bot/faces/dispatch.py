@@ -190,7 +190,7 @@ def _cost(service: GpuService, actor: Actor, cmd: Command, key: str | None) -> v
     tz = service.settings.timezone
     reply = views.Reply(views.cost_view(cmd.scope, cmd.period, window, costs, names, tz, who))
     if service.places.bursting and who is not None and costs.get(who):
-        sides, _ = service.cost_sides(cmd.period, who)
+        sides, _, _ = service.cost_sides(cmd.period, who)
         owned, bought = sides.get(who, (Decimal(0), Decimal(0)))
         cloud = _cloud_label(service)
         reply = reply.with_note(
@@ -208,11 +208,10 @@ def _cloud_label(service: GpuService) -> str:
 def _sides_blocks(service: GpuService, period: str) -> tuple[views.Block, ...]:
     """`/gpu cost team` where owned places come first and a cloud after: each person's
     use of the team's own GPUs beside their cloud bill, and what bursting did."""
-    sides, bursting = service.cost_sides(period)
+    sides, names, bursting = service.cost_sides(period)
     cloud = _cloud_label(service)
     blocks: list[views.Block] = []
     if sides:
-        _, _, names = service.costs(period)
         blocks.append(views.Text(f"*The team's own GPUs and {cloud}, per person*"))
         blocks.append(
             views.Table(

@@ -39,7 +39,7 @@ from provisioning.hostshell import HostShell
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshTarget
 from tests.runtime_helpers import checked, run_row
 from tests.runtime_helpers import dms as _dms
-from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+from tests.ssh_hosts import SshLab, running_lab
 from training.agent import LEASE_NAME, LOST_NAME
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,14 +47,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    try:
-        started = start_lab(tmp_path_factory.mktemp("sshd-agentwatch"))
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test hosts: {exc}")
-    try:
-        yield started
-    finally:
-        started.stop()
+    with running_lab(tmp_path_factory.mktemp("sshd-agentwatch")) as lab:
+        yield lab
 
 
 def _kill_run_processes(run_dir: Path) -> None:

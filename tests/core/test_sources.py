@@ -38,7 +38,7 @@ from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshTarget
 from tests.core.helpers import actor, make_service, runs_here
 from tests.core.test_runs import local_host, run_until, state
 from tests.runtime_helpers import checked
-from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+from tests.ssh_hosts import SshLab, running_lab
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUBOT = str(Path(sys.executable).with_name("gpubot"))
@@ -366,14 +366,8 @@ def bare_repo(tmp_path: Path) -> tuple[Path, str, str]:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
-    try:
-        found = start_lab(tmp_path_factory.mktemp("sshd"))
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test hosts: {exc}")
-    try:
-        yield found
-    finally:
-        found.stop()
+    with running_lab(tmp_path_factory.mktemp("sshd")) as lab:
+        yield lab
 
 
 def test_a_git_source_is_cloned_on_a_real_sshd_host(

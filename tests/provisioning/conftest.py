@@ -21,7 +21,7 @@ import pytest
 from provisioning.hostshell import HostShell
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.ssh import LOOPBACK_ONLY_ENV, SshClient, SshTarget
-from tests.ssh_hosts import SshdUnavailable, SshHost, SshLab, start_lab
+from tests.ssh_hosts import SshHost, SshLab, running_lab
 
 
 @pytest.fixture(autouse=True)
@@ -38,14 +38,8 @@ def ssh_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshLab]:
     for tests whose hosts must run `training` (runs, agents, probes) without paying for a
     bootstrap. A module about the SSH layer itself overrides it with `stranger_lab`
     (tests/isolated_hosts.py), as test_ssh.py does."""
-    try:
-        lab = start_lab(tmp_path_factory.mktemp("sshd"))
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test hosts: {exc}")
-    try:
+    with running_lab(tmp_path_factory.mktemp("sshd")) as lab:
         yield lab
-    finally:
-        lab.stop()
 
 
 def target_for(lab: SshLab, name: str) -> SshTarget:

@@ -23,7 +23,7 @@ from moto.server import ThreadedMotoServer
 
 from provisioning.aws import Ec2Compute, Ec2Settings
 from provisioning.catalog import Catalog
-from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
+from tests.ssh_hosts import SshLab, running_lab
 
 REGION = "us-east-1"
 # moto refuses to create parameters under /aws/ (reserved, as on AWS), so the lab's DLAMI
@@ -223,11 +223,5 @@ def ssh(
     """Loopback sshd hosts for a module whose instances are reached on them (moto's
     addresses are never dialled): one lab per module, started once."""
     name = request.module.__name__.rpartition(".")[2].removeprefix("test_")
-    try:
-        lab = start_lab(tmp_path_factory.mktemp(f"sshd-{name}"))
-    except SshdUnavailable as exc:
-        pytest.skip(f"no sshd test hosts: {exc}")
-    try:
+    with running_lab(tmp_path_factory.mktemp(f"sshd-{name}")) as lab:
         yield lab
-    finally:
-        lab.stop()

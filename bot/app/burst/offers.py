@@ -45,7 +45,7 @@ from bot.app.money.budgets import check_budget
 from bot.app.ports import Actor, Core, Provisioner
 from bot.app.runs.records import back_in_line
 from bot.domain import views
-from bot.domain.durations import format_duration
+from bot.domain.durations import format_seconds
 from bot.domain.errors import UserError
 from bot.domain.timefmt import when
 from db.models import (
@@ -217,14 +217,14 @@ class Bursts:
             gpus=run.gpu_count,
             spot=run.spot,
             seconds=run.max_seconds,
-            asked_at=_aware(run.submitted_at),
+            asked_at=run.submitted_at,
             cloud=run.cloud,
             waits=waits,
             where=where,
             ended=not waits and where is None and run.state not in RUN_ON_HOST,
             started_at=run.started_at,
             stage=str(run.placement.get("stage") or "") if waits else "",
-            expected=_aware(datetime.fromisoformat(said)) if isinstance(said, str) else None,
+            expected=datetime.fromisoformat(said) if isinstance(said, str) else None,
         )
 
     def _res_ask(self, s: Session, res: Reservation, owner: User) -> Ask:
@@ -239,7 +239,7 @@ class Bursts:
             gpus=res.gpu_count,
             spot=False,
             seconds=res.duration_s,
-            asked_at=_aware(res.requested_at),
+            asked_at=res.requested_at,
             cloud=None,
             waits=res.state == RES_WAITING,
             where=host.provider if granted and host is not None else None,
@@ -296,11 +296,8 @@ class Bursts:
             live = self._asks(
                 s, list(s.exec(select(BurstOffer).where(col(BurstOffer.state).not_in(st.FINAL))))
             )
-            offered = {
-                (("run", o.run_id) if o.run_id is not None else ("res", o.reservation_id))
-                for o in s.exec(select(BurstOffer))
-            }
             waiting = [ask for ask, _ in self._asks(s, None)]
+            offered = _offered(s, waiting)
         for ask, offer in live:
             assert offer is not None
             note = self._forward(offer, ask, now)
@@ -358,11 +355,12 @@ class Bursts:
         self._estimated_at = now
         owned = set(self.owned)
         starts = self.runs.board.expected_starts(owned)
+        largest = self.runs.board.largest_hosts(owned)
         for ask in queued:
             start = starts.get((ask.kind, ask.id))
             if start is not None:
                 out[(ask.kind, ask.id)] = start
-            elif not self.runs.board.fits_on(owned, ask.model or "", ask.gpus):
+            elif largest.get(ask.model or "", 0) < ask.gpus:
                 out[(ask.kind, ask.id)] = NEVER
         return out
 
@@ -681,7 +679,7 @@ class Bursts:
             when = (
                 "never (GPUBOT_BURST_AFTER=never)"
                 if after is None
-                else f"once a request has waited {_span(after)} for the team's own GPUs"
+                else f"once a request has waited {format_seconds(after)} for the team's own GPUs"
             )
             return views.message(
                 f"No offers of the cloud for your runs or reservations. They are made {when}."
@@ -693,6 +691,22 @@ class Bursts:
             for o in rows
         ]
         return views.message("\n".join(lines))
+
+
+def _offered(s: Session, asks: list[Ask]) -> set[tuple[str, int]]:
+    """Which of these requests has an offer already (made once, in whatever state)."""
+    runs = [a.id for a in asks if a.kind == "run"]
+    reservations = [a.id for a in asks if a.kind == "res"]
+    found: set[tuple[str, int]] = set()
+    if runs:
+        q = select(BurstOffer.run_id).where(col(BurstOffer.run_id).in_(runs))
+        found |= {("run", i) for i in s.exec(q) if i is not None}
+    if reservations:
+        q = select(BurstOffer.reservation_id).where(
+            col(BurstOffer.reservation_id).in_(reservations)
+        )
+        found |= {("res", i) for i in s.exec(q) if i is not None}
+    return found
 
 
 def consent(ask: Ask) -> str | None:
@@ -728,10 +742,10 @@ def wait_words(
     threshold because the owned side expects to take that long) how long it would."""
     mine = f"the team's own {ask.model} GPUs"
     if waited_s >= after_s or expected is None:
-        return f"{ask.name} has waited {_span(waited_s)} for {mine}."
+        return f"{ask.name} has waited {format_seconds(waited_s)} for {mine}."
     if expected == NEVER:
         return f"{ask.name} would wait for good for {mine}: none of them can hold it."
-    return f"{ask.name} would wait about {_span((expected - now).total_seconds())} for {mine}."
+    return f"{ask.name} would wait about {format_seconds((expected - now).total_seconds())} for {mine}."
 
 
 def offer_view(offer: BurstOffer, ask: Ask, head: str, stage: str, cloud: str) -> views.View:
@@ -741,11 +755,13 @@ def offer_view(offer: BurstOffer, ask: Ask, head: str, stage: str, cloud: str) -
     take = f"/gpu cloud take {ask.command}"
     wait = f"/gpu cloud wait {ask.command}"
     if ask.kind == "res":
-        length = f"its {_span(offer.hours * 3600)}"
+        length = f"its {format_seconds(offer.hours * 3600)}"
     elif offer.assumed:
-        length = f"{_span(offer.hours * 3600)} (no --max given: {ASSUMED_HOURS:g}h assumed)"
+        length = (
+            f"{format_seconds(offer.hours * 3600)} (no --max given: {ASSUMED_HOURS:g}h assumed)"
+        )
     else:
-        length = f"its --max of {_span(offer.hours * 3600)}"
+        length = f"its --max of {format_seconds(offer.hours * 3600)}"
     if stage and stage != "handed to the cluster":
         head = f"{head} Their queue says: {stage}."
     verb = "run" if ask.kind == "run" else "be held"
@@ -825,16 +841,6 @@ def _usd(x: float) -> str:
     return f"${x:,.2f}"
 
 
-def _span(seconds: float) -> str:
-    from datetime import timedelta
-
-    return format_duration(timedelta(seconds=round(seconds)))
-
-
 def _hours(plan: Plan) -> str:
-    span = _span(plan.hours * 3600)
+    span = format_seconds(plan.hours * 3600)
     return f"{span}, assumed (no --max)" if plan.assumed else span
-
-
-def _aware(when: datetime) -> datetime:
-    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)

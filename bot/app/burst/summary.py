@@ -11,7 +11,7 @@ A request the owned side gave no start for is counted apart, not guessed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal
 
 from sqlmodel import Session, col, select
@@ -49,11 +49,11 @@ def burst_week(s: Session, window: Window, now: datetime) -> BurstWeek | None:
     )
     if not offers:
         return None
-    made = [o for o in offers if window.start <= _aware(o.created_at) < window.end]
+    made = [o for o in offers if window.start <= o.created_at < window.end]
     cloud = [
         o
         for o in offers
-        if o.cloud_start is not None and window.start <= _aware(o.cloud_start) < window.end
+        if o.cloud_start is not None and window.start <= o.cloud_start < window.end
     ]
     usd = costs_so_far(s, {o.run_id for o in cloud if o.run_id is not None}, now)
     held = _reservation_costs(s, {o.reservation_id for o in cloud if o.reservation_id}, now)
@@ -63,7 +63,7 @@ def burst_week(s: Session, window: Window, now: datetime) -> BurstWeek | None:
         if o.expected_start is None or o.cloud_start is None:
             unknown += 1
             continue
-        saved += max(0.0, (_aware(o.expected_start) - _aware(o.cloud_start)).total_seconds())
+        saved += max(0.0, (o.expected_start - o.cloud_start).total_seconds())
     return BurstWeek(
         offered=len(made),
         taken=sum(1 for o in made if o.state in _TAKEN),
@@ -115,8 +115,3 @@ def burst_line(b: BurstWeek, cloud: str) -> str:
         f"waiting, {b.owned_first} started on the team's own GPUs first, {b.refused} over "
         "budget or caps)."
     )
-
-
-def _aware(when: datetime) -> datetime:
-    """SQLite hands back naive UTC datetimes; PostgreSQL aware ones."""
-    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)

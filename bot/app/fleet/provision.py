@@ -140,9 +140,7 @@ class Buyer:
                 continue
             want = Want(kind="res", id=res.id or 0, owner=user.key, model=model, gpus=res.gpu_count)
             cheap = [
-                h
-                for h in stopped
-                if cap is None or _gpu_hourly(self.ctx.catalog, h, want.market) <= cap + 1e-9
+                h for h in stopped if _within(cap, _gpu_hourly(self.ctx.catalog, h, want.market))
             ]
             started = self._start_stopped(want, cheap, hosts, gpus)
             if started is not None:
@@ -241,10 +239,7 @@ class Buyer:
             if h.state == HOST_STOPPED
             and h.provider == self.ctx.compute.name
             and (count == 1 or h.instance_type == instance_type)
-            and (
-                price_cap is None
-                or _gpu_hourly(self.ctx.catalog, h, want.market) <= price_cap + 1e-9
-            )
+            and _within(price_cap, _gpu_hourly(self.ctx.catalog, h, want.market))
         ]
         started = self._start_stopped(want, stopped, hosts, gpus)
         if started is not None:
@@ -266,13 +261,7 @@ class Buyer:
             reqs = list(s.exec(select(LaunchRequest).where(column == ref)))
             ids = [r.instance_id for r in reqs if r.state == REQ_LAUNCHED and r.instance_id]
             hosts = list(s.exec(select(Host).where(col(Host.instance_id).in_(ids)))) if ids else []
-            held = held_gpu_ids(s)
-            busy = {
-                h.id
-                for h in hosts
-                for g in s.exec(select(Gpu.id).where(Gpu.host_id == h.id))
-                if g in held
-            }
+            busy = {h.id for h in hosts if held_gpu_ids(s, host_id=h.id)}
         settled = all(r.state != REQ_PENDING for r in reqs)
         for host in hosts:
             if host.id in busy or host.state not in RUNNING_STATES or not host.instance_id:
@@ -387,8 +376,7 @@ class Buyer:
         fits = [t for t in self.ctx.catalog.for_model(want.model) if t.gpus >= want.gpus]
         if only:
             fits = [t for t in fits if t.instance_type == prefer]
-        if price_cap is not None:
-            fits = [t for t in fits if t.gpu_hourly(want.market) <= price_cap + 1e-9]
+        fits = [t for t in fits if _within(price_cap, t.gpu_hourly(want.market))]
         if not fits:
             dm(
                 self.ctx,
@@ -522,6 +510,12 @@ class Buyer:
         except UserError as exc:
             return f"{exc.text} It stays in line and gets GPUs only if some free up."
         return None
+
+
+def _within(cap: float | None, gpu_hourly: float) -> bool:
+    """A GPU-hour at no more than `cap` (the price an offer showed; None: no cap), to the
+    float's rounding."""
+    return cap is None or gpu_hourly <= cap + 1e-9
 
 
 def _gpu_hourly(catalog: Catalog, host: Host, market: str) -> float:

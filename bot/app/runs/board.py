@@ -258,7 +258,7 @@ class RunBoard:
         """When each queued run ("run", id) and waiting reservation ("res", id) is expected
         to start on the hosts of `places` alone (the owned ones: what it would wait without
         the cloud), by the queue's own estimate, in one pass; None where that depends on a
-        holder of unknown length, or it never fits there (`fits_on` tells the two apart)."""
+        holder of unknown length, or it never fits there (`largest_hosts` tells the two apart)."""
         now = self.ctx.core.clock.now()
         with transaction(self.ctx.engine, write=False) as s:
             runs = list(
@@ -278,12 +278,16 @@ class RunBoard:
             out[key] = datetime.fromtimestamp(e.start_s, tz=UTC) if e.start_s is not None else None
         return out
 
-    def fits_on(self, places: set[str], model: str, gpus: int) -> bool:
-        """Whether some host of `places` that is not gone has `gpus` GPUs of `model`."""
+    def largest_hosts(self, places: set[str]) -> dict[str, int]:
+        """The most GPUs of each model one host of `places` has (hosts not gone): what
+        a request of that model can ever get there."""
         with transaction(self.ctx.engine, write=False) as s:
-            return any(
-                h.provider in places and h.models.get(model, 0) >= gpus for h in read_fleet(s)
-            )
+            fleet = [h for h in read_fleet(s) if h.provider in places]
+        out: dict[str, int] = {}
+        for h in fleet:
+            for model, n in h.models.items():
+                out[model] = max(out.get(model, 0), n)
+        return out
 
     @staticmethod
     def _per_gpu_prices(fleet: list[FleetHost]) -> dict[str, float]:

@@ -20,6 +20,7 @@ from bot.app.config import Settings
 from bot.app.ports import Core, HostAccess, HostSeat, Interpreter, bot_python
 from bot.app.runs.executor import RunExecutor
 from bot.app.runs.processes import ProcessExecutor
+from bot.app.runs.routed import RoutedExecutor
 from bot.app.runs.starts import OffTickStarts
 from bot.domain.scheduling import LAS_AFTER_S, FleetInstance, InstanceState, SchedulerConfig
 from db.models import HOST_PENDING, HOST_STOPPED, Gpu, Host
@@ -70,8 +71,6 @@ class RunContext:
     def cluster(self) -> tuple[str, RunExecutor] | None:
         """The place whose own scheduler places runs (a Slurm cluster), by name ("" for the
         only place), or None: gpubot's scheduler places every run."""
-        from bot.app.runs.routed import RoutedExecutor
-
         if isinstance(self.executor, RoutedExecutor):
             return self.executor.cluster
         return ("", self.executor) if self.executor.places else None
@@ -79,24 +78,18 @@ class RunContext:
     @property
     def schedules(self) -> bool:
         """Whether gpubot's own scheduler places runs on some place's hosts."""
-        from bot.app.runs.routed import RoutedExecutor
-
         return isinstance(self.executor, RoutedExecutor) or not self.executor.places
 
     @property
     def run_places(self) -> frozenset[str] | None:
         """The places runs may be placed at, by name, where several are routed (the hosts
         of a place that refuses runs are not among them); None: every host's."""
-        from bot.app.runs.routed import RoutedExecutor
-
         if isinstance(self.executor, RoutedExecutor):
             return frozenset(self.executor.executors)
         return None
 
     def places_itself(self, placement: dict[str, Any]) -> bool:
         """Whether the place a run was claimed on places it itself (a cluster)."""
-        from bot.app.runs.routed import RoutedExecutor
-
         if isinstance(self.executor, RoutedExecutor):
             return self.executor.of(placement).places
         return self.executor.places

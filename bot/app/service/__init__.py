@@ -374,8 +374,9 @@ class GpuService:
 
     def cost_sides(
         self, period: str, user_key: str | None = None
-    ) -> tuple[dict[str, tuple[Decimal, Decimal]], BurstWeek | None]:
-        """Each user's cost split (the team's own GPUs, bought ones) and the bursting."""
+    ) -> tuple[dict[str, tuple[Decimal, Decimal]], dict[str, str], BurstWeek | None]:
+        """Each user's cost split (the team's own GPUs, bought ones), their names, and
+        the bursting."""
         return self.board.cost_sides(period, user_key)
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:

@@ -287,26 +287,22 @@ class StatusBoard:
             if user_id is False:
                 return window, {}, {}
             costs = window_costs(s, window, now, user_id).users()
-            keys = set(costs)
-            names = (
-                {u.key: u.display_name for u in s.exec(select(User).where(col(User.key).in_(keys)))}
-                if keys
-                else {}
-            )
+            names = _names(s, set(costs))
         return window, costs, names
 
     def cost_sides(
         self, period: str, user_key: str | None = None
-    ) -> tuple[dict[str, tuple[Decimal, Decimal]], BurstWeek | None]:
-        """Each user's cost over the period as (the team's own GPUs, bought ones), and
-        what bursting did in it (bot.app.burst.summary)."""
+    ) -> tuple[dict[str, tuple[Decimal, Decimal]], dict[str, str], BurstWeek | None]:
+        """Each user's cost over the period as (the team's own GPUs, bought ones), their
+        display names, and what bursting did in it (bot.app.burst.summary)."""
         now = self.core.clock.now()
         window = period_window(period, now, self.core.settings.timezone)  # type: ignore[arg-type]
         with transaction(self.core.engine, write=False) as s:
             user_id = _user_id(s, user_key)
             if user_id is False:
-                return {}, None
-            return window_costs(s, window, now, user_id).sides(), burst_week(s, window, now)
+                return {}, {}, None
+            sides = window_costs(s, window, now, user_id).sides()
+            return sides, _names(s, set(sides)), burst_week(s, window, now)
 
     def team_bill(self, period: str, catalog: Catalog | None = None) -> TeamBill:
         """`/gpu cost team`: users, idle overhead and the instances' bill (bot.app.money.billing)."""
@@ -322,3 +318,10 @@ def _user_id(s: Session, user_key: str | None) -> int | Literal[False] | None:
         return None
     user = s.exec(select(User).where(User.key == user_key)).first()
     return False if user is None else user.id
+
+
+def _names(s: Session, keys: set[str]) -> dict[str, str]:
+    """Display names of these user keys."""
+    if not keys:
+        return {}
+    return {u.key: u.display_name for u in s.exec(select(User).where(col(User.key).in_(keys)))}

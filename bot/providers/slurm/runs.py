@@ -257,7 +257,7 @@ class SlurmExecutor:
             return None  # its submission is still under way
         person = placement.get("as")
         try:
-            self.cluster.client.cancel_pending(job_id, user=person)
+            self.cluster.client.cancel(job_id, user=person, pending_only=True)
             job = self.cluster.client.job(job_id)
         except SlurmError as exc:
             log.warning("could not withdraw Slurm job %s: %s", job_id, exc)
