@@ -4,7 +4,7 @@
 # stops the daemons; this script starts none): Debian's slurmctld, slurmd, slurmdbd, the
 # client tools, munge, MariaDB (the accounting database; the tests run their own server
 # on its own port and socket, with its data under $ROOT/mysql) and sudo; a munge key;
-# the state directories owned by the `slurm` user; four fake GPU device files; the lab's
+# the state directories owned by the `slurm` user; eight fake GPU device files (two nodes of four); the lab's
 # unix accounts (two people, a shared account for unmapped people, the bot's own
 # non-root account, and the group of the shared work directory); and the sudoers file
 # that lets the bot's account run Slurm's job tools, and only those, as the people.
@@ -85,7 +85,7 @@ mkdir -p "$ROOT/conf" "$ROOT/state" "$ROOT/spool" "$ROOT/log" "$ROOT/dev" \
 chmod 0755 "$ROOT" "$ROOT/conf" "$ROOT/dev"
 chown slurm: "$ROOT/state" "$ROOT/log"
 chmod 0755 "$ROOT/state" "$ROOT/log"
-for i in 0 1 2 3; do
+for i in 0 1 2 3 4 5 6 7; do
     [ -e "$ROOT/dev/nvidia$i" ] || ln -sf /dev/null "$ROOT/dev/nvidia$i"
 done
 

@@ -1,11 +1,16 @@
-"""A real one-node Slurm cluster for tests, configured as a lab configures theirs:
-slurmctld, slurmd, slurmdbd on MariaDB, and munge, from Debian (Slurm 22.05).
+"""A real Slurm cluster for tests, configured as a lab configures theirs: slurmctld, two
+slurmd (two nodes on this machine), slurmdbd on MariaDB, and munge, from Debian (Slurm
+22.05).
 
 What a lab admin allows, and the bot must live with:
 - memory is a consumable (CR_Core_Memory, RealMemory=2000) with no default per GPU or
   node: a job that asks for no memory holds the whole node (MEMORY_MB);
 - partitions `short` (default; 10 min by default, 30 at most), `long` (1 h, 2 days) and
-  `urgent` (1 h at most), which preempts (requeues) short and long jobs (GRACE_S);
+  `urgent` (1 h at most), which preempts (requeues) short and long jobs (GRACE_S), all on
+  the first node; `wide` (1 h at most) holds both nodes, for jobs across nodes: the
+  second node (SECOND_NODE, its own address on loopback, port, spool and log, as
+  ../shared/slurm/NOTES.md has it) is in no other partition, so the tests of one node
+  see the cluster they always saw (tests/slurm_lab.py names those partitions);
 - accounting in slurmdbd, with associations, limits and QOS enforced: accounts `lab`
   (everyone's default) and `vision` (alice's only), QOS `normal` and `high` (bob's
   only); a unix account with no association cannot submit (ACCOUNTS, QOS);
@@ -68,7 +73,7 @@ USERS = _LOCK_DIR / "gpubot-test-slurm.users.lock"
 LEASE = _LOCK_DIR / "gpubot-test-slurm.lease.lock"
 MARKER = ROOT / "conf" / "cluster.json"
 
-GPUS = 4
+GPUS = 4  # per node
 GPU_TYPE = "a100"
 GPU_MODEL = "A100"
 CPUS = 8
@@ -81,6 +86,16 @@ PARTITIONS = ("short", "long", "urgent")
 DEFAULT_PARTITION = "short"
 PREEMPTIBLE = ("short", "long")
 URGENT = "urgent"
+# The partition of both nodes: a job across nodes asks for it (the bot chooses it when
+# no one-node partition has the GPUs); 1 h at most, preemptible like short and long.
+WIDE = "wide"
+ONE_NODE_PARTITIONS = PARTITIONS
+# The second node: its own name, address on loopback and slurmd port (the first keeps
+# Slurm's 6818 and 127.0.0.1). slurmctld declares a node whose slurmd stopped answering
+# DOWN after SLURMD_TIMEOUT_S (default 300), ending its jobs NODE_FAIL.
+SECOND_ADDR = "127.0.0.2"
+SECOND_PORT = 6828
+SLURMD_TIMEOUT_S = 20
 # Preemption (partition GraceTime), as measured here with Slurm 22.05.8: an urgent job
 # that needs a running short/long job's GPUs makes the backfill pass (within ~0.5 s)
 # select it and start GRACE_S seconds of grace. At that moment only the job's steps get
@@ -181,9 +196,24 @@ def node_name() -> str:
     return socket.gethostname().split(".")[0]
 
 
+def second_node(node: str) -> str:
+    return f"{node}-b"
+
+
+def slurmd_key(node: str, first: str) -> str:
+    """The marker's name for a node's slurmd ("slurmd" for the first, as before)."""
+    return "slurmd" if node == first else f"slurmd@{node}"
+
+
+def _comm(key: str) -> str:
+    """The process name of a marker's daemon key ("slurmd@n2" runs as slurmd)."""
+    return key.split("@", 1)[0]
+
+
 def slurm_conf(node: str, root: Path = ROOT) -> str:
     """The cluster's slurm.conf (NOTES.md in ../shared/slurm says why each line is there)."""
     preemptible = f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_S} State=UP"
+    second = second_node(node)
     return "\n".join(
         [
             f"ClusterName={CLUSTER_NAME}",
@@ -193,11 +223,13 @@ def slurm_conf(node: str, root: Path = ROOT) -> str:
             "AuthInfo=cred_expire=10",  # a requeued job waits this long (default 120 s)
             "SlurmUser=slurm",
             f"StateSaveLocation={root}/state",
-            f"SlurmdSpoolDir={root}/spool",
+            # One spool, pid file and log per node (%n): two slurmd on one machine.
+            f"SlurmdSpoolDir={root}/spool/%n",
             f"SlurmctldPidFile={root}/state/slurmctld.pid",
-            f"SlurmdPidFile={root}/spool/slurmd.pid",
+            f"SlurmdPidFile={root}/spool/slurmd-%n.pid",
             f"SlurmctldLogFile={root}/log/slurmctld.log",
-            f"SlurmdLogFile={root}/log/slurmd.log",
+            f"SlurmdLogFile={root}/log/slurmd-%n.log",
+            f"SlurmdTimeout={SLURMD_TIMEOUT_S}",
             "ProctrackType=proctrack/linuxproc",  # no cgroups here
             "TaskPlugin=task/none",
             "MpiDefault=none",
@@ -228,14 +260,18 @@ def slurm_conf(node: str, root: Path = ROOT) -> str:
             "KillWait=2",  # a cancelled job's processes get SIGKILL 2 s after SIGTERM
             "ReturnToService=2",
             "MailProg=/bin/true",
-            f"NodeName={node} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory={MEMORY_MB} "
-            f"Gres=gpu:{GPU_TYPE}:{GPUS} State=UNKNOWN",
+            f"NodeName={node} NodeAddr=127.0.0.1 Port=6818 CPUs={CPUS} "
+            f"RealMemory={MEMORY_MB} Gres=gpu:{GPU_TYPE}:{GPUS} State=UNKNOWN",
+            f"NodeName={second} NodeHostname={node} NodeAddr={SECOND_ADDR} Port={SECOND_PORT} "
+            f"CPUs={CPUS} RealMemory={MEMORY_MB} Gres=gpu:{GPU_TYPE}:{GPUS} State=UNKNOWN",
             f"PartitionName=short Nodes={node} Default=YES DefaultTime=00:10:00 "
             f"MaxTime=00:30:00 {preemptible}",
             f"PartitionName=long Nodes={node} DefaultTime=01:00:00 MaxTime=2-00:00:00 "
             f"{preemptible}",
             f"PartitionName={URGENT} Nodes={node} DefaultTime=00:10:00 MaxTime=01:00:00 "
             "PriorityTier=10 PreemptMode=OFF State=UP",
+            f"PartitionName={WIDE} Nodes={node},{second} DefaultTime=00:10:00 "
+            f"MaxTime=01:00:00 {preemptible}",
             "",
         ]
     )
@@ -316,10 +352,14 @@ def accounting_file() -> str:
 
 
 def gres_conf(node: str, root: Path = ROOT) -> str:
+    """Each node's four fake GPUs (device files scripts/slurm_cluster.sh links to
+    /dev/null): nvidia0-3 on the first node, nvidia4-7 on the second."""
     last = GPUS - 1
     return (
         f"AutoDetect=off\nNodeName={node} Name=gpu Type={GPU_TYPE} "
         f"File={root}/dev/nvidia[0-{last}]\n"
+        f"NodeName={second_node(node)} Name=gpu Type={GPU_TYPE} "
+        f"File={root}/dev/nvidia[{GPUS}-{2 * GPUS - 1}]\n"
     )
 
 
@@ -333,6 +373,8 @@ def unavailable() -> str | None:
     for sub in ("conf", "state", "spool", "log", "dev", "work", "mysql/data/mysql"):
         if not (ROOT / sub).is_dir():
             return f"{ROOT}/{sub} is missing (run `bash scripts/slurm_cluster.sh`)"
+    if not (ROOT / "dev" / f"nvidia{2 * GPUS - 1}").exists():
+        return f"{ROOT}/dev lacks the second node's GPUs (run `bash scripts/slurm_cluster.sh`)"
     for name in [*PEOPLE.values(), SHARED_ACCOUNT, BOT_ACCOUNT]:
         try:
             pwd.getpwnam(name)
@@ -440,6 +482,22 @@ class SlurmCluster:
         node has registered again (about 4 s here), so a job submitted next can start."""
         self.repair()
 
+    def kill_node(self, node: str) -> None:
+        """SIGKILL a node's slurmd, as a node that dies: its jobs' processes live on
+        (slurmstepd), and slurmctld declares it DOWN after SLURMD_TIMEOUT_S. `repair`
+        (the next lease) starts it again; ReturnToService=2 puts it back in use."""
+        with _held(CONTROL, "the Slurm test cluster"):
+            key = slurmd_key(node, self.node)
+            pid = _read_marker()["pids"].get(key)
+            if pid is not None and _alive(pid, "slurmd"):
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10.0
+                while time.monotonic() < deadline and _alive(pid, "slurmd"):
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+                    time.sleep(0.05)
+            self._children.pop(key, None)
+
     @contextlib.contextmanager
     def controller_down(self) -> Iterator[None]:
         self.stop_controller()
@@ -450,9 +508,25 @@ class SlurmCluster:
 
     # --- lifecycle -----------------------------------------------------------------
 
+    @property
+    def nodes(self) -> tuple[str, str]:
+        return (self.node, second_node(self.node))
+
+    @property
+    def second(self) -> str:
+        return second_node(self.node)
+
     def _spawn(self, name: str) -> int:
+        """Starts the daemon `name` (a marker key: "slurmd@NODE" is that node's slurmd)."""
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 (the daemon's)
-        argv = mariadbd_argv(self.root) if name == "mariadbd" else [DAEMONS[name], "-D"]
+        if name == "mariadbd":
+            argv = mariadbd_argv(self.root)
+        elif _comm(name) == "slurmd":
+            node = name.partition("@")[2] or self.node
+            (self.root / "spool" / node).mkdir(exist_ok=True)
+            argv = [DAEMONS["slurmd"], "-D", "-N", node]
+        else:
+            argv = [DAEMONS[name], "-D"]
         with log:
             # Not the test process's environment: nothing of it may reach a job.
             proc = subprocess.Popen(
@@ -585,7 +659,7 @@ class SlurmCluster:
                 if proc.poll() is not None and proc.pid in current:
                     raise SlurmClusterUnavailable(
                         f"{name} exited with {proc.returncode}: "
-                        + _tail(self.root / "log" / f"{name}.log")
+                        + _tail(self.root / "log" / f"{name}.out")
                     )
             try:
                 shown = self.command("sinfo", "-h", "-N", "-o", "%T", timeout=5)
@@ -624,7 +698,9 @@ class SlurmCluster:
         try:
             self._start_database(pids, fresh=True)
             pids["slurmctld"] = self._spawn("slurmctld")
-            pids["slurmd"] = self._spawn("slurmd")
+            for node in self.nodes:
+                key = slurmd_key(node, self.node)
+                pids[key] = self._spawn(key)
             marker: Marker = {"pids": pids, "digest": digest, "node": self.node}
             MARKER.write_text(json.dumps(marker))
             self._wait_ready()
@@ -666,7 +742,7 @@ class SlurmCluster:
                 if users is not None:
                     try:
                         alive = marker is not None and all(
-                            _alive(pid, name) for name, pid in marker["pids"].items()
+                            _alive(pid, _comm(name)) for name, pid in marker["pids"].items()
                         )
                         if not (ours and alive):  # dead, or left by another config
                             if marker is not None:
@@ -733,8 +809,9 @@ class SlurmCluster:
                 elif not _alive(pids["slurmdbd"], "slurmdbd"):
                     pids["slurmdbd"] = self._spawn("slurmdbd")
                     self._wait_for("slurmdbd", self._dbd_up, self.root / "log" / "slurmdbd.log")
-                for name in ("slurmctld", "slurmd"):
-                    if not _alive(pids[name], name):
+                names = ["slurmctld", *(slurmd_key(n, self.node) for n in self.nodes)]
+                for name in names:
+                    if name not in pids or not _alive(pids[name], _comm(name)):
                         pids[name] = self._spawn(name)
             finally:
                 MARKER.write_text(json.dumps(marker))
@@ -763,8 +840,9 @@ def _stop_all(pids: dict[str, int]) -> None:
     # database last (slurmctld and slurmdbd flush to it as they stop).
     graces = {"slurmd": 2.0, "slurmctld": 3.0, "slurmdbd": 3.0, "mariadbd": 10.0, "munged": 3.0}
     for name, grace in graces.items():
-        if name in pids:
-            _stop(int(pids[name]), name, grace)
+        for key, pid in pids.items():
+            if _comm(key) == name:
+                _stop(int(pid), name, grace)
 
 
 def _stop_stray(pidfile: Path, name: str) -> None:

@@ -24,7 +24,14 @@ import bot.providers
 from bot.providers.slurm import SlurmProvider
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.slurm import SlurmClient
-from tests.slurm_cluster import BOT_ACCOUNT, LAB_GROUP, PEOPLE, ROOT, make_lab_workdir
+from tests.slurm_cluster import (
+    BOT_ACCOUNT,
+    LAB_GROUP,
+    ONE_NODE_PARTITIONS,
+    PEOPLE,
+    ROOT,
+    make_lab_workdir,
+)
 
 # The cluster's Python environment (GPUBOT_SLURM_ENV), made by the bot's account once
 # (the real bootstrap, about 25 s here) and kept: its marker makes later ones a check.
@@ -56,8 +63,11 @@ def lab_directory() -> Iterator[Path]:
 
 
 def lab_env(conf: Path, workdir: Path, home: Path, **extra: str) -> dict[str, str]:
-    """The bot's settings for the lab: the people mapped to their accounts."""
+    """The bot's settings for the lab: the people mapped to their accounts, on the first
+    node's partitions (the one-node cluster the tests of one node were written for; a
+    test across nodes passes GPUBOT_SLURM_PARTITIONS="" for every partition)."""
     return {
+        "GPUBOT_SLURM_PARTITIONS": ",".join(ONE_NODE_PARTITIONS),
         "GPUBOT_PROVIDER": "slurm",
         "GPUBOT_HOME": str(home),
         "SLURM_CONF": str(conf),

@@ -27,6 +27,7 @@ from tests.slurm_cluster import (
     MEMORY_MB,
     PARTITIONS,
     SHARED_ACCOUNT,
+    WIDE,
     SlurmCluster,
 )
 from tests.ssh_hosts import SshLab
@@ -103,13 +104,15 @@ def ended(slurm: SlurmClient, job_id: int) -> Callable[[], str | None]:
     return check
 
 
-def test_nodes_show_the_clusters_four_a100s(
+def test_nodes_show_the_clusters_four_a100s_on_each_node(
     slurm: SlurmClient, slurm_cluster: SlurmCluster
 ) -> None:
-    [node] = slurm.nodes()
-    assert node.name == slurm_cluster.node and node.state == "idle"
-    assert node.gpus == {"A100": 4} and node.gpus_free("A100") == 4
-    assert sorted(node.partitions) == sorted(PARTITIONS) and node.cpus == 8
+    node, second = slurm.nodes()
+    assert (node.name, second.name) == slurm_cluster.nodes
+    assert node.state == second.state == "idle"
+    assert node.gpus == second.gpus == {"A100": 4} and node.gpus_free("A100") == 4
+    assert sorted(node.partitions) == sorted([*PARTITIONS, WIDE]) and node.cpus == 8
+    assert second.partitions == (WIDE,) or list(second.partitions) == [WIDE]
     assert node.memory_mb == MEMORY_MB
     assert slurm.controller_up()
 
@@ -138,7 +141,7 @@ def test_jobs_hold_gpus_pend_for_resources_and_are_ended(slurm: SlurmClient) -> 
     assert inside.ok and inside.stdout.split() == [",".join(map(str, sorted(a)))]
     assert jobs[first].partition == DEFAULT_PARTITION
     assert (jobs[second].partition, jobs[first].gpu_model, jobs[third].gpus) == ("long", "A100", 1)
-    [full] = slurm.nodes()
+    full, _ = slurm.nodes()
     assert full.gpus_used == {"A100": 4} and full.gpus_free() == 0
     assert full.memory_used_mb == 2 * JOB_MB  # the third waits: it holds nothing
 
@@ -307,8 +310,8 @@ def ssh_slurm(ssh_lab: SshLab, slurm_cluster: SlurmCluster) -> Iterator[SlurmCli
 def test_the_same_client_over_ssh_to_a_login_node(
     ssh_slurm: SlurmClient, slurm: SlurmClient, tmp_path: Path
 ) -> None:
-    [node] = ssh_slurm.nodes()
-    assert node.gpus == {"A100": 4}
+    node, second = ssh_slurm.nodes()
+    assert node.gpus == second.gpus == {"A100": 4}
     out = tmp_path / "ssh.txt"
     argv = ("sh", "-c", 'echo "ran $RUN_ID"; echo "$SLURM_CONF"')
     job = ssh_slurm.submit(spec("ssh", argv, env={"RUN_ID": "7 '8'"}, output=str(out), gpus=1))
