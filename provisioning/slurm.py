@@ -52,6 +52,7 @@ from provisioning.slurm_parse import (
     parse_nodes,
     parse_partitions,
     parse_sacct,
+    parse_sacct_attempts,
     parse_time_s,
 )
 from provisioning.ssh import RunResult, SshError, SshTarget
@@ -100,7 +101,8 @@ class SlurmUnavailable(SlurmError):
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One batch job on one node. `argv` is exec'd by a `#!/bin/sh` script, so the job's
+    """One batch job, on one node or `nodes` (one task each; the batch script runs on
+    the first, and starts the others' part with srun). `argv` is exec'd by a `#!/bin/sh` script, so the job's
     process is the program itself (signals reach it). Its environment is Slurm's
     `SLURM_*` (and CUDA_VISIBLE_DEVICES), USER/LOGNAME/HOME/PATH of the account it runs
     as, and `env`: never the bot's, and not the account's login scripts."""
@@ -109,7 +111,8 @@ class JobSpec:
     argv: tuple[str, ...]
     workdir: str
     time_limit_s: int
-    gpus: int = 0
+    gpus: int = 0  # on each node
+    nodes: int = 1
     # Slurm's gres type ("a100") or a model name ("A100"): mapped onto the cluster's type.
     gpu_type: str | None = None
     partition: str | None = None
@@ -461,6 +464,19 @@ class SlurmClient:
         found = self.run(["grep", "-a", "-E", "--", f"^JobId={int(job_id)} ", path])
         return parse_jobcomp(found.stdout, job_id) if found.ok else None
 
+    def attempts(self, job_id: int) -> list[JobEnd]:
+        """Each start of a job Slurm requeued, oldest first, as accounting keeps them
+        (`sacct -D`): how each earlier one ended (NODE_FAIL, PREEMPTED, REQUEUED) and on
+        which nodes. Empty without accounting."""
+        argv = ["sacct", "-a", "-X", "-D", "-n", "-P", "-j", str(int(job_id)), "-o", SACCT_FIELDS]
+        try:
+            sacct = self.run(argv, env={"SLURM_TIME_FORMAT": "%s"})
+        except SlurmUnavailable:
+            raise
+        except SlurmError:
+            return []
+        return parse_sacct_attempts(sacct.stdout, job_id) if sacct.ok else []
+
     def partitions(self) -> list[SlurmPartition]:
         """Every partition with its limits and job defaults (one partition-info RPC)."""
         out = self._checked(["scontrol", "show", "partition", "--oneliner"], "list its partitions")
@@ -525,7 +541,9 @@ class SlurmClient:
         spec.gpu_type onto the cluster's gres type; without it they are read here."""
         if not spec.argv:
             raise SlurmError("a job needs a command")
-        argv = ["sbatch", "--parsable", "--nodes=1", f"--job-name={spec.name}"]
+        argv = ["sbatch", "--parsable", f"--nodes={int(spec.nodes)}", f"--job-name={spec.name}"]
+        if spec.nodes > 1:  # one task a node: the run's launcher there (training.across_nodes)
+            argv.append("--ntasks-per-node=1")
         argv += [f"--time={format_duration(spec.time_limit_s)}", f"--chdir={spec.workdir}"]
         # Not --export=NONE: that makes slurmd run the account's login scripts (`su -`)
         # before each job, which took 60 s here under load; /dev/null is a clean start.

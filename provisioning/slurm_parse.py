@@ -513,8 +513,15 @@ def parse_jobcomp(text: str, job_id: int) -> JobEnd | None:
 
 def parse_sacct(text: str, job_id: int) -> JobEnd | None:
     """`sacct -X -n -P -o JobID,JobName,User,Partition,State,ExitCode,Start,End,NodeList
-    [,AllocTRES]` with SLURM_TIME_FORMAT=%s (epoch times)."""
-    end: JobEnd | None = None
+    [,AllocTRES]` with SLURM_TIME_FORMAT=%s (epoch times): the job's last record."""
+    ends = parse_sacct_attempts(text, job_id)
+    return ends[-1] if ends else None
+
+
+def parse_sacct_attempts(text: str, job_id: int) -> list[JobEnd]:
+    """Every record of the job, oldest first: with `sacct -D` one per start of a requeued
+    job (each earlier one ended REQUEUED, PREEMPTED or NODE_FAIL, with its nodes)."""
+    ends: list[JobEnd] = []
     for line in text.splitlines():
         cells = line.split("|")
         if len(cells) < 9 or cells[0] != str(job_id):
@@ -537,7 +544,8 @@ def parse_sacct(text: str, job_id: int) -> JobEnd | None:
             nodes=expand_hostlist(cells[8]),
             source="sacct",
         )
-    return end
+        ends.append(end)
+    return ends
 
 
 def parse_time_s(text: str) -> int | None:

@@ -32,6 +32,7 @@ from provisioning.slurm_parse import (
     parse_jobs,
     parse_nodes,
     parse_sacct,
+    parse_sacct_attempts,
 )
 
 RECORDED = Path(__file__).parent / "slurm_recorded"
@@ -301,3 +302,19 @@ def test_nodes_in_the_newer_sinfo_records_read_the_same() -> None:
     ]
     [new] = parse_nodes({"sinfo": records})
     assert new == old
+
+
+def test_each_start_of_a_requeued_job_from_sacct_d() -> None:
+    """`sacct -D` lists a job Slurm requeued once per start, oldest first: the earlier
+    one with how it ended and on which nodes (both of a two-node job)."""
+    text = (
+        "7|gpubot-run-3|alice|wide|NODE_FAIL|0:0|1796402083|1796402120|vm,vm-b|gres/gpu=8\n"
+        "7|gpubot-run-3|alice|wide|PENDING|0:0|Unknown|Unknown|None assigned|\n"
+        "8|other|bob|wide|COMPLETED|0:0|1796402083|1796402090|vm|\n"
+    )
+    first, now = parse_sacct_attempts(text, 7)
+    assert (first.state, first.nodes, first.gpus) == ("NODE_FAIL", ("vm", "vm-b"), 8)
+    assert first.end_time == datetime.fromtimestamp(1796402120, UTC)
+    assert now.state == "PENDING" and now.end_time is None
+    assert parse_sacct(text, 7) == now  # the job's last record is its current one
+    assert parse_sacct_attempts(text, 9) == []

@@ -25,11 +25,14 @@ def runner_command(
     python: str,
     *,
     across: tuple[int, int, str] | None = None,
+    per_node: int | None = None,
 ) -> str:
     """The runner's line, started with `python`: the host's interpreter (HostSeat).
 
     `across`: (nodes, this node's rank, rendezvous HOST:PORT) for one host's part of a
-    run over several; `placement` is then that node's, and `--gpus` its share."""
+    run over several; `placement` is then that node's, and `--gpus` its share.
+    `per_node`: `--gpus` for a line whose node's place a launcher adds on each node
+    (training.across_nodes, a Slurm job over several nodes)."""
     batch, retried = _oom_batch(run)
     parts = [
         python,
@@ -46,7 +49,8 @@ def runner_command(
     ]
     if run.max_seconds:
         parts += ["--max-minutes", f"{run.max_seconds / 60:.2f}"]
-    per_node = run.gpu_count if across is None else len(placement["gpu_indexes"])
+    if per_node is None:
+        per_node = run.gpu_count if across is None else len(placement["gpu_indexes"])
     if per_node > 1:
         parts += ["--gpus", str(per_node)]
     if across is not None:

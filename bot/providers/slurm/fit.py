@@ -41,6 +41,9 @@ class Ask:
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
+    # A run may span nodes (one job of several nodes, the same GPUs on each, under
+    # torchrun); a reservation is one node's GPUs.
+    across: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class Fit:
     account: str | None  # None: Slurm's default for the person
     qos: str | None
     constraint: str | None
+    nodes: int = 1  # the job's nodes; its GPUs split evenly over them
+    gpus_per_node: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,20 @@ def _limit(part: SlurmPartition, qos: str | None, walls: Mapping[str, int | None
             limits.append(walls.get(name))
     known = [x for x in limits if x is not None]
     return min(known) if known else None
+
+
+def split(gpus: int, capacities: Sequence[int], across: bool) -> tuple[int, int] | None:
+    """(nodes, GPUs on each) for `gpus` over nodes holding `capacities` GPUs of the
+    model: the fewest nodes, the same number on each (torchrun starts as many workers on
+    every node); None when no such split fits. One node only unless `across`."""
+    most = len(capacities) if across else 1
+    for count in range(1, most + 1):
+        if gpus % count:
+            continue
+        per = gpus // count
+        if sum(1 for c in capacities if c >= per) >= count:
+            return count, per
+    return None
 
 
 def _words(seconds: int | None) -> str:
@@ -115,11 +134,13 @@ def choose(
             )
         named = [p for p in named if p.name == ask.partition]
 
-    def has_gpus(part: SlurmPartition) -> bool:
+    def spread(part: SlurmPartition) -> tuple[int, int] | None:
         here = [n for n in nodes if n.name in part.nodes or part.name in n.partitions]
-        if ask.model is None:
-            return any(n.gpu_count >= ask.gpus for n in here)
-        return any(n.gpus.get(ask.model, 0) >= ask.gpus for n in here)
+        caps = [n.gpus.get(ask.model, 0) if ask.model else n.gpu_count for n in here]
+        return split(ask.gpus, caps, ask.across)
+
+    def has_gpus(part: SlurmPartition) -> bool:
+        return spread(part) is not None
 
     def allowed(part: SlurmPartition) -> bool:
         if part.allow_accounts and account and account not in part.allow_accounts:
@@ -147,6 +168,7 @@ def choose(
     order = sorted(
         open_parts,
         key=lambda p: (
+            (spread(p) or (1, 0))[0],  # one node where a partition allows it
             not p.default,
             p.priority_tier,
             p.max_time_s if p.max_time_s is not None else 10**12,
@@ -186,7 +208,10 @@ def choose(
         mem = None
     elif mem is None and with_gpus:
         mem = max(1, min(n.memory_mb // max(1, n.gpu_count) for n in with_gpus))
+    nodes_used, per_node = spread(chosen) or (1, ask.gpus)
     return Fit(
+        nodes=nodes_used,
+        gpus_per_node=per_node,
         partition=chosen.name,
         time_limit_s=seconds,
         defaulted=defaulted,
@@ -208,4 +233,10 @@ def _no_gpus(ask: Ask, nodes: Sequence[SlurmNode], parts: Sequence[SlurmPartitio
         return f"{where} has no {ask.model} GPUs (it has: {', '.join(models) or 'no GPUs'})."
     most = max((n.gpus.get(ask.model, 0) if ask.model else n.gpu_count for n in here), default=0)
     label = f"{ask.gpus} {ask.model} GPUs" if ask.model else f"{ask.gpus} GPUs"
-    return f"{where} has no node with {label} (the most on one node is {most})."
+    if not ask.across:
+        return f"{where} has no node with {label} (the most on one node is {most})."
+    return (
+        f"{where} cannot hold {label}, on one node (the most is {most}) or split evenly "
+        f"over {len(here)} node{'s' if len(here) != 1 else ''} (a run across nodes has the "
+        "same GPUs on each): ask for fewer, or a number its nodes divide."
+    )

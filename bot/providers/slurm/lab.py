@@ -84,6 +84,7 @@ class Lab:
             account=place.get("account") or self.accounts.get(request.user_key),
             qos=place.get("qos"),
             constraint=place.get("constraint"),
+            across=request.kind == "run",
         )
         snap = self.cluster.read()
         nodes = list(snap.nodes) if snap is not None else []

@@ -132,6 +132,8 @@ class SlurmExecutor:
         self._seen: dict[str, str] = {}  # file -> its last (mtime, size)
         self._confirmed: dict[int, tuple[float, SlurmJob | None]] = {}
         self._ends: dict[int, JobEnd] = {}
+        # (job, restarts) → why Slurm requeued it, read once from accounting.
+        self._requeues: dict[tuple[int, int], str] = {}
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
 
@@ -201,7 +203,15 @@ class SlurmExecutor:
         if run.max_seconds and not fit.defaulted:
             # The runner stops itself at --max; Slurm's limit is a little later.
             limit = min(limit + 300, fit.max_time_s or limit + 300)
-        line = runner_command(run, {**placement, "gpu_indexes": []}, python.python)
+        if fit.nodes > 1:
+            # One task a node, each the runner with its node's place in the run
+            # (training.across_nodes); the batch script is the launcher on the first.
+            runner = runner_command(
+                run, {**placement, "gpu_indexes": []}, python.python, per_node=fit.gpus_per_node
+            )
+            line = shell.join([python.python, "-m", "training.across_nodes", "--"]) + " " + runner
+        else:
+            line = runner_command(run, {**placement, "gpu_indexes": []}, python.python)
         spec = self.lab.spec(
             plan,
             name=job_name("run", run.id),
@@ -211,7 +221,8 @@ class SlurmExecutor:
             argv=("/bin/sh", "-c", "exec " + line),
             workdir=run_dir,
             who=f"run {run.id} of {self.owner_of(run.user_id) or run.user_id}",
-            gpus=run.gpu_count,
+            gpus=fit.gpus_per_node or run.gpu_count,
+            nodes=fit.nodes,
             model=run.gpu_model,
             time_limit_s=limit,
             output=str(placement["log"]),
@@ -231,6 +242,7 @@ class SlurmExecutor:
             "stage": "submitted to Slurm",
             "as": plan.person,
             "partition": fit.partition,
+            "slurm_nodes": fit.nodes,
             "limit_s": limit,
             "started_file": started,
             "submitted": self.clock.now().isoformat(),
@@ -345,25 +357,40 @@ class SlurmExecutor:
         ):
             now = self.clock.now()
             expected = job.start_time if job.start_time and job.start_time > now else None
-            return Look(
-                alive=True,
-                status=None,
-                waiting=pending_words(job, now, self.tz),
-                expected_start=expected,
+            waiting = pending_words(job, now, self.tz)
+            if line is not None:  # it ran, and Slurm put it back: say why
+                waiting = f"{self._requeued_words(job, snap)}; {waiting}"
+            return Look(alive=True, status=None, waiting=waiting, expected_start=expected)
+        spans = int(placement.get("slurm_nodes") or 1) > 1
+        if spans and line is not None and (job is None or len(job.gpu_indexes) < 2):
+            job = self._confirm(job_id, job)  # the started line names the first node only
+        if spans and job is not None and len(job.gpu_indexes) > 1:
+            where: tuple[tuple[str, tuple[int, ...]], ...] = tuple(
+                (node, tuple(ix)) for node, ix in job.gpu_indexes.items()
             )
-        if line is not None:
-            where: tuple[tuple[str, tuple[int, ...]], ...] = ((line.node, line.gpu_indexes),)
+            started_at = line.started_at if line is not None else job.start_time
+        elif line is not None:
+            where = ((line.node, line.gpu_indexes),)
             started_at = line.started_at
         elif job is not None and job.gpu_indexes:
             where = tuple((node, tuple(ix)) for node, ix in job.gpu_indexes.items())
             started_at = job.start_time
         else:
             where, started_at = (), None
+        alive = job is not None and not job.finished
+        if (
+            spans
+            and alive
+            and "host" not in placement
+            and len(where) < int(placement["slurm_nodes"])
+        ):
+            # Started on its first node, the others not yet seen: metered once all are.
+            # (Not once it runs: a node that dies drops out of the job's listing first.)
+            return Look(alive=True, status=None, waiting=f"Slurm is starting job {job_id}")
         model = job.gpu_model if job is not None else None
         rate = self.rates.get(model or "") if model else None
         if rate is None and where:
             rate = next(iter(self.rates.values()), None) if len(self.rates) == 1 else None
-        alive = job is not None and not job.finished
         ended = None if alive else self._ending(placement, job, status)
         if not alive and status is not None and self._warned_of_limit(placement, line, status):
             # Slurm's warning before its limit (--signal) looks like a preemption to the
@@ -380,6 +407,38 @@ class SlurmExecutor:
             started_at=started_at,
             ended=ended,
         )
+
+    def _requeued_words(self, job: SlurmJob, snap: Snapshot) -> str:
+        """Why Slurm put a started job back in its queue, from accounting's record of
+        the start that ended (`sacct -D`, read once per requeue): a node that failed
+        is named (the one the controller marks down, of the attempt's nodes)."""
+        key = (job.job_id, job.restarts)
+        with self._lock:
+            known = self._requeues.get(key)
+        if known is not None:
+            return known
+        try:
+            ends = [e for e in self.cluster.client.attempts(job.job_id) if e.end_time]
+        except SlurmError as exc:
+            log.warning("could not read why Slurm requeued job %s: %s", job.job_id, exc)
+            ends = []
+        words = f"Slurm requeued job {job.job_id}"
+        if ends and ends[-1].state == "NODE_FAIL":
+            nodes = self._failed_nodes(ends[-1].nodes, snap)
+            words = f"node {', '.join(nodes)} failed (NODE_FAIL) and {words}"
+        elif ends and ends[-1].state == "PREEMPTED":
+            words = f"{words} (preempted)"
+        with self._lock:
+            self._requeues[key] = words
+        return words
+
+    @staticmethod
+    def _failed_nodes(nodes: Sequence[str], snap: Snapshot | None) -> list[str]:
+        """Of a job's nodes, those the controller has down (the one that failed); all of
+        them when none is down now (back already, or not listed)."""
+        known = {n.name: n for n in snap.nodes} if snap is not None else {}
+        down = [n for n in nodes if n in known and known[n].state == "down"]
+        return down or list(nodes)
 
     def _warned_of_limit(
         self, placement: dict[str, Any], line: StartedLine | None, status: RunStatus
@@ -413,7 +472,8 @@ class SlurmExecutor:
             if state == "TIMEOUT":
                 words += f" (its time limit in partition {placement.get('partition', '?')})"
             if state == "NODE_FAIL" and end is not None and end.nodes:
-                words += f" (node {', '.join(end.nodes)})"
+                failed = self._failed_nodes(end.nodes, self.cluster.read())
+                words += f" (node {', '.join(failed)} failed)"
         if status is None:
             with contextlib.suppress(SshError):
                 tail = self.files.tail(self.target, str(placement["log"]), 5).strip()
