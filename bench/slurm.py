@@ -1,10 +1,11 @@
 """Slurm: how long a job takes to run, and what reading Slurm costs the bot.
 
-On the test cluster (tests/slurm_cluster.py: one node, 4 fake A100s; started here
+On the test cluster (tests/slurm_cluster.py: two nodes of 4 fake A100s; started here
 unless a test session has it, whose lease this bench then waits for):
 
 - submit -> RUNNING: `sbatch` of a 1-GPU job until `squeue` says RUNNING (polled every
-  POLL_S), on the idle cluster; median of RUNS. The bot's reserve -> granted adds its
+  POLL_S), on the idle cluster; median of RUNS. Side by side, the same for a job over
+  both nodes (partition wide, 4 GPUs on each). The bot's reserve -> granted adds its
   own poll cadence on top; the goal for that is < 3 s, most of it Slurm's.
 - one `jobs()` (one `squeue --json` and its parsing) with the cluster's own few jobs,
   and the same call's command alone.
@@ -37,7 +38,7 @@ from typing import Any
 
 from provisioning.slurm import JobSpec, SlurmClient
 from provisioning.slurm_parse import load_json, parse_jobs, parse_nodes
-from tests.slurm_cluster import SlurmClusterUnavailable, running_cluster
+from tests.slurm_cluster import GPUS, WIDE, SlurmClusterUnavailable, running_cluster
 
 RUNS = 10
 POLL_S = 0.02
@@ -119,7 +120,22 @@ def _on_cluster() -> dict[str, object]:
     with running_cluster() as cluster, cluster.lease():
         slurm = SlurmClient(conf=str(cluster.conf), timeout_s=30)
         nodes = slurm.nodes()
-        gaps, submits = [], []
+        gaps, submits, wide = [], [], []
+
+        def to_running(spec: JobSpec) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            job = slurm.submit(spec, nodes)
+            sbatch = time.perf_counter() - t0
+            deadline = time.monotonic() + GUARD_S
+            while (found := slurm.job(job)) is None or found.state != "RUNNING":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"job {job} did not run within {GUARD_S:g} s")
+                time.sleep(POLL_S)
+            gap = time.perf_counter() - t0
+            slurm.cancel(job)
+            cluster.cancel_all()  # idle again: each run starts on an empty cluster
+            return sbatch, gap
+
         for i in range(RUNS):
             spec = JobSpec(
                 name=f"bench-{i}",
@@ -131,17 +147,14 @@ def _on_cluster() -> dict[str, object]:
                 output="/dev/null",
                 mem_per_gpu_mb=100,  # memory is counted: a job asking none takes the node's
             )
-            t0 = time.perf_counter()
-            job = slurm.submit(spec, nodes)
-            submits.append(time.perf_counter() - t0)
-            deadline = time.monotonic() + GUARD_S
-            while (found := slurm.job(job)) is None or found.state != "RUNNING":
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"job {job} did not run within {GUARD_S:g} s")
-                time.sleep(POLL_S)
-            gaps.append(time.perf_counter() - t0)
-            slurm.cancel(job)
-            cluster.cancel_all()  # idle again: each run starts on an empty cluster
+            sbatch, gap = to_running(spec)
+            submits.append(sbatch)
+            gaps.append(gap)
+            # Side by side: a run over both nodes (4 GPUs on each, partition `wide`).
+            both = dataclasses.replace(
+                spec, name=f"bench-wide-{i}", gpus=GPUS, nodes=2, partition=WIDE
+            )
+            wide.append(to_running(both)[1])
         # The cluster's own jobs for the read: 2 running, 2 pending.
         for i in range(4):
             slurm.submit(
@@ -164,6 +177,12 @@ def _on_cluster() -> dict[str, object]:
                 "max_s": round(max(gaps), 3),
                 "runs": [round(g, 3) for g in gaps],
                 "sbatch_median_s": round(statistics.median(submits), 3),
+            },
+            "submit_to_running_two_nodes": {
+                "median_s": round(statistics.median(wide), 3),
+                "max_s": round(max(wide), 3),
+                "runs": [round(g, 3) for g in wide],
+                "what": f"--nodes=2 --ntasks-per-node=1, {GPUS} GPUs on each, partition {WIDE}",
             },
             "jobs_call": {"jobs": count, **_timed(slurm.jobs, 20)},
             "squeue_command": _timed(lambda: slurm.run(argv), 20),
@@ -410,6 +429,11 @@ def headline(figures: dict[str, object]) -> list[str]:
             f"(goal for reserve -> granted < {GOAL_S:g} s); jobs() with {j['jobs']} jobs "
             f"median {j['median_ms']} ms"
         )
+        if "submit_to_running_two_nodes" in cluster:
+            w = cluster["submit_to_running_two_nodes"]
+            lines.append(
+                f"two-node job submit -> RUNNING median {w['median_s']} s, max {w['max_s']} s"
+            )
     elif isinstance(cluster, dict):
         lines.append(f"cluster: skipped: {cluster.get('skipped')}")
     parse = figures.get("parse")
