@@ -611,14 +611,16 @@ class SlurmClient:
         *,
         user: str | None = None,
         pending_only: bool = False,
+        batch_only: bool = False,
     ) -> None:
-        """End the job (or, with `signal`, signal its batch script and steps), as `user`
-        (its owner) where jobs are people's. An id Slurm has forgotten is already over:
-        no error. `pending_only` (`--state=PENDING`): only if it has not started; the
-        controller decides, so a job it starts meanwhile is left running, never killed."""
+        """End the job (or, with `signal`, signal its batch script and steps; with
+        `batch_only` the batch script alone), as `user` (its owner) where jobs are people's.
+        An id Slurm has forgotten is already over: no error. `pending_only`
+        (`--state=PENDING`): only if it has not started; the controller decides, so a job
+        it starts meanwhile is left running, never killed."""
         argv = ["scancel"]
         if signal:
-            argv += [f"--signal={signal}", "--full"]
+            argv += [f"--signal={signal}", "--batch" if batch_only else "--full"]
         if pending_only:
             argv.append("--state=PENDING")
         result = self.run(self.as_person(user, [*argv, str(int(job_id))]))

@@ -2,17 +2,22 @@
 
 A Slurm job of several nodes runs its batch script on the first node only. This module is
 that script's program (the bot's `SlurmExecutor` exec's it): it picks a free port for
-torchrun's rendezvous on the first node and exec's `srun`, which starts one task per node
+torchrun's rendezvous on the first node and runs `srun`, which starts one task per node
 (`--ntasks-per-node=1`); each task is this module again (`--task PORT`), which exec's the
 runner line it was given with the node's place in the run added: `--nnodes` (the job's
 node count), `--node-rank` (`SLURM_NODEID`) and `--rdzv-endpoint` (the first node's
 address as Slurm gives it to every task, `SLURM_LAUNCH_NODE_IPADDR`, and the port).
 
-Why exec all the way: Slurm's warning before a limit and a preemption (`--signal=B:TERM`)
-reach the batch script alone, which is then `srun`, and srun forwards SIGTERM to every
-task, which is then the runner itself: each node's runner checkpoints and exits as on a
-host. `--kill-on-bad-exit=1`: a node whose part fails ends the others' parts, so a run is
-never left half alive.
+Why the batch script stays a parent of srun instead of exec'ing it: Slurm's warning before
+a limit and a preemption (`--signal=B:TERM`), and the bot's cancel (`scancel --batch
+--signal=TERM`), reach the batch script alone, and srun answers a SIGTERM by killing its
+tasks ("forcing job termination", SIGKILL: seen on Slurm 22.05), so a run would never
+checkpoint. This script catches it and tells the runners through Slurm instead:
+`scancel --signal=TERM JOB` (every step of the job, not the batch step), so every node's
+runner gets SIGTERM as on a host, they stop on the same step, rank 0 checkpoints, and srun
+then exits with their status, which this script exits with. Each task exec's the runner
+(its process is the runner itself). `--kill-on-bad-exit=1`: a node whose part fails ends
+the others' parts, so a run is never left half alive.
 
 The first node's runner writes the run's status file; the others write their own beside
 it (`status.node1.json`, …), so no node overwrites the run's result. Only the standard
@@ -22,7 +27,9 @@ library is used: this runs on the cluster's nodes in the run's environment.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
@@ -91,17 +98,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
-        print("usage: python -m training.across_nodes [--task PORT] -- RUNNER LINE", file=sys.stderr)
+        print(
+            "usage: python -m training.across_nodes [--task PORT] -- RUNNER LINE", file=sys.stderr
+        )
         return 2
     env = dict(os.environ)
     if task_port is None:  # the batch script, on the job's first node
         nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1")
-        line = srun_argv(free_port(), args, nodes, sys.executable)
-    else:  # one node's task
-        line = task_argv(args, env, task_port)
+        return launch(srun_argv(free_port(), args, nodes, sys.executable), env)
+    line = task_argv(args, env, task_port)  # one node's task
     sys.stdout.flush()
     os.execvp(line[0], line)
     return 127  # not reached: exec replaced this process
+
+
+def forward_argv(signum: int, job_id: str) -> list[str]:
+    """The scancel that passes a signal the batch script got to every node's runner:
+    every step of the job but the batch step (no --full), so it never comes back here."""
+    return ["scancel", f"--signal={signal.Signals(signum).name.removeprefix('SIG')}", job_id]
+
+
+def launch(line: Sequence[str], env: Mapping[str, str]) -> int:
+    """srun as a child; SIGTERM and SIGINT passed on through Slurm (see the module's
+    docstring); srun's exit status is the batch script's."""
+    sys.stdout.flush()
+    child = subprocess.Popen(list(line))
+    job_id = env.get("SLURM_JOB_ID", "")
+
+    def forward(signum: int, _frame: object) -> None:
+        if not job_id:  # not under Slurm: the child is told directly
+            child.send_signal(signum)
+            return
+        # Never srun itself (it would kill the tasks): when scancel fails, the job is
+        # ending and slurmstepd signals every process of it anyway.
+        subprocess.run(forward_argv(signum, job_id), check=False)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = child.wait()
+    return 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":

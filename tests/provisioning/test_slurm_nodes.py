@@ -12,6 +12,7 @@ runs execute on CPU (the GPUs are fake), over gloo on loopback.
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from sqlmodel import Session, select
 
 from bot.app.config import load_settings
-from bot.domain.commands import Run
+from bot.domain.commands import Cancel, Run
 from bot.domain.errors import UserError
 from bot.faces.runtime import Runtime, build_runtime
 from db.models import TrainingRun, UsageInterval
@@ -195,3 +196,42 @@ def test_a_node_that_dies_mid_run_is_named_and_a_run_that_checkpoints_is_requeue
         "sacct", "-a", "-X", "-D", "-n", "-P", "-j", str(job), "-o", "State,NodeList"
     ).stdout.split()
     assert attempts[0].startswith("NODE_FAIL") and attempts[-1].startswith("COMPLETED"), attempts
+
+
+def test_a_cancelled_run_over_two_nodes_stops_on_both_and_leaves_nothing(
+    nodes_rt: Runtime, slurm_cluster: SlurmCluster
+) -> None:
+    """`/gpu cancel` of a run over both nodes: SIGTERM reaches the batch script (srun,
+    which forwards it) and every node's runner; they stop on the same step, rank 0 saves
+    the checkpoint, and the job ends. One DM, the GPUs unmetered on both nodes, and no
+    runner left on either node."""
+    svc = nodes_rt.service
+    alice = svc.actor("alice")
+    rid = int(svc.runs.submit(alice, _eight(LONG_EPOCHS)).extra["run_id"])
+
+    def stepped() -> bool:
+        run = _run(nodes_rt, rid)
+        return run.state == "running" and int(run.metrics.get("step") or 0) >= 2
+
+    _until(stepped, "the run started and made steps", nodes_rt)
+    run_dir = str(Path(str(_run(nodes_rt, rid).placement["status"])).parent)
+    assert f"run #{rid}" in svc.runs.cancel(alice, Cancel(rid)).view.text.lower()
+    _until(lambda: _run(nodes_rt, rid).finished_at is not None, "the run ended", nodes_rt)
+    run = _run(nodes_rt, rid)
+    assert run.state == "cancelled", run.metrics.get("summary")
+    final = parse_status(Path(str(run.placement["status"])).read_text())
+    log_text = Path(str(run.placement["log"])).read_text(errors="replace")[-4000:]
+    # Stopped on the same step everywhere, checkpointed: resumable with --resume.
+    assert final is not None and final.state == "preempted", (final, log_text)
+    assert sum(f"Run #{rid}" in t and "cancel" in t.lower() for t in dms(nodes_rt, "alice")) == 1
+    with Session(nodes_rt.engine) as s:
+        spans = list(s.exec(select(UsageInterval).where(UsageInterval.run_id == rid)))
+    assert len(spans) == 2 * GPUS and all(iv.ended_at is not None for iv in spans)
+
+    def left() -> list[str]:
+        found = subprocess.run(
+            ["pgrep", "-af", "training.runner"], capture_output=True, text=True, check=False
+        )
+        return [ln for ln in found.stdout.splitlines() if run_dir in ln]
+
+    _until(lambda: not left(), "no runner of the run left on either node", nodes_rt, left)

@@ -511,7 +511,7 @@ class SlurmExecutor:
         return end
 
     def failed_node(self, placement: dict[str, Any]) -> str | None:
-        return None  # one job, one node: Slurm ends it whole
+        return None  # one job on one node or several: Slurm ends it whole (NODE_FAIL)
 
     def signal(self, placement: dict[str, Any], signal: str, *, others_only: bool = False) -> None:
         if others_only:
@@ -522,7 +522,12 @@ class SlurmExecutor:
             if signal == "KILL" or job is None or job.state == "PENDING":
                 self.cluster.client.cancel(int(placement["job"]), user=person)
             else:  # SIGTERM to the runner: a recipe checkpoints and exits
-                self.cluster.client.cancel(int(placement["job"]), signal=signal, user=person)
+                # Over several nodes, to the batch script alone: srun would turn it into
+                # SIGKILL for every node; training.across_nodes passes it on as SIGTERM.
+                spans = int(placement.get("slurm_nodes") or 1) > 1
+                self.cluster.client.cancel(
+                    int(placement["job"]), signal=signal, user=person, batch_only=spans
+                )
         except SlurmUnavailable as exc:
             raise SshError(f"the Slurm controller is not answering: {exc}") from None
         except SlurmError as exc:
