@@ -59,7 +59,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
@@ -232,6 +232,7 @@ def slurm_conf(node: str, root: Path = ROOT) -> str:
             f"SlurmdTimeout={SLURMD_TIMEOUT_S}",
             "ProctrackType=proctrack/linuxproc",  # no cgroups here
             "TaskPlugin=task/none",
+            f"TaskProlog={root}/conf/task_prolog.sh",  # the fake driver on PATH
             "MpiDefault=none",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core_Memory",  # and no DefMemPerGPU: see MEMORY_MB
@@ -363,6 +364,46 @@ def gres_conf(node: str, root: Path = ROOT) -> str:
     )
 
 
+def utilization_file(root: Path = ROOT) -> Path:
+    """What the fake GPUs report: {"NODE": {"INDEX": util %}}; a GPU not named is at 0%
+    (a GPU that nothing uses). Tests write it (`SlurmCluster.set_utilization`)."""
+    return root / "conf" / "gpu-util.json"
+
+
+def fake_nvidia_smi(root: Path = ROOT) -> str:
+    """The NVIDIA driver's tool for the fake GPUs, on every task's PATH (TaskProlog):
+    the same `--query-gpu`/`--query-compute-apps` CSV a driver prints, so
+    training.telemetry reads it as it reads a real one. Inside a job's step it shows that
+    job's GPUs alone, renumbered from 0, as a cluster with ConstrainDevices (cgroup
+    devices) shows them; the node's own index of each is SLURM_STEP_GPUS/SLURM_JOB_GPUS.
+    Outside a job it fails as on a machine without a driver."""
+    return f"""#!/usr/bin/python3
+import json, os, sys
+held = os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS") or ""
+node = os.environ.get("SLURMD_NODENAME", "")
+if not node or not held:
+    print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.")
+    sys.exit(9)
+try:
+    with open({str(utilization_file(root))!r}) as f:
+        util = json.load(f).get(node, {{}})
+except (OSError, ValueError):
+    util = {{}}
+if any(a.startswith("--query-compute-apps") for a in sys.argv[1:]):
+    sys.exit(0)  # no process holds the fake GPUs
+for seen, index in enumerate(sorted(int(i) for i in held.split(",") if i.strip())):
+    busy = int(util.get(str(index), 0))
+    used = 20000 if busy else 0
+    print(f"{{seen}}, GPU-fake-{{node}}-{{index}}, NVIDIA A100-SXM4-40GB, {{busy}}, {{used}}, "
+          f"40960, 35, {{60 + 3 * busy}}.00, 400.00")
+"""
+
+
+def task_prolog(root: Path = ROOT) -> str:
+    """Slurm's TaskProlog: each task's environment gains the fake driver's folder."""
+    return f'#!/bin/sh\necho "export PATH={root}/conf/driver:$PATH"\n'
+
+
 def unavailable() -> str | None:
     """None when the cluster can run here; otherwise why not."""
     if os.geteuid() != 0:
@@ -481,6 +522,16 @@ class SlurmCluster:
         """Start slurmctld again on its saved state (jobs survive) and wait until the
         node has registered again (about 4 s here), so a job submitted next can start."""
         self.repair()
+
+    def set_utilization(self, node: str, busy: Mapping[int, int]) -> None:
+        """What the node's fake GPUs report from now on (index → util %; others 0%)."""
+        path = utilization_file(self.root)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        doc[node] = {str(i): int(pct) for i, pct in busy.items()}
+        path.write_text(json.dumps(doc))
 
     def kill_node(self, node: str) -> None:
         """SIGKILL a node's slurmd, as a node that dies: its jobs' processes live on
@@ -685,6 +736,16 @@ class SlurmCluster:
         (self.root / "mysql" / "error.log").unlink(missing_ok=True)
         self.conf.write_text(slurm_conf(self.node, self.root))
         (self.conf.parent / "gres.conf").write_text(gres_conf(self.node, self.root))
+        driver = self.conf.parent / "driver"
+        driver.mkdir(mode=0o755, exist_ok=True)
+        for path, text in (
+            (driver / "nvidia-smi", fake_nvidia_smi(self.root)),
+            (self.conf.parent / "task_prolog.sh", task_prolog(self.root)),
+        ):
+            path.write_text(text)
+            path.chmod(0o755)
+        utilization_file(self.root).write_text("{}")
+        utilization_file(self.root).chmod(0o644)
         dbd = self.conf.parent / "slurmdbd.conf"
         dbd.unlink(missing_ok=True)  # created 0600 before its password is in it
         fd = os.open(dbd, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -719,6 +780,8 @@ class SlurmCluster:
                 [
                     slurm_conf(self.node, self.root),
                     gres_conf(self.node, self.root),
+                    fake_nvidia_smi(self.root),
+                    task_prolog(self.root),
                     slurmdbd_conf(self.root),
                     mariadbd_argv(self.root),
                     accounting_file(),
@@ -788,10 +851,12 @@ class SlurmCluster:
         with _held(LEASE, "the Slurm test cluster's lease"):
             self.repair()
             self.cancel_all()  # left by a session that was killed mid-test
+            utilization_file(self.root).write_text("{}")  # every fake GPU at 0%
             try:
                 yield self
             finally:
                 self.cancel_all()
+                utilization_file(self.root).write_text("{}")
 
     def repair(self) -> None:
         """Start again whatever daemon is down (a test that failed with the controller

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from bot.domain.errors import UserError
 from provisioning import shell
@@ -93,6 +93,10 @@ class HostSeat:
     target: SshTarget
     runs_dir: Path
     interpreter: Callable[[], Interpreter] = bot_python
+    # The host's GPU index of each GPU this seat's commands see, in their order, where
+    # they may see one job's GPUs alone, renumbered from 0 (a step inside a Slurm job on
+    # a cluster with ConstrainDevices); empty: they see the host's own numbering.
+    gpu_map: tuple[int, ...] = ()
 
 
 class HostAccess(Protocol):
@@ -101,6 +105,26 @@ class HostAccess(Protocol):
     def runner_for(self, host_name: str) -> HostSeat | None:
         """The host's seat; None when it cannot be reached (or is not prepared) now."""
         ...
+
+
+@runtime_checkable
+class JobSeats(Protocol):
+    """A host reached through the jobs on it (a cluster's node: a command runs as a step
+    inside one job and may see that job's GPUs alone): a seat per job, so that every
+    held GPU is seen (the utilization sampler)."""
+
+    def seats_for(self, host_name: str) -> list[HostSeat]:
+        """One seat per job of the bot's running there; empty when none runs now."""
+        ...
+
+
+def seats_for(access: HostAccess, host_name: str) -> list[HostSeat]:
+    """Every seat that together sees the host's held GPUs: one per job where the access
+    reaches a host through its jobs, else the host's one seat."""
+    if isinstance(access, JobSeats):
+        return access.seats_for(host_name)
+    seat = access.runner_for(host_name)
+    return [seat] if seat is not None else []
 
 
 class Provisioner(Protocol):

@@ -31,6 +31,7 @@ from bot.app.watching.utilization import (
     Sample,
     chart_start,
     collect,
+    on_host,
     snapshot_job,
     thin,
     thin_db,
@@ -50,7 +51,7 @@ from provisioning.ssh import RunResult, SshClient, SshError, SshTarget
 from tests.core.helpers import actor, host, make_service, place
 from tests.e2e.shell_driver import run_shell
 from tests.ssh_hosts import SshLab
-from training.telemetry import GpuProcess, GpuSnapshot, HostSnapshot, take_snapshot
+from training.telemetry import GpuProcess, GpuSnapshot, HostSnapshot, parse_snapshot, take_snapshot
 
 # --- recorded telemetry --------------------------------------------------------------
 
@@ -592,3 +593,58 @@ def test_the_chart_axis_fits_data_shorter_than_its_window() -> None:
     assert chart_start([GpuSeries("a:0 A100", old, [1.0, 2.0], [0.0, 0.0])], now) == (
         now - CHART_WINDOW
     )
+
+
+def test_a_jobs_gpus_seen_from_0_are_mapped_back_to_the_nodes() -> None:
+    """A step inside a Slurm job under ConstrainDevices sees the job's GPUs as 0..k-1;
+    `gpu_map` (the node's indexes the job holds) puts each sample on the node's GPU. A
+    step that sees the whole node keeps the node's numbering."""
+    constrained = parse_snapshot(snapshot_json({0: (90, 100), 1: (0, 0)}))
+    assert constrained is not None
+    mapped = on_host(constrained, (2, 3))
+    assert [(g.index, g.util_pct) for g in mapped.gpus] == [(2, 90), (3, 0)]
+    whole = parse_snapshot(snapshot_json({i: (0, 0) for i in range(4)}))
+    assert whole is not None
+    assert [g.index for g in on_host(whole, (2, 3)).gpus] == [0, 1, 2, 3]
+    assert on_host(constrained, ()) == constrained  # a host's own seat: as it is
+
+
+@dataclass
+class JobSeatAccess(MapAccess):
+    """A host reached through the jobs on it (a Slurm node's `ClusterSeat`): a seat per
+    job, each seeing what its runner answers, with the node's index of each GPU it sees."""
+
+    jobs: dict[str, list[tuple[HostShell, tuple[int, ...]]]] = field(default_factory=dict)
+
+    def seats_for(self, host_name: str) -> list[HostSeat]:
+        target = SshTarget(host=host_name, name=host_name)
+        return [
+            HostSeat(runner, target, self.runs_dir, lambda: self.python, gpu_map=gpus)
+            for runner, gpus in self.jobs.get(host_name, [])
+        ]
+
+
+def test_a_node_reached_through_its_jobs_is_sampled_in_each_job_or_once_if_one_sees_all(
+    engine: Engine,
+) -> None:
+    """Under ConstrainDevices each job's step sees its own GPUs from 0: every job is
+    asked, and each answer lands on the node's GPUs the job holds. A step that sees the
+    whole node is enough: the node's other jobs are not asked (one step fewer for the
+    cluster's controller each sample)."""
+    access = JobSeatAccess()
+    svc, _ = make_service(engine, [gpu_a(8)], places=place("ssh", access))
+    first = RecordedRunner(snapshot_json({0: (97, 100), 1: (95, 100)}))
+    second = RecordedRunner(snapshot_json({0: (0, 0), 1: (0, 0), 2: (0, 0)}))
+    access.jobs["gpu-a"] = [(first, (4, 6)), (second, (0, 1, 2))]
+    svc.reserve(actor(svc, "alice"), Reserve(count=5, model="A100"))
+    report = collect(svc)
+    assert report.samples == 5 and first.commands and second.commands
+    assert {(r.gpu_index, r.util_pct) for r in rows(engine)} == {
+        (4, 97.0), (6, 95.0), (0, 0.0), (1, 0.0), (2, 0.0),
+    }  # fmt: skip
+
+    whole = RecordedRunner(snapshot_json({i: (50, 100) for i in range(8)}))
+    other = RecordedRunner(snapshot_json({0: (0, 0)}))
+    access.jobs["gpu-a"] = [(whole, (4, 6)), (other, (0, 1, 2))]
+    assert collect(svc).samples == 8
+    assert whole.commands and not other.commands

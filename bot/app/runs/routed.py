@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bot.app.ports import HostAccess, HostSeat, PlaceRequest
+from bot.app.ports import HostAccess, HostSeat, PlaceRequest, seats_for
 from bot.app.runs.executor import Look, PrepareCode, RunExecutor
 from db.models import TrainingRun
 
@@ -37,6 +37,10 @@ class RoutedAccess:
     def runner_for(self, host_name: str) -> HostSeat | None:
         access = self._accesses.get(self._provider_of(host_name) or "")
         return access.runner_for(host_name) if access is not None else None
+
+    def seats_for(self, host_name: str) -> list[HostSeat]:
+        access = self._accesses.get(self._provider_of(host_name) or "")
+        return seats_for(access, host_name) if access is not None else []
 
 
 class RoutedExecutor:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import delete, func, insert
 from sqlmodel import Session, col, select
 
-from bot.app.ports import HostSeat
+from bot.app.ports import HostSeat, seats_for
 from bot.app.service import Actor, GpuService
 from bot.app.watching.held import held_host_ids, who_holds
 from bot.domain import timefmt, views
@@ -187,26 +187,45 @@ def collect(service: GpuService, *, timeout: float = PROBE_TIMEOUT_S) -> Collect
     no_driver: list[str] = []
     for host in hosts:
         assert host.id is not None
-        seat = access.runner_for(host.name)
-        if seat is None:
+        seats = seats_for(access, host.name)
+        if not seats:
             failed.append(f"{host.name}: no way to reach it")
             continue
-        try:
-            snap = probe(seat, timeout)
-        except ProbeFailed as exc:
-            log.warning("utilization: host %s did not answer: %s", host.name, exc)
-            failed.append(f"{host.name}: {exc}")
-            continue
-        if not snap.gpus:
-            no_driver.append(host.name)
-            log.info("utilization: host %s has no GPU telemetry: %s", host.name, snap.error)
-            continue
-        with transaction(service.engine) as s:
-            now = service.clock.now()
-            rows = samples_from(host.id, snap, holders(s, host.id), now, span_s)
-            s.add_all(rows)
-            stored += len(rows)
+        seen: set[int] = set()  # GPUs sampled this pass (unconstrained steps see them all)
+        wanted = {i for seat in seats for i in seat.gpu_map}
+        for seat in seats:
+            if wanted and wanted <= seen:
+                break  # one job's step saw the whole node: no step more (the controller's)
+            try:
+                snap = on_host(probe(seat, timeout), seat.gpu_map)
+            except ProbeFailed as exc:
+                log.warning("utilization: host %s did not answer: %s", host.name, exc)
+                failed.append(f"{host.name}: {exc}")
+                continue
+            if not snap.gpus:
+                if host.name not in no_driver:
+                    no_driver.append(host.name)
+                log.info("utilization: host %s has no GPU telemetry: %s", host.name, snap.error)
+                continue
+            snap = replace(snap, gpus=tuple(g for g in snap.gpus if g.index not in seen))
+            seen.update(g.index for g in snap.gpus)
+            with transaction(service.engine) as s:
+                now = service.clock.now()
+                rows = samples_from(host.id, snap, holders(s, host.id), now, span_s)
+                s.add_all(rows)
+                stored += len(rows)
     return CollectReport(len(hosts), stored, tuple(failed), tuple(no_driver))
+
+
+def on_host(snap: HostSnapshot, gpu_map: Sequence[int]) -> HostSnapshot:
+    """The snapshot in the host's GPU numbering. A probe inside a job on a cluster that
+    constrains devices sees that job's GPUs alone, numbered from 0 (`gpu_map` gives each
+    one's index on the node); one that sees as many GPUs as the job holds, numbered
+    0..k-1, is read that way. Otherwise (the whole node seen) the indexes are the node's."""
+    indexes = [g.index for g in snap.gpus]
+    if not gpu_map or len(indexes) != len(gpu_map) or sorted(indexes) != list(range(len(indexes))):
+        return snap
+    return replace(snap, gpus=tuple(replace(g, index=gpu_map[g.index]) for g in snap.gpus))
 
 
 # --- thinning ---------------------------------------------------------------------------
