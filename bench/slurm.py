@@ -7,6 +7,8 @@ unless a test session has it, whose lease this bench then waits for):
   POLL_S), on the idle cluster; median of RUNS. Side by side, the same for a job over
   both nodes (partition wide, 4 GPUs on each). The bot's reserve -> granted adds its
   own poll cadence on top; the goal for that is < 3 s, most of it Slurm's.
+- a sweep of 100 one-GPU runs as one job array (`--array=0-99%8`, what the bot submits)
+  beside 100 separate `sbatch` calls: submission time, first task RUNNING, 8 RUNNING.
 - one `jobs()` (one `squeue --json` and its parsing) with the cluster's own few jobs,
   and the same call's command alone.
 
@@ -155,6 +157,7 @@ def _on_cluster() -> dict[str, object]:
                 spec, name=f"bench-wide-{i}", gpus=GPUS, nodes=2, partition=WIDE
             )
             wide.append(to_running(both)[1])
+        array = _array_side_by_side(slurm, cluster, nodes)
         # The cluster's own jobs for the read: 2 running, 2 pending.
         for i in range(4):
             slurm.submit(
@@ -184,9 +187,83 @@ def _on_cluster() -> dict[str, object]:
                 "runs": [round(g, 3) for g in wide],
                 "what": f"--nodes=2 --ntasks-per-node=1, {GPUS} GPUs on each, partition {WIDE}",
             },
+            "array_of_100": array,
             "jobs_call": {"jobs": count, **_timed(slurm.jobs, 20)},
             "squeue_command": _timed(lambda: slurm.run(argv), 20),
         }
+
+
+ARRAY = 100
+
+
+def _array_side_by_side(slurm: SlurmClient, cluster: Any, nodes: list[Any]) -> dict[str, object]:
+    """A sweep of ARRAY one-GPU runs as the bot submits it on Slurm (one `sbatch
+    --array=0-99%8`) beside ARRAY separate sbatch calls (what it did before): the
+    submission's time, and the time until the first task and until 8 tasks (both nodes'
+    GPUs, partition wide) are RUNNING; the rest wait for those. Once each, on the idle
+    cluster."""
+    spec = JobSpec(
+        name="bench-array",
+        argv=("sleep", "300"),
+        workdir="/tmp",
+        time_limit_s=600,
+        gpus=1,
+        gpu_type="A100",
+        output="/dev/null",
+        mem_per_gpu_mb=100,
+        partition=WIDE,
+    )
+    wanted = 2 * GPUS
+
+    def running(ids: set[int], array: int | None) -> int:
+        return sum(
+            1
+            for j in slurm.jobs()
+            if j.state == "RUNNING" and (j.job_id in ids or (array and j.array_job_id == array))
+        )
+
+    def until(count: Any) -> tuple[float, float]:
+        first = full = None
+        deadline = time.monotonic() + GUARD_S
+        while full is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{wanted} tasks did not run within {GUARD_S:g} s")
+            n = count()
+            now = time.perf_counter()
+            if n >= 1 and first is None:
+                first = now
+            if n >= wanted:
+                full = now
+            time.sleep(POLL_S)
+        assert first is not None
+        return first, full
+
+    out: dict[str, object] = {}
+    t0 = time.perf_counter()
+    array = slurm.submit(dataclasses.replace(spec, array=f"0-{ARRAY - 1}%{wanted}"), nodes)
+    submitted = time.perf_counter() - t0
+    first, full = until(lambda: running(set(), array))
+    out["one_array"] = {
+        "sbatch_calls": 1,
+        "submit_s": round(submitted, 3),
+        "first_running_s": round(first - t0, 3),
+        f"{wanted}_running_s": round(full - t0, 3),
+    }
+    cluster.cancel_all()
+    t0 = time.perf_counter()
+    ids = {
+        slurm.submit(dataclasses.replace(spec, name=f"bench-one-{i}"), nodes) for i in range(ARRAY)
+    }
+    submitted = time.perf_counter() - t0
+    first, full = until(lambda: running(ids, None))
+    out["separate_jobs"] = {
+        "sbatch_calls": ARRAY,
+        "submit_s": round(submitted, 3),
+        "first_running_s": round(first - t0, 3),
+        f"{wanted}_running_s": round(full - t0, 3),
+    }
+    cluster.cancel_all()
+    return out
 
 
 STATUSES = 300
@@ -433,6 +510,16 @@ def headline(figures: dict[str, object]) -> list[str]:
             w = cluster["submit_to_running_two_nodes"]
             lines.append(
                 f"two-node job submit -> RUNNING median {w['median_s']} s, max {w['max_s']} s"
+            )
+        if "array_of_100" in cluster:
+            one, apart = (
+                cluster["array_of_100"]["one_array"],
+                cluster["array_of_100"]["separate_jobs"],
+            )
+            lines.append(
+                f"sweep of {ARRAY}: one array submitted in {one['submit_s']} s, first task "
+                f"RUNNING at {one['first_running_s']} s; {ARRAY} sbatch calls took "
+                f"{apart['submit_s']} s, first RUNNING at {apart['first_running_s']} s"
             )
     elif isinstance(cluster, dict):
         lines.append(f"cluster: skipped: {cluster.get('skipped')}")

@@ -44,6 +44,7 @@ from provisioning.slurm_parse import (
     gres_type_for,
     load_json,
     model_of,
+    parse_array_tasks,
     parse_associations,
     parse_indexes,
     parse_job_gpu_indexes,
@@ -73,7 +74,9 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 15.0
-SACCT_FIELDS = "JobID,JobName,User,Partition,State,ExitCode,Start,End,NodeList,AllocTRES"
+# JobIDRaw: an array task's own id; JobID (last) its "ARRAY_TASK", which is all the bot
+# knows of a task cancelled before it started.
+SACCT_FIELDS = "JobIDRaw,JobName,User,Partition,State,ExitCode,Start,End,NodeList,AllocTRES,JobID"
 SUBMIT_MODES = ("sudo", "uid")
 # What Slurm's tools need of the bot's environment through sudo.
 _KEPT_THROUGH_SUDO = "SLURM_CONF,SLURM_TIME_FORMAT"
@@ -142,6 +145,9 @@ class JobSpec:
     # as it starts: the bot learns a start from it without asking the controller.
     started_file: str | None = None
     hold: bool = False  # submitted held (the doctor's check submits one and cancels it)
+    # A job array (`--array`, "0-99%4": tasks 0 to 99, at most 4 running): one job a
+    # task, each with SLURM_ARRAY_TASK_ID; the batch script picks its task's work.
+    array: str | None = None
 
 
 def _slurm_message(stderr: str) -> str:
@@ -204,9 +210,25 @@ def explain_refusal(
             return f"no node of {where} has {spec.cpus} CPUs"
         if spec.memory_mb and all(n.memory_mb < spec.memory_mb for n in pool):
             return f"no node of {where} has {spec.memory_mb} MB of memory"
+    if spec.array and "Invalid job array specification" in said:
+        return (
+            f"the cluster takes job arrays of fewer tasks than {array_size(spec.array)} "
+            f"(its MaxArraySize): give the sweep fewer values ({said})"
+        )
+    if spec.array and re.search(r"job submit limit|MaxSubmit|SubmitJob", said, re.I):
+        return (
+            f"its {array_size(spec.array)} jobs are more than {spec.user or 'the account'} may "
+            f"have queued at once (the cluster's MaxSubmitJobs): give the sweep fewer values, "
+            f"or wait for jobs of yours to end ({said})"
+        )
     if "time limit" in said.lower():
         return f"the time limit is longer than partition {spec.partition or '(default)'} allows"
     return f"Slurm refused the job: {said}"
+
+
+def array_size(array: str) -> int:
+    """How many tasks an `--array` list names ("0-99%4" → 100)."""
+    return len(parse_array_tasks(array))
 
 
 # The job starts with no environment but Slurm's own (--export-file=/dev/null): these
@@ -227,9 +249,14 @@ _STARTED = (
 )
 
 
+def started_line(started_file: str) -> str:
+    """The shell line a job runs first to append its start to `started_file`."""
+    return _STARTED + shell.path(started_file)
+
+
 def batch_line(argv: Sequence[str], env: Mapping[str, str], started_file: str | None = None) -> str:
     """The body of the job's `#!/bin/sh` script (sbatch --wrap adds the #! line)."""
-    started = _STARTED + shell.path(started_file) + "; " if started_file else ""
+    started = started_line(started_file) + "; " if started_file else ""
     return _BASICS + started + "exec " + shell.env_prefix(dict(env)) + shell.join(argv)
 
 
@@ -444,11 +471,13 @@ class SlurmClient:
         )
         return parse_job_gpu_indexes(out)
 
-    def final_state(self, job_id: int) -> JobEnd | None:
+    def final_state(self, job_id: int, task: int | None = None) -> JobEnd | None:
         """A finished job's end from accounting (sacct, when slurmdbd runs), else from the
         jobcomp/filetxt file (readable only where the controller's file is); None when
-        neither knows it."""
-        # -a: every user's (the bot's account reads its people's jobs).
+        neither knows it. `task`: that task of the array `job_id` (its own id unknown)."""
+        ref = f"{int(job_id)}_{int(task)}" if task is not None else None
+        # -a: every user's (the bot's account reads its people's jobs). A task that never
+        # started is in the array's own record (`-j JOB_TASK` does not find it there).
         argv = ["sacct", "-a", "-X", "-n", "-P", "-j", str(int(job_id)), "-o", SACCT_FIELDS]
         try:
             sacct = self.run(argv, env={"SLURM_TIME_FORMAT": "%s"})
@@ -456,8 +485,10 @@ class SlurmClient:
             raise
         except SlurmError:  # no sacct here: the jobcomp file may still know
             sacct = RunResult(127, "", "")
-        if sacct.ok and (end := parse_sacct(sacct.stdout, job_id)) is not None:
+        if sacct.ok and (end := parse_sacct(sacct.stdout, job_id, ref)) is not None:
             return end
+        if task is not None:
+            return None  # the jobcomp file names tasks by their own ids only
         kind, path = self.jobcomp()
         if kind != "jobcomp/filetxt" or not path:
             return None
@@ -560,6 +591,8 @@ class SlurmClient:
                 argv.append(f"--{flag}={value}")
         if spec.hold:
             argv.append("--hold")
+        if spec.array:
+            argv.append(f"--array={spec.array}")
         if spec.gpus:
             gres = "gpu"
             if spec.gpu_type:
@@ -611,19 +644,26 @@ class SlurmClient:
         *,
         user: str | None = None,
         pending_only: bool = False,
+        running_only: bool = False,
         batch_only: bool = False,
+        task: int | None = None,
     ) -> None:
         """End the job (or, with `signal`, signal its batch script and steps; with
         `batch_only` the batch script alone), as `user` (its owner) where jobs are people's.
         An id Slurm has forgotten is already over: no error. `pending_only`
         (`--state=PENDING`): only if it has not started; the controller decides, so a job
-        it starts meanwhile is left running, never killed."""
+        it starts meanwhile is left running, never killed; `running_only`
+        (`--state=RUNNING`) the converse. `task`: that task of the job array `job_id`
+        alone (`JOB_TASK`); without, an array's id is every task of it."""
         argv = ["scancel"]
         if signal:
             argv += [f"--signal={signal}", "--batch" if batch_only else "--full"]
         if pending_only:
             argv.append("--state=PENDING")
-        result = self.run(self.as_person(user, [*argv, str(int(job_id))]))
+        if running_only:
+            argv.append("--state=RUNNING")
+        target = str(int(job_id)) + (f"_{int(task)}" if task is not None else "")
+        result = self.run(self.as_person(user, [*argv, target]))
         if not result.ok and "Invalid job id" not in result.stderr:
             raise SlurmError(
                 f"Slurm refused to cancel job {job_id}: {explain_denial(result.stderr)}"

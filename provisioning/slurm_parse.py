@@ -84,6 +84,13 @@ class SlurmJob:
     signal: int | None = None  # the signal that ended it, if one did
     restarts: int = 0
     requeue: bool = False
+    # A task of a job array (`sbatch --array`): the array's id (the first job's) and the
+    # task's index; a pending array's record stands for the tasks in `array_pending`
+    # (Slurm keeps them as one until each starts and gets a job id of its own).
+    array_job_id: int = 0
+    array_task_id: int | None = None
+    array_pending: tuple[int, ...] = ()
+    array_max_running: int = 0  # the array's throttle (`%K`); 0: none
 
     @property
     def finished(self) -> bool:
@@ -434,13 +441,33 @@ def job_from_json(
         signal=signal if finished else None,
         restarts=_num(j.get("restart_cnt")) or 0,
         requeue=bool(j.get("requeue")),
+        array_job_id=_num(j.get("array_job_id")) or 0,
+        array_task_id=_num(j.get("array_task_id")),
+        array_pending=parse_array_tasks(_text(j.get("array_task_string"))),
+        array_max_running=_num(j.get("array_max_tasks")) or 0,
     )
+
+
+def parse_array_tasks(text: str) -> tuple[int, ...]:
+    """`0-5%2`, `[2-5]`, `1,3-9:2` (Slurm's array index lists, throttle and step) →
+    the indexes."""
+    body = text.strip().strip("[]").partition("%")[0]
+    found: list[int] = []
+    for part in body.split(","):
+        span, _, step = part.strip().partition(":")
+        first, _, last = span.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            continue
+        stride = int(step) if step.isdigit() and int(step) > 0 else 1
+        found.extend(range(int(first), int(last or first) + 1, stride))
+    return tuple(found)
 
 
 def parse_jobs(
     doc: Mapping[str, Any], normalize: Callable[[str], str | None] | None = None
 ) -> list[SlurmJob]:
-    """`squeue --json`, both shapes; array and heterogeneous jobs are plain jobs here."""
+    """`squeue --json`, both shapes: an array's started tasks each a job (with their
+    array id and index), its pending ones one record; heterogeneous jobs are plain jobs."""
     return [job_from_json(j, normalize) for j in doc.get("jobs") or []]
 
 
@@ -511,26 +538,47 @@ def parse_jobcomp(text: str, job_id: int) -> JobEnd | None:
     return end
 
 
-def parse_sacct(text: str, job_id: int) -> JobEnd | None:
-    """`sacct -X -n -P -o JobID,JobName,User,Partition,State,ExitCode,Start,End,NodeList
-    [,AllocTRES]` with SLURM_TIME_FORMAT=%s (epoch times): the job's last record."""
-    ends = parse_sacct_attempts(text, job_id)
+def parse_sacct(text: str, job_id: int, ref: str | None = None) -> JobEnd | None:
+    """`sacct -X -n -P -o JobIDRaw,JobName,User,Partition,State,ExitCode,Start,End,
+    NodeList[,AllocTRES[,JobID]]` with SLURM_TIME_FORMAT=%s (epoch times): the job's last
+    record. `ref`: an array task as JobID shows it ("123_4"), matched as well."""
+    ends = parse_sacct_attempts(text, job_id, ref)
     return ends[-1] if ends else None
 
 
-def parse_sacct_attempts(text: str, job_id: int) -> list[JobEnd]:
+def _names_task(raw: str, shown: str, ref: str) -> bool:
+    """Whether a record of `sacct -j ARRAY` is the task `ref` ("12_4"): the task's own
+    ("12_4"), or the array's record of tasks that never started ("12_[4-5%2]"; "12"
+    once all of them were cancelled together)."""
+    array, _, task = ref.partition("_")
+    if shown == ref:
+        return True
+    if raw != array:
+        return False
+    if shown == array:
+        return True
+    inside = shown.removeprefix(f"{array}_")
+    return inside.startswith("[") and int(task) in parse_array_tasks(inside)
+
+
+def parse_sacct_attempts(text: str, job_id: int, ref: str | None = None) -> list[JobEnd]:
     """Every record of the job, oldest first: with `sacct -D` one per start of a requeued
     job (each earlier one ended REQUEUED, PREEMPTED or NODE_FAIL, with its nodes)."""
     ends: list[JobEnd] = []
     for line in text.splitlines():
         cells = line.split("|")
-        if len(cells) < 9 or cells[0] != str(job_id):
+        if len(cells) < 9:
+            continue
+        if ref is not None:
+            if len(cells) < 11 or not _names_task(cells[0], cells[10], ref):
+                continue
+        elif cells[0] != str(job_id):
             continue
         code, signal = _code_pair(cells[5])
         state, _, by = cells[4].partition(" by ")  # "CANCELLED by 0"
         gpus = re.search(r"gres/gpu=(\d+)", cells[9]) if len(cells) > 9 else None
         end = JobEnd(
-            job_id=job_id,
+            job_id=int(cells[0]) if cells[0].isdigit() else job_id,
             state=state.split(" ")[0],
             by=by.strip(),
             gpus=int(gpus.group(1)) if gpus else 0,

@@ -124,7 +124,11 @@ VERBS: dict[str, VerbSpec] = {
         "waiting runs with position, estimated start and cost",
         ("/gpu queue", "/gpu queue me"),
     ),
-    "cancel": VerbSpec("/gpu cancel ID", "stop a queued or running run", ("/gpu cancel 42",)),
+    "cancel": VerbSpec(
+        "/gpu cancel ID|SWEEP",
+        "stop a queued or running run, or every run of a sweep at once",
+        ("/gpu cancel 42", "/gpu cancel s3fa9c1"),
+    ),
     "logs": VerbSpec(
         "/gpu logs ID [LINES]",
         "the last lines of a run's log",
@@ -268,7 +272,8 @@ class Queue:
 
 @dataclass(frozen=True)
 class Cancel:
-    run_id: int
+    run_id: int = 0
+    sweep: str | None = None  # `/gpu cancel s3fa9c1`: every open run of the sweep
 
 
 @dataclass(frozen=True)
@@ -827,7 +832,9 @@ def _parse_queue(rest: str, ctx: _Ctx) -> Queue:
 def _parse_cancel(rest: str, ctx: _Ctx) -> Cancel:
     words = _words(rest)
     if len(words) != 1:
-        raise ctx.fail("Cancel one run by its ID.")
+        raise ctx.fail("Cancel one run by its ID, or a sweep by its name (`s3fa9c1`).")
+    if re.fullmatch(r"s[0-9a-f]{6}", words[0].lower()):
+        return Cancel(sweep=words[0].lower())
     return Cancel(_int(words[0], ctx, "A run ID"))
 
 

@@ -63,6 +63,7 @@ H = timedelta(hours=1)
         ("help reserve", Help("reserve")),
         ("queue", Queue()),
         ("cancel 42", Cancel(42)),
+        ("cancel s3fa9C1", Cancel(sweep="s3fa9c1")),
         ("logs 42 100", Logs(42, 100)),
         ("util", Util()),
         ("cost", Cost()),

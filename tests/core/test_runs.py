@@ -124,6 +124,30 @@ def test_cancel_stops_a_running_run_and_frees_its_slot(
     assert svc.reserve(a, Reserve()).view.text.startswith("Reserved")
 
 
+def test_a_sweep_is_cancelled_as_one_by_its_name(sqlite_engine: Engine, tmp_path: Path) -> None:
+    """`/gpu cancel SWEEP`: the variant that runs stops (SIGTERM: a recipe checkpoints),
+    the ones that wait end at once; someone else's sweep, an unknown one and one already
+    over are refused in words."""
+    svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
+    a = actor(svc, "alice")
+    sweep = Run(recipe="digits", options=(("epochs", 200.0),), sweep=("lr", (1e-3, 2e-3, 3e-3)))
+    ids = [int(i) for i in runs.submit(a, sweep).extra["run_ids"]]
+    label = str(state(sqlite_engine, ids[0]).sweep)
+    run_until(runs, lambda: state(sqlite_engine, ids[0]).state == "running")
+    with pytest.raises(UserError, match="not yours"):
+        runs.cancel(actor(svc, "mallory"), Cancel(sweep=label))
+    with pytest.raises(UserError, match="There is no sweep s000000"):
+        runs.cancel(a, Cancel(sweep="s000000"))
+    said = runs.cancel(a, Cancel(sweep=label)).view.text
+    assert said.startswith(f"Sweep {label}: 2 that had not started cancelled; 1 started")
+    assert f"(#{ids[0]})" in said and "saves a checkpoint" in said, said
+    run_until(runs, lambda: all(state(sqlite_engine, i).finished_at for i in ids), timeout=60)
+    assert [state(sqlite_engine, i).state for i in ids] == ["cancelled"] * 3
+    with pytest.raises(UserError, match="already ended"):
+        runs.cancel(a, Cancel(sweep=label))
+
+
 def test_runs_wait_for_gpus_held_by_a_reservation(sqlite_engine: Engine, tmp_path: Path) -> None:
     svc, _ = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
     runs = svc.runs

@@ -25,6 +25,7 @@ from provisioning.slurm_parse import (
     gres_type_for,
     load_json,
     node_state,
+    parse_array_tasks,
     parse_gpu_gres,
     parse_indexes,
     parse_job_gpu_indexes,
@@ -318,3 +319,101 @@ def test_each_start_of_a_requeued_job_from_sacct_d() -> None:
     assert now.state == "PENDING" and now.end_time is None
     assert parse_sacct(text, 7) == now  # the job's last record is its current one
     assert parse_sacct_attempts(text, 9) == []
+
+
+def test_a_job_arrays_pending_record_and_started_tasks() -> None:
+    """As squeue --json showed `sbatch --array=0-5%2` here: one record for the tasks not
+    started (`0-5%2`, the throttle apart), then a record per task as each starts; the
+    24.x shape wraps the numbers and leaves an unset task id unset."""
+    base = _doc("squeue.json")["jobs"][0]
+    pending = {
+        **base,
+        "job_id": 50,
+        "array_job_id": 50,
+        "array_task_id": None,
+        "array_task_string": "2-5%2",
+        "array_max_tasks": 2,
+    }
+    task = {**base, "job_id": 51, "array_job_id": 50, "array_task_id": 0, "array_task_string": ""}
+    old = parse_jobs({"jobs": [pending, task]})
+    assert (old[0].array_job_id, old[0].array_task_id, old[0].array_pending) == (
+        50,
+        None,
+        (2, 3, 4, 5),
+    )
+    assert old[0].array_max_running == 2
+    assert (old[1].job_id, old[1].array_job_id, old[1].array_task_id) == (51, 50, 0)
+    assert old[1].array_pending == ()
+    wrapped = []
+    for job in (pending, task):
+        new = _as_v0040(job)
+        new["array_job_id"] = _number(job["array_job_id"])
+        new["array_max_tasks"] = _number(job.get("array_max_tasks", 0))
+        tid = job["array_task_id"]
+        new["array_task_id"] = _number(tid) if tid is not None else {"set": False, "number": 0}
+        wrapped.append(new)
+    assert parse_jobs({"jobs": wrapped}) == old
+
+
+@pytest.mark.parametrize(
+    ("text", "tasks"),
+    [
+        ("0-5%2", (0, 1, 2, 3, 4, 5)),
+        ("[2-4]", (2, 3, 4)),
+        ("1,3-5", (1, 3, 4, 5)),
+        ("0-9:4", (0, 4, 8)),
+        ("7", (7,)),
+        ("", ()),
+        ("N/A", ()),
+    ],
+)
+def test_array_index_lists(text: str, tasks: tuple[int, ...]) -> None:
+    assert parse_array_tasks(text) == tasks
+
+
+def test_an_array_tasks_end_from_sacct_by_its_own_id_or_as_array_task() -> None:
+    """As `sacct -j 50` showed here: JobIDRaw first (a started task's own id), JobID last
+    (`50_0`); the tasks cancelled before they started are the array's own record, named
+    `50_[4-5%2]`, or `50` when every task left was cancelled together."""
+    text = (
+        "51|gpubot-sweep-7|alice|short|COMPLETED|0:0|1796402083|1796402090|vm|"
+        "billing=1,cpu=1,gres/gpu=1|50_0\n"
+        "50|gpubot-sweep-7|alice|short|CANCELLED by 0|0:0|None|1796402095|None assigned||"
+        "50_[4-5%2]\n"
+    )
+    ran = parse_sacct(text, 51)
+    assert ran is not None and (ran.state, ran.gpus, ran.job_id) == ("COMPLETED", 1, 51)
+    assert parse_sacct(text, 50, "50_0") == ran
+    never = parse_sacct(text, 50, "50_4")
+    assert never is not None and (never.state, never.job_id) == ("CANCELLED", 50)
+    assert parse_sacct(text, 50, "50_3") is None
+    together = (
+        "50|gpubot-sweep-7|alice|short|CANCELLED by 0|0:0|None|1796402095|None assigned||50\n"
+    )
+    found = parse_sacct(together, 50, "50_2")
+    assert found is not None and found.state == "CANCELLED"
+
+
+def test_array_refusals_in_words() -> None:
+    spec = JobSpec(
+        name="gpubot-sweep-7",
+        argv=("true",),
+        workdir="/tmp",
+        time_limit_s=60,
+        array="0-99%4",
+        user="gpubot-bob",
+    )
+    limit = explain_refusal(
+        "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
+        "(job submit limit, user's size and/or time limits)\n",
+        spec,
+        [],
+    )
+    assert limit.startswith("its 100 jobs are more than gpubot-bob may have queued at once")
+    assert "MaxSubmitJobs" in limit
+    size = explain_refusal(
+        "sbatch: error: Batch job submission failed: Invalid job array specification\n",
+        spec,
+        [],
+    )
+    assert size.startswith("the cluster takes job arrays of fewer tasks than 100")

@@ -11,6 +11,7 @@ from sqlmodel import Session, col, select
 from bot.app.access import audit
 from bot.app.ports import Actor
 from bot.app.runs.context import FleetHost, RunContext, read_fleet
+from bot.app.runs.routed import AT
 from bot.app.watching import runwatch
 from bot.app.watching.held import who_holds
 from bot.app.watching.runfigures import costs_so_far, gpus_now
@@ -25,6 +26,7 @@ from db.models import (
     HOST_UNREACHABLE,
     RES_WAITING,
     RUN_CANCELLED,
+    RUN_CANCELLING,
     RUN_OPEN_STATES,
     RUN_QUEUED,
     RUN_RUNNING,
@@ -82,13 +84,27 @@ class RunBoard:
             table = []
             waiting = 0  # the line position: counts everyone's queued runs
             shown_waiting = 0  # the summary counts only the rows shown (`queue me`)
+            shown_runs = 0
+            # A sweep started as one job array (bot.providers.slurm): one line for all.
+            arrays: dict[tuple[str, str], list[TrainingRun]] = {}
+            for run in shown:
+                if "array_task" in run.placement:
+                    key = (str(run.placement.get(AT, "")), str(run.placement.get("job")))
+                    arrays.setdefault(key, []).append(run)
             for run, user in rows:
                 if run.state == RUN_QUEUED:
                     waiting += 1
                 if cmd.mine_only and user.key != actor.key:
                     continue
+                shown_runs += 1
                 if run.state == RUN_QUEUED:
                     shown_waiting += 1
+                if "array_task" in run.placement:
+                    key = (str(run.placement.get(AT, "")), str(run.placement.get("job")))
+                    members = arrays[key]
+                    if run is members[0]:
+                        table.append(_array_line(run, user, members, now, prices))
+                    continue
                 start = "started"
                 if run.state == RUN_QUEUED:
                     where = f"#{waiting} in line"
@@ -133,7 +149,7 @@ class RunBoard:
                         cost,
                     )
                 )
-        summary = f"{shown_waiting} waiting, {len(table) - shown_waiting} running"
+        summary = f"{shown_waiting} waiting, {shown_runs - shown_waiting} running"
         blocks: tuple[views.Block, ...] = (
             views.Header("Training queue"),
             views.Context(summary),
@@ -341,3 +357,43 @@ class RunBoard:
             q = select(TrainingRun.id).where(col(TrainingRun.state).in_(RUN_OPEN_STATES))
             ids = set(s.exec(q).all())
         return len(ids if run_ids is None else ids & run_ids)
+
+
+def _array_line(
+    run: TrainingRun,
+    user: User,
+    members: list[TrainingRun],
+    now: datetime,
+    prices: dict[str, float],
+) -> tuple[str, ...]:
+    """One `/gpu queue` line for a sweep's runs in one job array: how many of them run,
+    wait and have ended, and why the waiting ones wait (Slurm's throttle, its reason)."""
+    placement = run.placement
+    size = int(placement.get("array_size") or len(members))
+    running = [m for m in members if m.state == RUN_RUNNING]
+    stopping = [m for m in members if m.state == RUN_CANCELLING]
+    pending = [m for m in members if m.state not in (RUN_RUNNING, RUN_CANCELLING)]
+    counts = [f"{len(running)} running", f"{len(pending)} waiting"]
+    if stopping:
+        counts.append(f"{len(stopping)} stopping")
+    counts.append(f"{size - len(members)} ended")
+    why = next((str(m.placement["stage"]) for m in pending if m.placement.get("stage")), "–")
+    ids = ", ".join(f"#{m.id}" for m in members)
+    price = prices.get(run.gpu_model or "", 0.0) * run.gpu_count
+    if not price:
+        cost = "$0 (owned)"
+    elif run.max_seconds:
+        cost = f"≤ ${price * run.max_seconds / 3600 * len(members):.2f} for the {len(members)}"
+    else:
+        cost = f"${price:.2f}/h each"
+    return (
+        f"sweep {run.sweep or '?'} ({ids})",
+        user.display_name,
+        f"{run.recipe or views.command_phrase(run.command, 40)} ×{size}",
+        views.gpu_phrase(run.gpu_count, run.gpu_model) + " each",
+        f"Slurm array {placement.get('job')}: " + ", ".join(counts),
+        "–",
+        format_duration(now - run.submitted_at),
+        why,
+        cost,
+    )

@@ -26,7 +26,13 @@ from bot.app.burst import state as burst_state
 from bot.app.hosts import sources
 from bot.app.money import budgets
 from bot.app.runs.context import RunContext
-from bot.app.runs.executor import RunExecutor, StartFailed, Unavailable
+from bot.app.runs.executor import (
+    GroupStarts,
+    PrepareCode,
+    RunExecutor,
+    StartFailed,
+    Unavailable,
+)
 from bot.app.runs.inputs import anything_to_decide, scheduler_inputs
 from bot.app.runs.records import RunRecords, back_in_line
 from bot.app.runs.routed import AT
@@ -132,32 +138,110 @@ class Dispatcher:
         answer leaves the rest in line for the next tick. A run taken out of its queue
         for the cloud (bot.app.burst) is gpubot's scheduler's, not handed back."""
         with transaction(self.ctx.engine, write=False) as s:
-            queued = [
-                int(i)
-                for i in s.exec(
-                    select(TrainingRun.id)
+            rows = [
+                (int(i), sweep)
+                for i, sweep in s.exec(
+                    select(TrainingRun.id, TrainingRun.sweep)
                     .where(TrainingRun.state == RUN_QUEUED)
                     .order_by(col(TrainingRun.submitted_at), col(TrainingRun.id))
                 )
                 if i is not None
             ]
-            if queued and self.ctx.bursting:
+            if rows and self.ctx.bursting:
                 elsewhere = burst_state.on_cloud(s)
-                queued = [i for i in queued if i not in elsewhere]
+                rows = [(i, sweep) for i, sweep in rows if i not in elsewhere]
         runs_dir = cluster.runs_dir("")
-        if not queued or runs_dir is None:
+        if not rows or runs_dir is None:
             return 0
+        # A sweep's queued runs go together, where the cluster starts a group as one (a
+        # Slurm job array: one submission, one throttle, one cancel), at its first's turn.
+        together: dict[str, list[int]] = {}
+        if isinstance(cluster, GroupStarts):
+            for run_id, sweep in rows:
+                if sweep is not None:
+                    together.setdefault(sweep, []).append(run_id)
         handed = 0
-        for run_id in queued:
-            claimed = self._claim_for_cluster(run_id, runs_dir, place)
-            if claimed is None:
-                continue
-            placement, run = claimed
-            started = self._run_start(run_id, run, [], placement)
+        for run_id, sweep in rows:
+            group = together.get(sweep or "", [])
+            if len(group) > 1:
+                if run_id != group[0]:
+                    continue
+                started = self._group_start(cluster, group, runs_dir, place)
+            else:
+                started = self._claim_and_start(run_id, runs_dir, place)
             if started is None:
                 return handed  # the cluster does not answer: the rest wait for the next tick
-            handed += int(started)
+            handed += started
         return handed
+
+    def _claim_and_start(self, run_id: int, runs_dir: Path, place: str) -> int | None:
+        """One run handed to the cluster: 1 when it started, 0 when not, None when the
+        cluster does not answer (it is back in line)."""
+        claimed = self._claim_for_cluster(run_id, runs_dir, place)
+        if claimed is None:
+            return 0
+        placement, run = claimed
+        started = self._run_start(run_id, run, [], placement)
+        return None if started is None else int(started)
+
+    def _group_start(
+        self, cluster: RunExecutor, run_ids: list[int], runs_dir: Path, place: str
+    ) -> int | None:
+        """A sweep's queued runs claimed and started as one group (`GroupStarts`); how
+        many started, None when the cluster does not answer (all back in line). A group
+        the cluster will not start as one is started a run at a time."""
+        assert isinstance(cluster, GroupStarts)
+        claims = [c for c in (self._claim_for_cluster(i, runs_dir, place) for i in run_ids) if c]
+        if not claims:
+            return 0
+        if len(claims) == 1:  # the others were cancelled or claimed meanwhile
+            placement, run = claims[0]
+            alone = self._run_start(int(run.id or 0), run, [], placement)
+            return None if alone is None else int(alone)
+
+        def code_for(run_id: int) -> PrepareCode:
+            def code(runner: HostShell, target: SshTarget, run_dir: str, log_path: str) -> None:
+                self._prepare_code(run_id, runner, target, run_dir, log_path)
+
+            return code
+
+        runs = [run for _, run in claims]
+        ids = [int(run.id or 0) for run in runs]
+        try:
+            changes = cluster.start_group(runs, [p for p, _ in claims], code_for)
+        except Unavailable as exc:
+            log.warning("runs %s stay in line: %s", ids, exc)
+            for run_id in ids:
+                self._unclaim(run_id)
+            return None
+        except Exception as exc:
+            cause = exc.cause if isinstance(exc, StartFailed) else exc
+            if not isinstance(cause, SshError):
+                log.exception("starting runs %s as one failed", ids)
+            for run_id in ids:
+                self.records.finish(
+                    run_id, RUN_FAILED, None, {"error": f"could not start: {exc}"}, log_tail=""
+                )
+            return 0
+        started = 0
+        if changes is None:
+            for n, (placement, run) in enumerate(claims):
+                one = self._run_start(int(run.id or 0), run, [], placement)
+                if one is None:  # the rest back in line with it
+                    for _, later in claims[n + 1 :]:
+                        self._unclaim(int(later.id or 0))
+                    return None
+                started += int(one)
+            return started
+        for (placement, run), change in zip(claims, changes, strict=True):
+            run_id = int(run.id or 0)
+            if not self._mark_started(run_id, change, [], placement, run.started_at):
+                self.ctx.executor.stop_started({**placement, **change})
+                log.warning("run %s was requeued while it started here; stopped its task", run_id)
+                continue
+            self.ctx.executor.watch(run_id, {**placement, **change}, True)
+            started += 1
+        return started
 
     @retrying
     def _preempt(self, run_id: int, for_run: str) -> None:

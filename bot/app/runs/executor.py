@@ -14,11 +14,11 @@ its status, log and checkpoints, which every executor keeps, and the handle of w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from bot.app.ports import PlaceRequest
 from db.models import TrainingRun
@@ -162,4 +162,31 @@ class RunExecutor(Protocol):
 
     def ended_at(self, run_id: int, placement: dict[str, Any]) -> datetime | None:
         """When its end was seen (the bot's clock), or None."""
+        ...
+
+
+@runtime_checkable
+class GroupStarts(Protocol):
+    """An executor that starts runs of one sweep as one thing (a Slurm job array): one
+    submission, one throttle, one cancel, where a run at a time would be N of each."""
+
+    def start_group(
+        self,
+        runs: Sequence[TrainingRun],
+        placements: Sequence[dict[str, Any]],
+        code: Callable[[int], PrepareCode],
+    ) -> list[dict[str, Any]] | None:
+        """Starts the claimed runs together; each one's placement gains the matching
+        dict (as `start`). None: not as a group (the dispatcher starts each alone).
+        Raises as `start` does, for all of them."""
+        ...
+
+
+@runtime_checkable
+class GroupSignals(Protocol):
+    """An executor that signals runs started together (`GroupStarts`) in one call."""
+
+    def signal_group(self, placements: Sequence[dict[str, Any]], signal: str) -> bool:
+        """Signals the runs of `placements`, every open run of one group, as `signal`
+        does each; False when they are not one group (the caller signals each)."""
         ...

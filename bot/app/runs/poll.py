@@ -20,7 +20,9 @@ from bot.app.hosts.agentwatch import (
     save_for_resume,
 )
 from bot.app.runs.context import STARTING_GRACE, RunContext
+from bot.app.runs.executor import GroupSignals
 from bot.app.runs.records import RunRecords
+from bot.app.runs.routed import AT, RoutedExecutor
 from bot.domain import views
 from db.models import (
     RUN_CANCELLED,
@@ -47,6 +49,42 @@ class Poller:
         self.ctx = ctx
         self.records = records
 
+    def _signal_groups(self, rows: list[TrainingRun]) -> set[int]:
+        """Cancelled runs that started as one group (a sweep's job array) told at once,
+        in the executor's one call (`GroupSignals`): a sweep cancelled as one is one
+        scancel, not one a run. Returns the runs told."""
+        executor = self.ctx.executor
+        groups: dict[tuple[str, str], list[TrainingRun]] = {}
+        for run in rows:
+            if "array_task" in run.placement and executor.started(run.placement):
+                key = (str(run.placement.get(AT, "")), str(run.placement.get("job")))
+                groups.setdefault(key, []).append(run)
+        told: set[int] = set()
+        for members in groups.values():
+            # Only a group cancelled whole (every open run of it, none told yet): a run
+            # cancelled alone is signalled alone, below.
+            if len(members) < 2 or any(
+                r.state != RUN_CANCELLING or r.placement.get("term_sent") for r in members
+            ):
+                continue
+            placements = [dict(r.placement) for r in members]
+            target = (
+                executor.of(placements[0]) if isinstance(executor, RoutedExecutor) else executor
+            )
+            if not isinstance(target, GroupSignals):
+                continue
+            try:
+                if not target.signal_group(placements, "TERM"):
+                    continue
+            except SshError as exc:
+                log.warning("signal of runs %s failed: %s", [r.id for r in members], exc)
+                continue
+            for run in members:
+                assert run.id is not None
+                self.records.update_placement(run.id, term_sent=True)
+                told.add(run.id)
+        return told
+
     def poll(self) -> int:
         """Reads every running run's status; finishes those that ended. Returns how many."""
         executor = self.ctx.executor
@@ -66,6 +104,7 @@ class Poller:
             moving = burst_state.moving(s) if self.ctx.bursting else set()
         rows = [r for r in rows if r.id not in moving]
         self._watch(rows)
+        signalled = self._signal_groups(rows)
         finished = 0
         now = self.ctx.core.clock.now()
         for run in rows:
@@ -81,7 +120,7 @@ class Poller:
             interrupted = "interrupted" in placement
             try:
                 stopping = run.state == RUN_CANCELLING or (interrupted and several)
-                if stopping and not placement.get("term_sent"):
+                if stopping and not placement.get("term_sent") and run.id not in signalled:
                     # Cancelled, or one node's host got a spot notice: every node is told
                     # (each checkpoints and exits), the run stops as one.
                     executor.signal(placement, "TERM")
@@ -107,11 +146,11 @@ class Poller:
                 continue
             if look.where and run.state == RUN_STARTING:
                 # A cluster's scheduler started it: its GPUs are metered from now.
-                self.records.mark_running(
+                marked = self.records.mark_running(
                     run.id, look.where, look.usd_per_gpu_hour, look.started_at
                 )
-                if look.alive:
-                    continue
+                if look.alive or marked is None:
+                    continue  # (None: metered once its GPUs' last holder's end is seen)
                 placement = {**placement, "host": look.where[0][0]}
             # Node 0 holds rank 0: its status file is the run's (one result, one DM).
             status, alive = look.status, look.alive

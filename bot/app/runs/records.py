@@ -103,11 +103,12 @@ class RunRecords:
         where: tuple[tuple[str, tuple[int, ...]], ...],
         usd_per_gpu_hour: float | None,
         started_at: datetime | None = None,
-    ) -> bool:
+    ) -> bool | None:
         """A run a cluster's scheduler has just started (its look says where): its GPUs
         metered from its start by the cluster's clock (`started_at`; now when unknown, and
         never later than now), on the nodes' GPU rows, and its owner told. False when it
-        is no longer waiting to start (cancelled meanwhile, or marked by an earlier poll)."""
+        is no longer waiting to start (cancelled meanwhile, or marked by an earlier poll);
+        None when one of its GPUs' last use is still open (asked again at the next poll)."""
         now = self.ctx.core.clock.now()
         if started_at is not None:
             now = min(now, started_at)
@@ -125,6 +126,18 @@ class RunRecords:
                 gpus = list(
                     s.exec(select(Gpu).where(Gpu.host_id == host.id, col(Gpu.index).in_(indexes)))
                 )
+                held = s.exec(
+                    select(UsageInterval.id).where(
+                        col(UsageInterval.gpu_id).in_([g.id for g in gpus]),
+                        col(UsageInterval.ended_at).is_(None),
+                    )
+                ).first()
+                if held is not None:
+                    # The cluster gave a GPU on to this run while the bot has not yet
+                    # seen its last holder end (a sweep's next task starts the moment
+                    # one ends): metered once that end is recorded, from this start.
+                    log.info("run %s started on a GPU whose last use is still open", run_id)
+                    return None
                 self.ctx.core.open_usage(
                     s,
                     host,

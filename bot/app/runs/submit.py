@@ -343,6 +343,8 @@ class Submissions:
         """Marks the run; its GPUs go back when poll sees it end (`RunRecords.finish`). One row
         under its lock and nothing after it (db.session): a dispatch that claimed the
         run meanwhile is seen ("starting" → cancelling), never written over."""
+        if cmd.sweep is not None:
+            return self._cancel_sweep(actor, cmd.sweep)
         with transaction(self.ctx.engine) as s:
             run = locked(s, TrainingRun, cmd.run_id)
             if run is None:
@@ -368,6 +370,59 @@ class Submissions:
             return views.message(
                 f"Stopping run #{run.id}: it gets SIGTERM{saves} and its GPUs go back when it exits."
             )
+
+    @retrying
+    def _cancel_sweep(self, actor: Actor, label: str) -> views.Reply:
+        """Every open run of a sweep, marked in one transaction: the queued ones end at
+        once, the started ones stop as `cancel` stops one; poll tells a cluster's array
+        in one call (bot.app.runs.poll)."""
+        usage = "/gpu cancel ID|SWEEP"
+        with transaction(self.ctx.engine) as s:
+            ids = [
+                i
+                for i in s.exec(
+                    select(TrainingRun.id)
+                    .where(TrainingRun.sweep == label)
+                    .order_by(col(TrainingRun.id))
+                )
+                if i is not None
+            ]
+            if not ids:
+                raise UserError(f"There is no sweep {label}.", usage)
+            runs = [r for r in (locked(s, TrainingRun, i) for i in ids) if r is not None]
+            owner = s.get(User, runs[0].user_id)
+            if owner is None or (owner.key != actor.key and not actor.admin):
+                raise UserError(
+                    f"Sweep {label} is not yours; only its owner or an admin can cancel it."
+                )
+            open_runs = [r for r in runs if r.state in RUN_OPEN_STATES]
+            if not open_runs:
+                raise UserError(f"Every run of sweep {label} has already ended.", usage)
+            if owner.key != actor.key:
+                audit(actor, "cancel", f"sweep {label} of {owner.key}", session=s)
+            now = self.ctx.core.clock.now()
+            dropped, stopping = [], []
+            for run in open_runs:
+                if run.state == RUN_QUEUED:
+                    run.state = RUN_CANCELLED
+                    run.finished_at = now
+                    dropped.append(run.id)
+                elif run.state != RUN_CANCELLING:
+                    run.state = RUN_CANCELLING
+                    stopping.append(run.id)
+                s.add(run)
+            parts = []
+            if dropped:
+                parts.append(f"{len(dropped)} that had not started cancelled")
+            if stopping:
+                saves = ", each saves a checkpoint," if runs[0].recipe else ""
+                parts.append(
+                    f"{len(stopping)} started ("
+                    + ", ".join(f"#{i}" for i in stopping)
+                    + f") stopping: they get SIGTERM{saves} and their GPUs go back as they exit"
+                )
+            said = "; ".join(parts) or "its runs are already stopping"
+            return views.message(f"Sweep {label}: {said}.")
 
 
 def command_text(argv: tuple[str, ...] | list[str]) -> str:

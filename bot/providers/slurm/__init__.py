@@ -22,6 +22,9 @@ Settings (docs/SLURM.md walks through them):
                                their default account in Slurm's accounting)
     GPUBOT_SLURM_CPUS_PER_GPU, GPUBOT_SLURM_MEM_PER_GPU  a job's share per GPU where the
                                partition sets none (default: the node's share, e.g. 16G)
+    GPUBOT_SLURM_ARRAY_RUNNING  at most this many runs of one sweep at once (its job
+                               array's %K; default: the person's share of the partition's
+                               GPUs, split evenly among the people mapped to the cluster)
     GPUBOT_SLURM_SIGNAL        Slurm's warning before a job's end (default TERM@120; off)
     GPUBOT_SLURM_PYTHON        the interpreter the environment is made from (default:
                                the first python3 every account can execute)
@@ -133,6 +136,9 @@ class SlurmProvider:
             ),
             mem_per_gpu_mb=_megabytes(env.get("GPUBOT_SLURM_MEM_PER_GPU", "")),
         )
+        self.array_running = _count(
+            env.get("GPUBOT_SLURM_ARRAY_RUNNING", ""), "GPUBOT_SLURM_ARRAY_RUNNING"
+        )
         warn = env.get("GPUBOT_SLURM_SIGNAL", "").strip() or "TERM@120"
         self.signal = None if warn.lower() in ("off", "none", "no") else _signal(warn)
         self.python = env.get("GPUBOT_SLURM_PYTHON", "").strip() or None
@@ -243,6 +249,7 @@ class SlurmProvider:
             rates=self.rates,
             tz=service.settings.timezone,
             submit_as=self.submit_as,
+            array_running=self.array_running,
         )
         access = ClusterSeat(cluster, self.files, self.target, env, self.workdir)
         holder = SlurmHolder(

@@ -48,6 +48,9 @@ SLOW_S = 300.0
 # Job names that are gpubot's: a reservation's holding job, a run's batch job.
 HOLD_PREFIX = "gpubot-res-"
 RUN_PREFIX = "gpubot-run-"
+# A sweep's job array, named after its first run (each task is one run of the sweep).
+SWEEP_PREFIX = "gpubot-sweep-"
+GPUBOT_PREFIXES = (HOLD_PREFIX, RUN_PREFIX, SWEEP_PREFIX)
 
 
 def job_name(kind: str, ident: int) -> str:
@@ -233,7 +236,7 @@ class ClusterView:
         if snap is None:
             return held
         for job in snap.jobs:
-            if job.state != "RUNNING" or job.name.startswith((HOLD_PREFIX, RUN_PREFIX)):
+            if job.state != "RUNNING" or job.name.startswith(GPUBOT_PREFIXES):
                 continue
             for node, indexes in job.gpu_indexes.items():
                 for index in indexes:
@@ -286,8 +289,10 @@ class ClusterView:
 
 
 __all__ = [
+    "GPUBOT_PREFIXES",
     "HOLD_PREFIX",
     "RUN_PREFIX",
+    "SWEEP_PREFIX",
     "ClusterView",
     "SlurmError",
     "Snapshot",

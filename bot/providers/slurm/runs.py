@@ -39,7 +39,14 @@ from bot.app.runs.executor import Look, PrepareCode, StartFailed, Unavailable
 from bot.domain.clock import Clock
 from bot.domain.durations import format_duration
 from bot.domain.errors import UserError
-from bot.providers.slurm.cluster import RUN_PREFIX, ClusterView, Snapshot, gpubot_id, job_name
+from bot.providers.slurm.cluster import (
+    GPUBOT_PREFIXES,
+    RUN_PREFIX,
+    SWEEP_PREFIX,
+    ClusterView,
+    Snapshot,
+    job_name,
+)
 from bot.providers.slurm.holds import pending_words
 from bot.providers.slurm.lab import Lab
 from db.models import TrainingRun
@@ -52,6 +59,7 @@ from provisioning.slurm import (
     SlurmUnavailable,
     StartedLine,
     parse_started,
+    started_line,
 )
 from provisioning.ssh import RunResult, SshError, SshTarget, UploadReport
 from training.exitcodes import EXIT_TIME_LIMIT
@@ -115,6 +123,7 @@ class SlurmExecutor:
         rates: Mapping[str, float],
         tz: str,
         submit_as: str = "sudo",
+        array_running: int | None = None,
     ) -> None:
         self.cluster = cluster
         self.lab = lab
@@ -128,10 +137,15 @@ class SlurmExecutor:
         self.rates = dict(rates)
         self.tz = tz
         self.submit_as = submit_as
+        # At most this many of one sweep's runs at once (its array's %K); None: the
+        # person's share of the partition's GPUs (`_throttle`).
+        self.array_running = array_running
+        # (array, task) → the task's own job id, once Slurm gave it one.
+        self._tasks: dict[tuple[int, int], int] = {}
         self._watched: dict[int, tuple[str, ...]] = {}  # run id -> the files it writes
         self._seen: dict[str, str] = {}  # file -> its last (mtime, size)
         self._confirmed: dict[int, tuple[float, SlurmJob | None]] = {}
-        self._ends: dict[int, JobEnd] = {}
+        self._ends: dict[str, JobEnd] = {}
         # (job, restarts) → why Slurm requeued it, read once from accounting.
         self._requeues: dict[tuple[int, int], str] = {}
         self._lock = threading.Lock()
@@ -248,13 +262,149 @@ class SlurmExecutor:
             "submitted": self.clock.now().isoformat(),
         }
 
+    def start_group(
+        self,
+        runs: Sequence[TrainingRun],
+        placements: Sequence[dict[str, Any]],
+        code: Callable[[int], PrepareCode],
+    ) -> list[dict[str, Any]] | None:
+        """A sweep's runs as one job array (`sbatch --array=0-N-1%K`): task i is runs[i],
+        in its own directory, with its own log, status and started file, as a run alone
+        would be; K (`_throttle`) of them at most run at once. One submission, so a
+        cluster's MaxSubmitJobs or MaxArraySize refuses the sweep as one, in words."""
+        first = runs[0]
+        assert first.id is not None
+        try:
+            plan = self.lab.plan(self._request(first))
+        except SlurmUnavailable as exc:
+            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
+        except (UserError, SlurmError) as exc:
+            raise StartFailed(exc) from exc
+        fit = plan.fit
+        if fit.nodes > 1:
+            return None  # each variant over several nodes: one job each
+        root = f"{Path(str(placements[0]['dir'])).parent}/sweep-{first.id}"
+        script = f"{root}/tasks.sh"
+        try:
+            dirs = [root]
+            for placement in placements:
+                dirs += [str(placement["dir"]), str(placement["checkpoints"])]
+            made = [shell.join(["mkdir", "-p", "--", *dirs])]
+            if self.submit_as == "uid":
+                made.append(shell.join(["chown", "-R", "--", f"{plan.person}:", *dirs]))
+            else:
+                made.append(shell.join(["chmod", "2770", "--", *dirs]))
+            started = [f"{p['dir']}/slurm.started" for p in placements]
+            made.append(shell.join(["rm", "-f", "--", *started]))
+            done = self.files.run(self.target, " && ".join(made), timeout=60)
+            if not done.ok:
+                raise SshError(f"cannot make {root}: {done.stderr.strip()[-200:]}")
+            python = self.env.interpreter()
+            branches = []
+            for i, (run, placement) in enumerate(zip(runs, placements, strict=True)):
+                assert run.id is not None
+                resume = run.placement.get("resume_from")
+                if resume:
+                    upload_checkpoints(
+                        self.files, self.target, resume, str(placement["checkpoints"])
+                    )
+                code(run.id)(self.files, self.target, str(placement["dir"]), str(placement["log"]))
+                line = runner_command(run, {**placement, "gpu_indexes": []}, python.python)
+                branches.append(
+                    f"{i}) {started_line(started[i])}; cd {shell.path(str(placement['dir']))} "
+                    f"&& exec {line} >> {shell.path(str(placement['log']))} 2>&1 ;;"
+                )
+            # exec in each branch: the task's process is the runner itself, so Slurm's
+            # warning before the limit (--signal=B:…) and a cancel's SIGTERM reach it.
+            # Each branch names its run's directory: how `orphan` finds a run's task.
+            body = "\n".join(
+                [
+                    'case "${SLURM_ARRAY_TASK_ID:-}" in',
+                    *branches,
+                    '*) echo "gpubot: this array has no task ${SLURM_ARRAY_TASK_ID:-}" >&2; '
+                    "exit 64 ;;",
+                    "esac",
+                    "",
+                ]
+            )
+            self.files.write_file(self.target, script, body.encode())
+        except Exception as exc:
+            raise StartFailed(exc) from exc
+        limit = fit.time_limit_s
+        if first.max_seconds and not fit.defaulted:
+            limit = min(limit + 300, fit.max_time_s or limit + 300)
+        throttle = self._throttle(plan, first, len(runs))
+        array = f"0-{len(runs) - 1}%{throttle}"
+        spec = self.lab.spec(
+            plan,
+            name=f"{SWEEP_PREFIX}{first.id}",
+            argv=("/bin/sh", script),
+            workdir=root,
+            who=(
+                f"sweep {first.sweep or ''} of {self.owner_of(first.user_id) or first.user_id}: "
+                f"runs {', '.join(str(r.id) for r in runs)}"
+            ),
+            gpus=first.gpu_count,
+            model=first.gpu_model,
+            time_limit_s=limit,
+            # Each task's own output goes to its run's log (the script); Slurm's own
+            # words about a task (a cancel, its limit) to one file a task here.
+            output=f"{root}/slurm-%a.out",
+            requeue=bool(first.checkpoints or first.recipe),
+            env=python.env(),
+            signal=self.lab.signal,
+            array=array,
+        )
+        try:
+            job_id = self.cluster.client.submit(spec, self._nodes())
+        except SlurmUnavailable as exc:
+            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
+        except SlurmError as exc:
+            raise StartFailed(exc) from exc
+        now = self.clock.now().isoformat()
+        return [
+            {
+                "job": int(job_id),
+                "array_task": i,
+                "array_size": len(runs),
+                "array_running": throttle,
+                "stage": "submitted to Slurm",
+                "as": plan.person,
+                "partition": fit.partition,
+                "slurm_nodes": 1,
+                "limit_s": limit,
+                "started_file": started[i],
+                "submitted": now,
+            }
+            for i in range(len(runs))
+        ]
+
+    def _throttle(self, plan: Any, run: TrainingRun, size: int) -> int:
+        """How many of a sweep's runs Slurm runs at once: the setting, else the
+        person's share of the partition's GPUs of the model (split evenly among the
+        people the bot knows on the cluster), never less than one run."""
+        if self.array_running:
+            return max(1, min(size, self.array_running))
+        snap = self.cluster.read()
+        gpus = 0
+        if snap is not None:
+            for node in snap.nodes:
+                if plan.fit.partition and plan.fit.partition not in node.partitions:
+                    continue
+                gpus += node.gpus.get(run.gpu_model, 0) if run.gpu_model else node.gpu_count
+        people = max(1, len(set(self.lab.users.values())))
+        share = gpus // people // max(1, run.gpu_count)
+        return max(1, min(size, share))
+
     def _nodes(self) -> Any:
         snap = self.cluster.read()
         return list(snap.nodes) if snap is not None else None
 
     def stop_started(self, placement: dict[str, Any]) -> None:
         with contextlib.suppress(SlurmError):
-            self.cluster.client.cancel(int(placement["job"]), user=placement.get("as"))
+            self.cluster.client.cancel(
+                int(placement["job"]), user=placement.get("as"), task=_task_index(placement)
+            )
 
     def started(self, placement: dict[str, Any]) -> bool:
         return isinstance(placement.get("job"), int)
@@ -268,9 +418,18 @@ class SlurmExecutor:
         if not isinstance(job_id, int):
             return None  # its submission is still under way
         person = placement.get("as")
+        task = _task_index(placement)
         try:
-            self.cluster.client.cancel(job_id, user=person, pending_only=True)
-            job = self.cluster.client.job(job_id)
+            self.cluster.client.cancel(job_id, user=person, pending_only=True, task=task)
+            if task is None:
+                job = self.cluster.client.job(job_id)
+            else:  # its own id, if it started; else it is one of the array's pending
+                snap = self.cluster.read(fresh=True)
+                own, job = self._task_of(placement, snap, self._start_line(placement))
+                if job is not None and own is None and task in job.array_pending:
+                    return None  # still pending in its array as the controller sees it
+                if own is None and job is None:
+                    return True  # cancelled before it ever had a job of its own
         except SlurmError as exc:
             log.warning("could not withdraw Slurm job %s: %s", job_id, exc)
             return None
@@ -288,9 +447,36 @@ class SlurmExecutor:
             return False
         run_id = Path(str(placement.get("dir", ""))).name
         mine = [j for j in snap.jobs if j.name == f"{RUN_PREFIX}{run_id}" and not j.finished]
-        if not mine:
-            return None
-        return {"job": mine[0].job_id, "as": mine[0].user or None}
+        if mine:
+            return {"job": mine[0].job_id, "as": mine[0].user or None}
+        return self._orphan_task(placement, snap)
+
+    def _orphan_task(self, placement: dict[str, Any], snap: Snapshot) -> dict[str, Any] | None:
+        """A sweep's run in an array a dead worker submitted: its task is the branch of
+        the array's script (`start_group`) that goes into the run's directory."""
+        arrays = {
+            j.array_job_id or j.job_id: j
+            for j in snap.jobs
+            if j.name.startswith(SWEEP_PREFIX) and not j.finished
+        }
+        wanted = f"cd {shell.path(str(placement.get('dir', '')))} "
+        for array, job in arrays.items():
+            first = job.name.removeprefix(SWEEP_PREFIX)
+            script = f"{Path(str(placement.get('dir', ''))).parent}/sweep-{first}/tasks.sh"
+            try:
+                raw = self.files.read_file(self.target, script)
+            except SshError:
+                continue
+            for branch in (raw or b"").decode("utf-8", "replace").splitlines():
+                index, _, rest = branch.partition(") ")
+                if index.isdigit() and wanted in rest:
+                    return {
+                        "job": array,
+                        "array_task": int(index),
+                        "as": job.user or None,
+                        "started_file": f"{placement.get('dir')}/slurm.started",
+                    }
+        return None
 
     # --- looking and stopping -------------------------------------------------------
 
@@ -302,7 +488,10 @@ class SlurmExecutor:
             return None
         raw = self.files.read_file(self.target, str(path))
         line = parse_started(raw.decode("utf-8", "replace")) if raw else None
-        if line is None or line.job_id != int(placement["job"]):
+        if line is None:
+            return None
+        # An array task's line has the task's own id (each run's file is its own).
+        if _task_index(placement) is None and line.job_id != int(placement["job"]):
             return None
         return line if line.restarts >= int(placement.get("requeued") or 0) else None
 
@@ -316,6 +505,42 @@ class SlurmExecutor:
                 del self._confirmed[key]
             held = self._confirmed.get(job_id)
         return held[1] if held is not None else job
+
+    def _task_of(
+        self, placement: dict[str, Any], snap: Snapshot | None, line: StartedLine | None
+    ) -> tuple[int | None, SlurmJob | None]:
+        """An array task's own job id (None while it pends in its array's record,
+        which Slurm splits a task off only as it starts it) and the newest sight of
+        it: its own record, else the array's pending record that stands for it."""
+        array, task = int(placement["job"]), int(placement["array_task"])
+        with self._lock:
+            own = self._tasks.get((array, task))
+        if own is None and line is not None:
+            own = line.job_id
+        if own is None and snap is not None:
+            own = next(
+                (
+                    j.job_id
+                    for j in snap.jobs
+                    if j.array_job_id == array and j.array_task_id == task
+                ),
+                None,
+            )
+        if own is not None:
+            with self._lock:
+                self._tasks[(array, task)] = own
+            return own, self._newest(own, snap) if snap is not None else None
+        if snap is None:
+            return None, None
+        pending = next(
+            (
+                j
+                for j in snap.jobs
+                if array in (j.job_id, j.array_job_id) and task in j.array_pending
+            ),
+            None,
+        )
+        return None, pending
 
     def _confirm(self, job_id: int, job: SlurmJob | None) -> SlurmJob | None:
         """One read of the job (a file said it started or ended and `job`, the newest
@@ -336,10 +561,14 @@ class SlurmExecutor:
         if snap is None or self.cluster.down_since is not None:
             raise SshError(f"the Slurm controller is not answering ({self.cluster.down_reason})")
         job_id = int(placement["job"])
-        job = self._newest(job_id, snap)
         raw = self.files.read_file(self.target, str(placement["status"]))
         status = parse_status(raw.decode("utf-8", "replace")) if raw else None
         line = self._start_line(placement)
+        own: int | None = job_id
+        if _task_index(placement) is not None:
+            own, job = self._task_of(placement, snap, line)
+        else:
+            job = self._newest(job_id, snap)
         if job is None and line is None and _after(placement.get("submitted"), snap.taken):
             return Look(alive=True, status=None, waiting="submitted to Slurm")
         # The files are newer than the shared read when they say it started (and the read
@@ -348,8 +577,8 @@ class SlurmExecutor:
         finished = status is not None and status.exit_code is not None
         stale_start = line is not None and (job is None or job.state == "PENDING")
         stale_end = finished and job is not None and not job.finished
-        if stale_start or stale_end:
-            job = self._confirm(job_id, job)
+        if (stale_start or stale_end) and own is not None:
+            job = self._confirm(own, job)
         if (
             job is not None
             and job.state == "PENDING"
@@ -358,6 +587,8 @@ class SlurmExecutor:
             now = self.clock.now()
             expected = job.start_time if job.start_time and job.start_time > now else None
             waiting = pending_words(job, now, self.tz)
+            if own is None:  # a task of a sweep's array that Slurm has not started
+                waiting = self._array_words(placement, job, now)
             if line is not None:  # it ran, and Slurm put it back: say why
                 waiting = f"{self._requeued_words(job, snap)}; {waiting}"
             return Look(alive=True, status=None, waiting=waiting, expected_start=expected)
@@ -468,7 +699,7 @@ class SlurmExecutor:
             who = ""
             if end is not None and end.by.isdigit():
                 who = f" by {self.cluster.client.user_name(int(end.by))}"
-            words = f"Slurm ended its job {placement['job']}: {state}{who}"
+            words = f"Slurm ended its job {_ref(placement)}: {state}{who}"
             if state == "TIMEOUT":
                 words += f" (its time limit in partition {placement.get('partition', '?')})"
             if state == "NODE_FAIL" and end is not None and end.nodes:
@@ -485,15 +716,25 @@ class SlurmExecutor:
 
     def _final(self, placement: dict[str, Any], job: SlurmJob | None) -> JobEnd | None:
         """Slurm's record of the job's end: accounting (sacct) first, else squeue's."""
-        job_id = int(placement["job"])
+        job_id, task = int(placement["job"]), _task_index(placement)
+        if task is not None:
+            with self._lock:
+                own = self._tasks.get((job_id, task))
+            if own is None and job is not None and job.array_task_id == task:
+                own = job.job_id
+            if own is None:
+                job = None  # the array's pending record is not this task's end
+            else:
+                job_id, task = own, None
+        ref = f"{job_id}_{task}" if task is not None else str(job_id)
         with self._lock:
-            kept = self._ends.get(job_id)
+            kept = self._ends.get(ref)
         if kept is not None:
             return kept
         try:
-            end = self.cluster.client.final_state(job_id)
+            end = self.cluster.client.final_state(job_id, task)
         except SlurmError as exc:
-            log.warning("could not read the end of Slurm job %s: %s", job_id, exc)
+            log.warning("could not read the end of Slurm job %s: %s", ref, exc)
             end = None
         if end is None and job is not None and job.finished:
             end = JobEnd(
@@ -507,7 +748,7 @@ class SlurmExecutor:
             )
         if end is not None and end.state not in ("RUNNING", "PENDING", "REQUEUED"):
             with self._lock:
-                self._ends[job_id] = end
+                self._ends[ref] = end
         return end
 
     def failed_node(self, placement: dict[str, Any]) -> str | None:
@@ -516,22 +757,61 @@ class SlurmExecutor:
     def signal(self, placement: dict[str, Any], signal: str, *, others_only: bool = False) -> None:
         if others_only:
             return
-        job = self.cluster.job(int(placement["job"]))
+        task = _task_index(placement)
+        if task is None:
+            job = self.cluster.job(int(placement["job"]))
+        else:
+            job = self._task_of(placement, self.cluster.read(), self._start_line(placement))[1]
         person = placement.get("as")
         try:
             if signal == "KILL" or job is None or job.state == "PENDING":
-                self.cluster.client.cancel(int(placement["job"]), user=person)
+                self.cluster.client.cancel(int(placement["job"]), user=person, task=task)
             else:  # SIGTERM to the runner: a recipe checkpoints and exits
                 # Over several nodes, to the batch script alone: srun would turn it into
                 # SIGKILL for every node; training.across_nodes passes it on as SIGTERM.
                 spans = int(placement.get("slurm_nodes") or 1) > 1
                 self.cluster.client.cancel(
-                    int(placement["job"]), signal=signal, user=person, batch_only=spans
+                    int(placement["job"]), signal=signal, user=person, batch_only=spans, task=task
                 )
         except SlurmUnavailable as exc:
             raise SshError(f"the Slurm controller is not answering: {exc}") from None
         except SlurmError as exc:
             raise SshError(str(exc)) from None
+
+    def signal_group(self, placements: Sequence[dict[str, Any]], signal: str) -> bool:
+        """Every open run of one sweep's array, signalled as one: the tasks that have not
+        started are cancelled first (so none starts meanwhile), then the running tasks'
+        runners get `signal` (a recipe checkpoints and exits): two scancel calls
+        whatever the sweep's size; one (the whole array) for KILL."""
+        arrays = {int(p["job"]) for p in placements}
+        if len(arrays) != 1 or any(_task_index(p) is None for p in placements):
+            return False
+        array = arrays.pop()
+        person = placements[0].get("as")
+        client = self.cluster.client
+        try:
+            if signal == "KILL":
+                client.cancel(array, user=person)
+            else:
+                client.cancel(array, user=person, pending_only=True)
+                client.cancel(array, signal=signal, user=person, running_only=True)
+        except SlurmUnavailable as exc:
+            raise SshError(f"the Slurm controller is not answering: {exc}") from None
+        except SlurmError as exc:
+            raise SshError(str(exc)) from None
+        return True
+
+    def _array_words(self, placement: dict[str, Any], job: SlurmJob, now: datetime) -> str:
+        """Why a sweep's run still waits in its array, in `/gpu queue`'s words."""
+        ref = _ref(placement)
+        if job.reason == "JobArrayTaskLimit":
+            running = placement.get("array_running") or job.array_max_running
+            return (
+                f"Slurm job {ref} waits for its sweep: at most {running} of its "
+                f"{placement.get('array_size', '?')} runs at once"
+            )
+        words = pending_words(job, now, self.tz)
+        return words.replace(f"Slurm job {job.job_id} ", f"Slurm job {ref} ", 1)
 
     def tail(self, placement: dict[str, Any], lines: int) -> str:
         return self.files.tail(self.target, str(placement["log"]), lines)
@@ -572,7 +852,11 @@ class SlurmExecutor:
         to, also when the bot was down across it."""
         if not self.started(placement):
             return None
-        end = self._final(placement, self.cluster.job(int(placement["job"])))
+        if _task_index(placement) is None:
+            job = self.cluster.job(int(placement["job"]))
+        else:
+            job = self._task_of(placement, self.cluster.read(), None)[1]
+        end = self._final(placement, job)
         return end.end_time if end is not None else None
 
     def _watch_loop(self) -> None:
@@ -597,6 +881,18 @@ class SlurmExecutor:
             if changed:
                 self.nudge()
             time.sleep(WATCH_EVERY_S)
+
+
+def _task_index(placement: Mapping[str, Any]) -> int | None:
+    """The run's task in its sweep's job array; None for a job of its own."""
+    task = placement.get("array_task")
+    return task if isinstance(task, int) else None
+
+
+def _ref(placement: Mapping[str, Any]) -> str:
+    """The run's job as Slurm's tools name it: `123`, or `123_4` for an array's task."""
+    task = _task_index(placement)
+    return f"{placement['job']}_{task}" if task is not None else str(placement["job"])
 
 
 def _after(iso: object, taken: datetime) -> bool:
@@ -629,23 +925,29 @@ class ClusterSeat:
         self.workdir = workdir
 
     def runner_for(self, host_name: str) -> HostSeat | None:
+        seats = self.seats_for(host_name)
+        return seats[0] if seats else None
+
+    def seats_for(self, host_name: str) -> list[HostSeat]:
+        """A seat per running gpubot job on the node (runs and reservations' holding
+        jobs), each a step inside that job: on a cluster with ConstrainDevices a step
+        sees its job's GPUs alone, renumbered from 0, and `gpu_map` maps them back."""
         snap = self.cluster.read()
         if snap is None or self.cluster.down_since is not None:
-            return None
-        job = next(
-            (
-                j
-                for j in snap.jobs
-                if j.state == "RUNNING"
-                and host_name in j.gpu_indexes
-                and (gpubot_id(j, RUN_PREFIX) is not None or j.name.startswith("gpubot-res-"))
-            ),
-            None,
-        )
-        if job is None:
-            return None
-        runner = _StepRunner(self.cluster, self.files, job.job_id, host_name, job.user or None)
-        return HostSeat(runner, self.target, Path(self.workdir) / "runs", self.env.interpreter)
+            return []
+        return [
+            HostSeat(
+                _StepRunner(self.cluster, self.files, job.job_id, host_name, job.user or None),
+                self.target,
+                Path(self.workdir) / "runs",
+                self.env.interpreter,
+                gpu_map=tuple(sorted(job.gpu_indexes[host_name])),
+            )
+            for job in snap.jobs
+            if job.state == "RUNNING"
+            and host_name in job.gpu_indexes
+            and job.name.startswith(GPUBOT_PREFIXES)
+        ]
 
 
 class _StepRunner:
