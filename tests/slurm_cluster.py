@@ -886,8 +886,10 @@ class SlurmCluster:
         """Cancel every job and wait until none is left running (guarded, not timed)."""
         deadline = time.monotonic() + GUARD_S
         while time.monotonic() < deadline:
-            shown = self.command("squeue", "-h", "-o", "%i %T")
-            active = [line.split()[0] for line in shown.stdout.splitlines() if line.strip()]
+            # %F: a job array's own id (one scancel ends every task of it; its pending
+            # record's "%i", 12_[8-99%8], is no id scancel takes).
+            shown = self.command("squeue", "-h", "-o", "%F %T")
+            active = sorted({ln.split()[0] for ln in shown.stdout.splitlines() if ln.strip()})
             if shown.returncode == 0 and not active:
                 return
             if active:
