@@ -23,6 +23,7 @@ from sqlmodel import Session, col, select
 from bot.app.burst import state as st
 from bot.app.config import Settings
 from bot.app.fleet import Fleet
+from bot.app.hosts import hostcheck
 from bot.app.hosts.remote import PreparedHost, RemoteAccess
 from bot.app.money.digest import build_digest, digest_view
 from bot.app.places import RunParts, Wiring
@@ -99,6 +100,9 @@ class Team:
         self.service.bursts.tick()
         self.service.runs.poll()
         self.service.runs.dispatch()
+        # The host checks (the worker's, every 15 s): a host that dropped one connection
+        # under load is dialled again by them alone, as in the worker.
+        hostcheck.hostcheck_job(self.service)
 
     def offer(self, run_id: int) -> BurstOffer | None:
         with Session(self.service.engine) as s:

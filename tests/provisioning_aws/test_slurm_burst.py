@@ -30,6 +30,7 @@ from bot.app.burst import state as st
 from bot.app.burst.offers import Bursts
 from bot.app.config import load_settings
 from bot.app.fleet import Fleet
+from bot.app.hosts import hostcheck
 from bot.app.hosts.remote import PreparedHost, RemoteAccess, bootstrap_prepare
 from bot.app.places import Wiring
 from bot.app.service import GpuService
@@ -74,6 +75,9 @@ class Lab:
         svc.bursts.tick()
         svc.runs.poll()
         svc.runs.dispatch()
+        # The host checks, every 15 s in the worker: without them a host that dropped one
+        # connection under load stayed unreachable for the rest of the test.
+        hostcheck.hostcheck_job(svc)
         self.fleet.refresh()
         for upkeep in svc.upkeep:
             upkeep()
