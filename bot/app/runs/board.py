@@ -11,7 +11,7 @@ from sqlmodel import Session, col, select
 from bot.app.access import audit
 from bot.app.ports import Actor
 from bot.app.runs.context import FleetHost, RunContext, read_fleet
-from bot.app.runs.routed import AT
+from bot.app.runs.routed import group_of
 from bot.app.watching import runwatch
 from bot.app.watching.held import who_holds
 from bot.app.watching.runfigures import costs_so_far, gpus_now
@@ -88,9 +88,8 @@ class RunBoard:
             # A sweep started as one job array (bot.providers.slurm): one line for all.
             arrays: dict[tuple[str, str], list[TrainingRun]] = {}
             for run in shown:
-                if "array_task" in run.placement:
-                    key = (str(run.placement.get(AT, "")), str(run.placement.get("job")))
-                    arrays.setdefault(key, []).append(run)
+                if (group := group_of(run.placement)) is not None:
+                    arrays.setdefault(group, []).append(run)
             for run, user in rows:
                 if run.state == RUN_QUEUED:
                     waiting += 1
@@ -99,9 +98,8 @@ class RunBoard:
                 shown_runs += 1
                 if run.state == RUN_QUEUED:
                     shown_waiting += 1
-                if "array_task" in run.placement:
-                    key = (str(run.placement.get(AT, "")), str(run.placement.get("job")))
-                    members = arrays[key]
+                if (group := group_of(run.placement)) is not None:
+                    members = arrays[group]
                     if run is members[0]:
                         table.append(_array_line(run, user, members, now, prices))
                     continue

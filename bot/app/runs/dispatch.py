@@ -162,85 +162,50 @@ class Dispatcher:
                     together.setdefault(sweep, []).append(run_id)
         handed = 0
         for run_id, sweep in rows:
-            group = together.get(sweep or "", [])
-            if len(group) > 1:
-                if run_id != group[0]:
-                    continue
-                started = self._group_start(cluster, group, runs_dir, place)
-            else:
-                started = self._claim_and_start(run_id, runs_dir, place)
+            group = together.get(sweep or "", [run_id])
+            if run_id != group[0]:
+                continue
+            started = self._claim_and_start(cluster, group, runs_dir, place)
             if started is None:
                 return handed  # the cluster does not answer: the rest wait for the next tick
             handed += started
         return handed
 
-    def _claim_and_start(self, run_id: int, runs_dir: Path, place: str) -> int | None:
-        """One run handed to the cluster: 1 when it started, 0 when not, None when the
-        cluster does not answer (it is back in line)."""
-        claimed = self._claim_for_cluster(run_id, runs_dir, place)
-        if claimed is None:
-            return 0
-        placement, run = claimed
-        started = self._run_start(run_id, run, [], placement)
-        return None if started is None else int(started)
-
-    def _group_start(
+    def _claim_and_start(
         self, cluster: RunExecutor, run_ids: list[int], runs_dir: Path, place: str
     ) -> int | None:
-        """A sweep's queued runs claimed and started as one group (`GroupStarts`); how
-        many started, None when the cluster does not answer (all back in line). A group
-        the cluster will not start as one is started a run at a time."""
-        assert isinstance(cluster, GroupStarts)
+        """Runs handed to the cluster (one, or a sweep's queued ones): claimed, then
+        started as one group where the cluster starts groups (`GroupStarts`), else a run
+        at a time. How many started; None when the cluster does not answer (the rest
+        are back in line)."""
         claims = [c for c in (self._claim_for_cluster(i, runs_dir, place) for i in run_ids) if c]
-        if not claims:
-            return 0
-        if len(claims) == 1:  # the others were cancelled or claimed meanwhile
-            placement, run = claims[0]
-            alone = self._run_start(int(run.id or 0), run, [], placement)
-            return None if alone is None else int(alone)
-
-        def code_for(run_id: int) -> PrepareCode:
-            def code(runner: HostShell, target: SshTarget, run_dir: str, log_path: str) -> None:
-                self._prepare_code(run_id, runner, target, run_dir, log_path)
-
-            return code
-
         runs = [run for _, run in claims]
         ids = [int(run.id or 0) for run in runs]
-        try:
-            changes = cluster.start_group(runs, [p for p, _ in claims], code_for)
-        except Unavailable as exc:
-            log.warning("runs %s stay in line: %s", ids, exc)
-            for run_id in ids:
-                self._unclaim(run_id)
-            return None
-        except Exception as exc:
-            cause = exc.cause if isinstance(exc, StartFailed) else exc
-            if not isinstance(cause, SshError):
-                log.exception("starting runs %s as one failed", ids)
-            for run_id in ids:
-                self.records.finish(
-                    run_id, RUN_FAILED, None, {"error": f"could not start: {exc}"}, log_tail=""
-                )
-            return 0
+        changes = None
+        # (Of a sweep, the others may have been cancelled or claimed meanwhile.)
+        if len(claims) > 1 and isinstance(cluster, GroupStarts):
+            try:
+                changes = cluster.start_group(runs, [p for p, _ in claims], self._code_for)
+            except Unavailable as exc:
+                log.warning("runs %s stay in line: %s", ids, exc)
+                for run_id in ids:
+                    self._unclaim(run_id)
+                return None
+            except Exception as exc:
+                self._start_failed(ids, exc)
+                return 0
         started = 0
-        if changes is None:
+        if changes is None:  # a run at a time
             for n, (placement, run) in enumerate(claims):
-                one = self._run_start(int(run.id or 0), run, [], placement)
+                one = self._run_start(ids[n], run, [], placement)
                 if one is None:  # the rest back in line with it
-                    for _, later in claims[n + 1 :]:
-                        self._unclaim(int(later.id or 0))
+                    for later in ids[n + 1 :]:
+                        self._unclaim(later)
                     return None
                 started += int(one)
             return started
-        for (placement, run), change in zip(claims, changes, strict=True):
-            run_id = int(run.id or 0)
-            if not self._mark_started(run_id, change, [], placement, run.started_at):
-                self.ctx.executor.stop_started({**placement, **change})
-                log.warning("run %s was requeued while it started here; stopped its task", run_id)
-                continue
-            self.ctx.executor.watch(run_id, {**placement, **change}, True)
-            started += 1
+        for run_id, (placement, run), change in zip(ids, claims, changes, strict=True):
+            started += self._recorded(run_id, change, [], placement, run.started_at)
         return started
 
     @retrying
@@ -346,31 +311,51 @@ class Dispatcher:
         """The claimed run started on each of its hosts (code first, then the runner), or
         ended with the reason when it cannot start; True when it started. None: the place
         does not answer now, and the run is back in line, as it was."""
-        executor = self.ctx.executor
-
-        def code(runner: HostShell, target: SshTarget, run_dir: str, log_path: str) -> None:
-            self._prepare_code(run_id, runner, target, run_dir, log_path)
-
         try:
-            changes = executor.start(run, placement, code)
+            changes = self.ctx.executor.start(run, placement, self._code_for(run_id))
         except Unavailable as exc:
             log.warning("run %s stays in line: %s", run_id, exc)
             self._unclaim(run_id)
             return None
         except Exception as exc:
-            # Any failure ends it with its reason (off the tick nobody else would say it).
-            cause = exc.cause if isinstance(exc, StartFailed) else exc
-            if not isinstance(cause, SshError):
-                log.exception("starting run %s failed", run_id)
-            where = f" on {exc.host}" if isinstance(exc, StartFailed) and exc.host else ""
+            self._start_failed([run_id], exc)
+            return False
+        return self._recorded(run_id, changes, host_names, placement, run.started_at)
+
+    def _code_for(self, run_id: int) -> PrepareCode:
+        """How the executor puts this run's code where it starts (`_prepare_code`)."""
+
+        def code(runner: HostShell, target: SshTarget, run_dir: str, log_path: str) -> None:
+            self._prepare_code(run_id, runner, target, run_dir, log_path)
+
+        return code
+
+    def _start_failed(self, run_ids: list[int], exc: Exception) -> None:
+        """Runs whose start failed end with the reason (off the tick nobody else would
+        say it): one run's, or a group's started as one."""
+        cause = exc.cause if isinstance(exc, StartFailed) else exc
+        if not isinstance(cause, SshError):
+            log.exception("starting run(s) %s failed", ", ".join(map(str, run_ids)))
+        where = f" on {exc.host}" if isinstance(exc, StartFailed) and exc.host else ""
+        for run_id in run_ids:
             self.records.finish(
                 run_id, RUN_FAILED, None, {"error": f"could not start{where}: {exc}"}, log_tail=""
             )
-            return False
-        if not self._mark_started(run_id, changes, host_names, placement, run.started_at):
-            # Put back in line while this start was under way (another worker leads now
-            # and requeued it past the starting grace): what started here is stopped, or
-            # the run would run twice once it is placed again.
+
+    def _recorded(
+        self,
+        run_id: int,
+        changes: dict[str, Any],
+        host_names: list[str],
+        placement: dict[str, Any],
+        claimed_at: datetime | None,
+    ) -> bool:
+        """What started recorded and watched; False when the run was put back in line
+        while this start was under way (another worker leads now and requeued it past the
+        starting grace): what started here is stopped, or the run would run twice once it
+        is placed again."""
+        executor = self.ctx.executor
+        if not self._mark_started(run_id, changes, host_names, placement, claimed_at):
             executor.stop_started({**placement, **changes})
             log.warning("run %s was requeued while it started here; stopped what started", run_id)
             return False

@@ -22,7 +22,7 @@ from bot.app.hosts.agentwatch import (
 from bot.app.runs.context import STARTING_GRACE, RunContext
 from bot.app.runs.executor import GroupSignals
 from bot.app.runs.records import RunRecords
-from bot.app.runs.routed import AT, RoutedExecutor
+from bot.app.runs.routed import RoutedExecutor, group_of
 from bot.domain import views
 from db.models import (
     RUN_CANCELLED,
@@ -56,9 +56,9 @@ class Poller:
         executor = self.ctx.executor
         groups: dict[tuple[str, str], list[TrainingRun]] = {}
         for run in rows:
-            if "array_task" in run.placement and executor.started(run.placement):
-                key = (str(run.placement.get(AT, "")), str(run.placement.get("job")))
-                groups.setdefault(key, []).append(run)
+            group = group_of(run.placement)
+            if group is not None and executor.started(run.placement):
+                groups.setdefault(group, []).append(run)
         told: set[int] = set()
         for members in groups.values():
             # Only a group cancelled whole (every open run of it, none told yet): a run

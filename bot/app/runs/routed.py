@@ -24,6 +24,15 @@ from db.models import TrainingRun
 AT = "at"
 
 
+def group_of(placement: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The group a run was started in as one (a sweep's job array: its place and job),
+    which `/gpu queue` shows as one line and a cancel of the whole signals at once; None
+    for a run started alone."""
+    if "array_task" not in placement:
+        return None
+    return (str(placement.get(AT, "")), str(placement.get("job")))
+
+
 class RoutedAccess:
     """`HostAccess` over the places: a host is reached the way its own provider reaches
     it (`provider_of` reads the host's row)."""

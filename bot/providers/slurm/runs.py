@@ -47,13 +47,15 @@ from bot.providers.slurm.cluster import (
     Snapshot,
     job_name,
 )
+from bot.providers.slurm.fit import Fit
 from bot.providers.slurm.holds import pending_words
-from bot.providers.slurm.lab import Lab
+from bot.providers.slurm.lab import Lab, Plan
 from db.models import TrainingRun
 from provisioning import shell
 from provisioning.hostshell import HostShell
 from provisioning.slurm import (
     JobEnd,
+    JobSpec,
     SlurmError,
     SlurmJob,
     SlurmUnavailable,
@@ -187,24 +189,10 @@ class SlurmExecutor:
     ) -> dict[str, Any]:
         assert run.id is not None
         run_dir = str(placement["dir"])
-        try:
-            plan = self.lab.plan(self._request(run))
-        except SlurmUnavailable as exc:
-            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
-        except (UserError, SlurmError) as exc:
-            raise StartFailed(exc) from exc
+        plan = self._plan(run)
         started = f"{run_dir}/slurm.started"
         try:
-            dirs = [run_dir, str(placement["checkpoints"])]
-            made = [shell.join(["mkdir", "-p", "--", *dirs])]
-            if self.submit_as == "uid":  # a root bot: the directory is the owner's
-                made.append(shell.join(["chown", "-R", "--", f"{plan.person}:", run_dir]))
-            else:  # the job (the owner's account) writes there through the group
-                made.append(shell.join(["chmod", "2770", "--", *dirs]))
-            made.append(shell.join(["rm", "-f", "--", started]))
-            done = self.files.run(self.target, " && ".join(made), timeout=30)
-            if not done.ok:
-                raise SshError(f"cannot make {run_dir}: {done.stderr.strip()[-200:]}")
+            self._make_dirs(plan.person, [run_dir, str(placement["checkpoints"])], [started], 30)
             resume = run.placement.get("resume_from")
             if resume:
                 upload_checkpoints(self.files, self.target, resume, str(placement["checkpoints"]))
@@ -213,10 +201,7 @@ class SlurmExecutor:
         except Exception as exc:
             raise StartFailed(exc) from exc
         fit = plan.fit
-        limit = fit.time_limit_s
-        if run.max_seconds and not fit.defaulted:
-            # The runner stops itself at --max; Slurm's limit is a little later.
-            limit = min(limit + 300, fit.max_time_s or limit + 300)
+        limit = _limit(run, fit)
         if fit.nodes > 1:
             # One task a node, each the runner with its node's place in the run
             # (training.across_nodes); the batch script is the launcher on the first.
@@ -245,12 +230,7 @@ class SlurmExecutor:
             signal=self.lab.signal,
             started_file=started,
         )
-        try:
-            job_id = self.cluster.client.submit(spec, self._nodes())
-        except SlurmUnavailable as exc:
-            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
-        except SlurmError as exc:
-            raise StartFailed(exc) from exc
+        job_id = self._submit(spec)
         return {
             "job": int(job_id),
             "stage": "submitted to Slurm",
@@ -274,31 +254,18 @@ class SlurmExecutor:
         cluster's MaxSubmitJobs or MaxArraySize refuses the sweep as one, in words."""
         first = runs[0]
         assert first.id is not None
-        try:
-            plan = self.lab.plan(self._request(first))
-        except SlurmUnavailable as exc:
-            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
-        except (UserError, SlurmError) as exc:
-            raise StartFailed(exc) from exc
+        plan = self._plan(first)
         fit = plan.fit
         if fit.nodes > 1:
             return None  # each variant over several nodes: one job each
         root = f"{Path(str(placements[0]['dir'])).parent}/sweep-{first.id}"
         script = f"{root}/tasks.sh"
+        started = [f"{p['dir']}/slurm.started" for p in placements]
         try:
             dirs = [root]
             for placement in placements:
                 dirs += [str(placement["dir"]), str(placement["checkpoints"])]
-            made = [shell.join(["mkdir", "-p", "--", *dirs])]
-            if self.submit_as == "uid":
-                made.append(shell.join(["chown", "-R", "--", f"{plan.person}:", *dirs]))
-            else:
-                made.append(shell.join(["chmod", "2770", "--", *dirs]))
-            started = [f"{p['dir']}/slurm.started" for p in placements]
-            made.append(shell.join(["rm", "-f", "--", *started]))
-            done = self.files.run(self.target, " && ".join(made), timeout=60)
-            if not done.ok:
-                raise SshError(f"cannot make {root}: {done.stderr.strip()[-200:]}")
+            self._make_dirs(plan.person, dirs, started, 60)
             python = self.env.interpreter()
             branches = []
             for i, (run, placement) in enumerate(zip(runs, placements, strict=True)):
@@ -330,9 +297,7 @@ class SlurmExecutor:
             self.files.write_file(self.target, script, body.encode())
         except Exception as exc:
             raise StartFailed(exc) from exc
-        limit = fit.time_limit_s
-        if first.max_seconds and not fit.defaulted:
-            limit = min(limit + 300, fit.max_time_s or limit + 300)
+        limit = _limit(first, fit)
         throttle = self._throttle(plan, first, len(runs))
         array = f"0-{len(runs) - 1}%{throttle}"
         spec = self.lab.spec(
@@ -355,12 +320,7 @@ class SlurmExecutor:
             signal=self.lab.signal,
             array=array,
         )
-        try:
-            job_id = self.cluster.client.submit(spec, self._nodes())
-        except SlurmUnavailable as exc:
-            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
-        except SlurmError as exc:
-            raise StartFailed(exc) from exc
+        job_id = self._submit(spec)
         now = self.clock.now().isoformat()
         return [
             {
@@ -379,7 +339,41 @@ class SlurmExecutor:
             for i in range(len(runs))
         ]
 
-    def _throttle(self, plan: Any, run: TrainingRun, size: int) -> int:
+    def _plan(self, run: TrainingRun) -> Plan:
+        """The account and job shape a start asks for: a controller that does not answer
+        leaves the run in line (Unavailable), a refusal ends it with its words."""
+        try:
+            return self.lab.plan(self._request(run))
+        except SlurmUnavailable as exc:
+            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
+        except (UserError, SlurmError) as exc:
+            raise StartFailed(exc) from exc
+
+    def _make_dirs(
+        self, person: str, dirs: Sequence[str], started: Sequence[str], timeout: float
+    ) -> None:
+        """The run directories made, in one command, for the jobs of `person` to write
+        in, and an earlier attempt's started files gone; SshError saying why not."""
+        made = [shell.join(["mkdir", "-p", "--", *dirs])]
+        if self.submit_as == "uid":  # a root bot: the directories are the owner's
+            made.append(shell.join(["chown", "-R", "--", f"{person}:", *dirs]))
+        else:  # the job (the owner's account) writes there through the group
+            made.append(shell.join(["chmod", "2770", "--", *dirs]))
+        made.append(shell.join(["rm", "-f", "--", *started]))
+        done = self.files.run(self.target, " && ".join(made), timeout=timeout)
+        if not done.ok:
+            raise SshError(f"cannot make {dirs[0]}: {done.stderr.strip()[-200:]}")
+
+    def _submit(self, spec: JobSpec) -> int:
+        """sbatch, its failures as a start's: the controller silent, or Slurm's refusal."""
+        try:
+            return self.cluster.client.submit(spec, self._nodes())
+        except SlurmUnavailable as exc:
+            raise Unavailable(f"the Slurm controller is not answering: {exc}") from None
+        except SlurmError as exc:
+            raise StartFailed(exc) from exc
+
+    def _throttle(self, plan: Plan, run: TrainingRun, size: int) -> int:
         """How many of a sweep's runs Slurm runs at once: the setting, else the
         person's share of the partition's GPUs of the model (split evenly among the
         people the bot knows on the cluster), never less than one run."""
@@ -541,6 +535,13 @@ class SlurmExecutor:
             None,
         )
         return None, pending
+
+    def _job_of(self, placement: dict[str, Any], line: StartedLine | None) -> SlurmJob | None:
+        """The run's job as the shared read has it: its own, or its task of an array
+        (`line`, its started line, names a started task's own id where the read is old)."""
+        if _task_index(placement) is None:
+            return self.cluster.job(int(placement["job"]))
+        return self._task_of(placement, self.cluster.read(), line)[1]
 
     def _confirm(self, job_id: int, job: SlurmJob | None) -> SlurmJob | None:
         """One read of the job (a file said it started or ended and `job`, the newest
@@ -758,10 +759,7 @@ class SlurmExecutor:
         if others_only:
             return
         task = _task_index(placement)
-        if task is None:
-            job = self.cluster.job(int(placement["job"]))
-        else:
-            job = self._task_of(placement, self.cluster.read(), self._start_line(placement))[1]
+        job = self._job_of(placement, self._start_line(placement) if task is not None else None)
         person = placement.get("as")
         try:
             if signal == "KILL" or job is None or job.state == "PENDING":
@@ -852,11 +850,7 @@ class SlurmExecutor:
         to, also when the bot was down across it."""
         if not self.started(placement):
             return None
-        if _task_index(placement) is None:
-            job = self.cluster.job(int(placement["job"]))
-        else:
-            job = self._task_of(placement, self.cluster.read(), None)[1]
-        end = self._final(placement, job)
+        end = self._final(placement, self._job_of(placement, None))
         return end.end_time if end is not None else None
 
     def _watch_loop(self) -> None:
@@ -881,6 +875,15 @@ class SlurmExecutor:
             if changed:
                 self.nudge()
             time.sleep(WATCH_EVERY_S)
+
+
+def _limit(run: TrainingRun, fit: Fit) -> int:
+    """The job's time limit: the partition's choice, or where the run asked `--max` (the
+    runner stops itself there) a little later than that."""
+    limit = fit.time_limit_s
+    if run.max_seconds and not fit.defaulted:
+        limit = min(limit + 300, fit.max_time_s or limit + 300)
+    return limit
 
 
 def _task_index(placement: Mapping[str, Any]) -> int | None:
