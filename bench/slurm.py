@@ -157,7 +157,7 @@ def _on_cluster() -> dict[str, object]:
                 spec, name=f"bench-wide-{i}", gpus=GPUS, nodes=2, partition=WIDE
             )
             wide.append(to_running(both)[1])
-        array = _array_side_by_side(slurm, cluster, nodes)
+        array = _array_side_by_side(slurm, cluster, nodes, spec)
         # The cluster's own jobs for the read: 2 running, 2 pending.
         for i in range(4):
             slurm.submit(
@@ -196,23 +196,15 @@ def _on_cluster() -> dict[str, object]:
 ARRAY = 100
 
 
-def _array_side_by_side(slurm: SlurmClient, cluster: Any, nodes: list[Any]) -> dict[str, object]:
+def _array_side_by_side(
+    slurm: SlurmClient, cluster: Any, nodes: list[Any], one: JobSpec
+) -> dict[str, object]:
     """A sweep of ARRAY one-GPU runs as the bot submits it on Slurm (one `sbatch
     --array=0-99%8`) beside ARRAY separate sbatch calls (what it did before): the
     submission's time, and the time until the first task and until 8 tasks (both nodes'
     GPUs, partition wide) are RUNNING; the rest wait for those. Once each, on the idle
-    cluster."""
-    spec = JobSpec(
-        name="bench-array",
-        argv=("sleep", "300"),
-        workdir="/tmp",
-        time_limit_s=600,
-        gpus=1,
-        gpu_type="A100",
-        output="/dev/null",
-        mem_per_gpu_mb=100,
-        partition=WIDE,
-    )
+    cluster. `one`: the one-GPU job of the submit-to-running figure."""
+    spec = dataclasses.replace(one, name="bench-array", partition=WIDE)
     wanted = 2 * GPUS
 
     def running(ids: set[int], array: int | None) -> int:

@@ -18,9 +18,11 @@ import pwd
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import bot.providers
+from bot.app.config import load_settings
+from bot.faces.runtime import Runtime, build_runtime
 from bot.providers.slurm import SlurmProvider
 from provisioning.local_runner import LOCAL_TARGET, LocalRunner
 from provisioning.slurm import SlurmClient
@@ -30,8 +32,12 @@ from tests.slurm_cluster import (
     ONE_NODE_PARTITIONS,
     PEOPLE,
     ROOT,
+    SlurmCluster,
     make_lab_workdir,
 )
+
+if TYPE_CHECKING:
+    import pytest
 
 # The cluster's Python environment (GPUBOT_SLURM_ENV), made by the bot's account once
 # (the real bootstrap, about 25 s here) and kept: its marker makes later ones a check.
@@ -109,3 +115,26 @@ def as_bot_account(conf: Path) -> Iterator[None]:
         yield
     finally:
         kinds["slurm"] = before
+
+
+@contextlib.contextmanager
+def lab_runtime(
+    cluster: SlurmCluster,
+    workdir: Path,
+    home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    **extra: str,
+) -> Iterator[Runtime]:
+    """The whole bot as the lab runs it: its settings in the environment (`lab_env`, the
+    cluster read every 0.5 s unless `extra` says otherwise), Slurm's tools as the bot's
+    account, on SQLite under `home`."""
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    with as_bot_account(cluster.conf):
+        env = lab_env(cluster.conf, workdir, home, **{"GPUBOT_SLURM_CACHE_S": "0.5", **extra})
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        rt = build_runtime(load_settings())
+        try:
+            yield rt
+        finally:
+            rt.engine.dispose()

@@ -20,15 +20,14 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, select
 
-from bot.app.config import load_settings
 from bot.domain.commands import Cancel, Run
 from bot.domain.errors import UserError
-from bot.faces.runtime import Runtime, build_runtime
+from bot.faces.runtime import Runtime
 from db.models import TrainingRun, UsageInterval
 from provisioning.slurm_parse import expand_hostlist
 from tests.runtime_helpers import dms
 from tests.slurm_cluster import GPUS, PEOPLE, WIDE, SlurmCluster
-from tests.slurm_lab import as_bot_account, lab_env
+from tests.slurm_lab import lab_runtime
 from training.loop import TrainConfig, train
 from training.recipes import load_digits_data
 from training.status import parse_status
@@ -49,22 +48,14 @@ def nodes_rt(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Runtime]:
-    monkeypatch.delenv("DATABASE_URL", raising=False)
-    with as_bot_account(slurm_cluster.conf):
-        env = lab_env(
-            slurm_cluster.conf,
-            lab_workdir,
-            tmp_path / "home",
-            GPUBOT_SLURM_CACHE_S="0.5",
-            GPUBOT_SLURM_PARTITIONS="",  # every partition: `wide` holds both nodes
-        )
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        rt = build_runtime(load_settings())
-        try:
-            yield rt
-        finally:
-            rt.engine.dispose()
+    with lab_runtime(
+        slurm_cluster,
+        lab_workdir,
+        tmp_path / "home",
+        monkeypatch,
+        GPUBOT_SLURM_PARTITIONS="",  # every partition: `wide` holds both nodes
+    ) as rt:
+        yield rt
 
 
 def _run(rt: Runtime, rid: int) -> TrainingRun:

@@ -31,7 +31,7 @@ from bot.faces.runtime import Runtime, build_runtime
 from db.models import Reservation, TrainingRun
 from tests.runtime_helpers import dms
 from tests.slurm_cluster import PEOPLE, SlurmCluster
-from tests.slurm_lab import SHARED_ENV, as_bot_account, lab_env
+from tests.slurm_lab import SHARED_ENV, as_bot_account, lab_env, lab_runtime
 from training.status import parse_status
 
 GUARD_S = 240.0  # a guard against a hang, not a speed assertion
@@ -44,17 +44,8 @@ def slurm_rt(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Runtime]:
-    monkeypatch.delenv("DATABASE_URL", raising=False)
-    workdir = lab_workdir
-    with as_bot_account(slurm_cluster.conf):
-        env = lab_env(slurm_cluster.conf, workdir, tmp_path / "home", GPUBOT_SLURM_CACHE_S="0.5")
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        rt = build_runtime(load_settings())
-        try:
-            yield rt
-        finally:
-            rt.engine.dispose()
+    with lab_runtime(slurm_cluster, lab_workdir, tmp_path / "home", monkeypatch) as rt:
+        yield rt
 
 
 def _squeue(cluster: SlurmCluster) -> str:

@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 from sqlmodel import Session, col, select
 
-from bot.app.config import load_settings
 from bot.domain.commands import Cancel, Queue, Run
-from bot.faces.runtime import Runtime, build_runtime
+from bot.faces.runtime import Runtime
 from db.models import Notification, TrainingRun
 from provisioning.slurm import SlurmClient
 from tests.slurm_cluster import PEOPLE, SlurmCluster
-from tests.slurm_lab import as_bot_account, lab_env
+from tests.slurm_lab import lab_runtime
 
 GUARD_S = 420.0  # a guard against a hang, not a speed assertion
 VALUES = (1e-3, 2e-3, 3e-3, 5e-3, 8e-3, 1e-2)
@@ -38,18 +37,8 @@ def sweep_rt(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Runtime]:
-    monkeypatch.delenv("DATABASE_URL", raising=False)
-    with as_bot_account(slurm_cluster.conf):
-        env = lab_env(
-            slurm_cluster.conf, lab_workdir, tmp_path / "home", GPUBOT_SLURM_CACHE_S="0.5"
-        )
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        rt = build_runtime(load_settings())
-        try:
-            yield rt
-        finally:
-            rt.engine.dispose()
+    with lab_runtime(slurm_cluster, lab_workdir, tmp_path / "home", monkeypatch) as rt:
+        yield rt
 
 
 def _runs(rt: Runtime, ids: list[int]) -> list[TrainingRun]:

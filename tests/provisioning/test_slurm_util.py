@@ -17,15 +17,14 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, col, select
 
-from bot.app.config import load_settings
 from bot.app.watching.idle import idle_job
 from bot.app.watching.utilization import collect, util_reply
 from bot.domain.commands import Release, Reserve, Run
-from bot.faces.runtime import Runtime, build_runtime
+from bot.faces.runtime import Runtime
 from db.models import GpuSample, Reservation, TrainingRun
 from tests.runtime_helpers import dms
 from tests.slurm_cluster import SlurmCluster
-from tests.slurm_lab import as_bot_account, lab_env
+from tests.slurm_lab import lab_runtime
 
 GUARD_S = 180.0  # a guard against a hang, not a speed assertion
 BUSY = 90
@@ -38,27 +37,19 @@ def util_rt(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Runtime]:
-    monkeypatch.delenv("DATABASE_URL", raising=False)
-    with as_bot_account(slurm_cluster.conf):
-        env = lab_env(
-            slurm_cluster.conf,
-            lab_workdir,
-            tmp_path / "home",
-            GPUBOT_SLURM_CACHE_S="0.5",
-            # A sample stands for the cadence (its span): this test samples once a loop,
-            # and a loaded machine's loop (two srun steps) took 3-5 s, which left 1-s
-            # samples too sparse to cover any window (seen: 270 idle samples, no prompt).
-            GPUBOT_UTIL_SAMPLE_SECONDS="6",
-            GPUBOT_IDLE_WINDOW="12s",  # idle for 12 s of samples: asked Keep/Release
-            GPUBOT_IDLE_GRACE="1h",  # never released without the holder here
-        )
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        rt = build_runtime(load_settings())
-        try:
-            yield rt
-        finally:
-            rt.engine.dispose()
+    with lab_runtime(
+        slurm_cluster,
+        lab_workdir,
+        tmp_path / "home",
+        monkeypatch,
+        # A sample stands for the cadence (its span): this test samples once a loop,
+        # and a loaded machine's loop (two srun steps) took 3-5 s, which left 1-s
+        # samples too sparse to cover any window (seen: 270 idle samples, no prompt).
+        GPUBOT_UTIL_SAMPLE_SECONDS="6",
+        GPUBOT_IDLE_WINDOW="12s",  # idle for 12 s of samples: asked Keep/Release
+        GPUBOT_IDLE_GRACE="1h",  # never released without the holder here
+    ) as rt:
+        yield rt
 
 
 def _until(
