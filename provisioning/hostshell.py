@@ -70,8 +70,10 @@ class HostShell(Protocol):
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        pid_file: str | None = None,
     ) -> int:
-        """Start a process that outlives this connection; returns its process-group id."""
+        """Start a process that outlives this connection; returns its process-group id,
+        also written to `pid_file` (when given) before this returns."""
         ...
 
     def tail(self, target: SshTarget, path: str, lines: int = 50) -> str:

@@ -363,10 +363,11 @@ class LocalRunner:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        pid_file: str | None = None,
     ) -> int:
         # Through a shell that exits at once, so the process is orphaned and its
         # reaper is init, as on a remote host, not this (possibly short-lived) bot.
-        result = self._exec(detached_command_line(command, log_path, cwd, env), None)
+        result = self._exec(detached_command_line(command, log_path, cwd, env, pid_file), None)
         return parse_pid(result, "local")
 
     def tail(self, target: SshTarget, path: str, lines: int = 50) -> str:

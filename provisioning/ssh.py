@@ -223,6 +223,7 @@ def detached_command_line(
     log_path: str,
     cwd: str | None = None,
     env: Mapping[str, str] | None = None,
+    pid_file: str | None = None,
 ) -> str:
     """A launcher that returns at once and prints the new process-group id.
 
@@ -232,6 +233,10 @@ def detached_command_line(
     non-interactive shell a background job is no group leader, so setsid does not
     fork and `$!` is the new group's id. The launcher waits (briefly) until the
     child has called setsid, so a kill_group right after the return finds the group.
+
+    With `pid_file`, the launcher also writes the group id there (atomically, by rename)
+    before it returns: a worker that dies before recording the answer finds the process
+    through the file, however slowly the process itself starts on a loaded host.
     """
     steps = []
     # cd first: a relative log path then means the same to mkdir and to the redirect.
@@ -240,9 +245,13 @@ def detached_command_line(
     log_dir = posixpath.dirname(log_path)
     if log_dir:
         steps.append(mkdir_command_line([log_dir]))
+    note = ""
+    if pid_file:
+        tmp = shell.path(f"{pid_file}.tmp")
+        note = f'echo "$p" >{tmp} && mv -f -- {tmp} {shell.path(pid_file)}; '
     launch = (
         f"{shell.env_prefix(env)}setsid nohup {_LOGIN_SHELL} -c {shell.quote(command)} "
-        f"</dev/null >>{shell.path(log_path)} 2>&1 & p=$!; i=0; "
+        f"</dev/null >>{shell.path(log_path)} 2>&1 & p=$!; {note}i=0; "
         'while [ "$i" -lt 300 ] && [ -r "/proc/$p/stat" ]; do '
         '{ read -r line <"/proc/$p/stat"; } 2>/dev/null || break; '
         'set -- ${line##*) }; [ "$3" = "$p" ] && break; i=$((i+1)); sleep 0.01; done; '
@@ -713,8 +722,9 @@ class SshClient:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        pid_file: str | None = None,
     ) -> int:
-        line = detached_command_line(command, log_path, cwd, env)
+        line = detached_command_line(command, log_path, cwd, env, pid_file)
         result = self._exec(target, line, None, "starting a process", retry=False)
         return parse_pid(result, target.label)
 

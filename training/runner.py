@@ -361,25 +361,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     )
 
 
-def _note_process_group() -> None:
-    """Writes this run's process-group id where the bot asked (GPUBOT_PGID_FILE).
-
-    The bot learns the group id from the launcher's answer; if the bot dies before it
-    records that answer, this file is how the next worker finds the run already started
-    instead of starting it a second time. Removed from the environment so that the
-    processes this one starts (torchrun's workers) do not overwrite it.
-    """
-    path = os.environ.pop("GPUBOT_PGID_FILE", "")
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(f"{os.getpgid(0)}\n")
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _note_process_group()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     from training.ddp import under_torchrun

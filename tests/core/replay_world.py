@@ -298,6 +298,7 @@ class ReplayRunner:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        pid_file: str | None = None,
     ) -> int:
         words = shlex.split(command)
 
@@ -322,6 +323,8 @@ class ReplayRunner:
             exit_at=now + overhead + max(0.0, work - saved),
         )
         self.procs[pgid] = p
+        if pid_file:
+            self.files[(target.name, pid_file)] = f"{pgid}\n".encode()
         self._status(p, "running", None)
         self.log.append((now, "start", f"{run_id} {target.name}"))
         return pgid

@@ -97,8 +97,11 @@ class Bench:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        pid_file: str | None = None,
     ) -> int:
-        pgid = self.runner.start_detached(self.target, command, self.path(log), cwd=cwd, env=env)
+        pgid = self.runner.start_detached(
+            self.target, command, self.path(log), cwd=cwd, env=env, pid_file=pid_file
+        )
         self.started.append(pgid)
         return pgid
 

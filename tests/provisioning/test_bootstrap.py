@@ -116,9 +116,12 @@ class Recorder:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        pid_file: str | None = None,
     ) -> int:
         self.calls.append(("start_detached", command))
-        return self.inner.start_detached(target, command, log_path, cwd=cwd, env=env)
+        return self.inner.start_detached(
+            target, command, log_path, cwd=cwd, env=env, pid_file=pid_file
+        )
 
     def tail(self, target: SshTarget, path: str, lines: int = 50) -> str:
         self.calls.append(("tail", path))

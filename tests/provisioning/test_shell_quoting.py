@@ -50,7 +50,7 @@ def _shells() -> list[str]:
 
 SHELLS = _shells()
 # The real programs the lines may call; everything else on PATH is the probe.
-REAL = ("env", "setsid", "nohup", "mkdir", "sleep", "timeout", "sh")
+REAL = ("env", "setsid", "nohup", "mkdir", "mv", "sleep", "timeout", "sh")
 PROBES = ("probe", "loginsh", "git", "rm", "tar", "tail", "find", "runnerprobe")
 CANARY = Path(tempfile.gettempdir()) / f"gpubot-quoting-canary-{os.getpid()}"
 
@@ -380,7 +380,13 @@ def test_run_command_line_hands_the_command_to_the_login_shell_whole(
 
 @pytest.mark.parametrize("sh", SHELLS)
 @settings(EXAMPLES, max_examples=15)
-@given(command=ANY_WORD, log=REL, cwd=st.one_of(st.none(), REL), env=st.one_of(st.none(), ENV))
+@given(
+    command=ANY_WORD,
+    log=REL,
+    cwd=st.one_of(st.none(), REL),
+    env=st.one_of(st.none(), ENV),
+    pid_file=st.one_of(st.none(), NAME),
+)
 def test_detached_command_line_starts_exactly_the_command(
     sh: str,
     boxes: Iterator[Box],
@@ -388,13 +394,18 @@ def test_detached_command_line_starts_exactly_the_command(
     log: str,
     cwd: str | None,
     env: dict[str, str] | None,
+    pid_file: str | None,
 ) -> None:
     box = next(boxes)
     where = box.dir(cwd) if cwd else box.work
     names = list(env or {})
-    proc = box.run(sh, ssh.detached_command_line(command, log, cwd, env), names)
+    if pid_file:
+        pid_file = str(box.dir("pids") / pid_file)  # any name, in a directory that exists
+    proc = box.run(sh, ssh.detached_command_line(command, log, cwd, env, pid_file), names)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().isdigit()
+    if pid_file:
+        assert Path(pid_file).read_bytes() == proc.stdout.strip() + b"\n"
     assert box.wait_records(1, names) == [
         Rec("loginsh", str(where), ["-c", command], dict(env or {}))
     ]

@@ -267,6 +267,16 @@ def test_detached_process_returns_at_once_and_survives_the_disconnect(bench: Ben
     assert wait_for(lambda: not bench.runner.is_alive(bench.target, pid))
 
 
+def test_the_group_id_is_in_its_file_before_the_start_returns(bench: Bench) -> None:
+    """What a worker that died before recording a start finds: the file is the launcher's,
+    written before it answers, however long the process takes to get going."""
+    pid_file = bench.path("pgid")
+    pid = bench.start("sleep 2; exec sleep 300", pid_file=pid_file)
+    assert bench.runner.read_file(bench.target, pid_file) == f"{pid}\n".encode()
+    assert bench.runner.read_file(bench.target, f"{pid_file}.tmp") is None, "renamed into place"
+    assert bench.runner.kill_group(bench.target, pid, "KILL")
+
+
 def test_kill_group_kills_the_children_too(bench: Bench) -> None:
     pid = bench.start("sleep 300 & echo child $!; wait")
     log = bench.path("out.log")

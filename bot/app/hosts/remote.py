@@ -183,8 +183,17 @@ class _Reporting:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        pid_file: str | None = None,
     ) -> int:
-        return self._call(self.inner.start_detached, target, command, log_path, cwd=cwd, env=env)
+        return self._call(
+            self.inner.start_detached,
+            target,
+            command,
+            log_path,
+            cwd=cwd,
+            env=env,
+            pid_file=pid_file,
+        )
 
     def tail(self, target: SshTarget, path: str, lines: int = 50) -> str:
         return self._call(self.inner.tail, target, path, lines)

@@ -114,9 +114,6 @@ class ProcessExecutor:
         run_dir = node["dir"]
         env = {
             "CUDA_VISIBLE_DEVICES": "" if node["cpu"] else ",".join(map(str, node["gpu_indexes"])),
-            # The runner writes its group id here, so a run started by a worker that
-            # died before recording it is found, not started twice (`orphan`).
-            "GPUBOT_PGID_FILE": str(node["pgid_file"]),
         }
         runner.run(target, shell.join(["mkdir", "-p", "--", str(run_dir)]), timeout=30)
         resume = run.placement.get("resume_from")
@@ -132,6 +129,10 @@ class ProcessExecutor:
             str(node["log"]),
             cwd=str(run_dir),
             env={**env, **python.env()},
+            # The launcher writes the group id there before it answers, so a run started
+            # by a worker that died before recording it is found, not started twice
+            # (`orphan`), even while the runner itself is still starting.
+            pid_file=str(node["pgid_file"]),
         )
 
     def stop_started(self, placement: dict[str, Any]) -> None:

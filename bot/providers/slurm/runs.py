@@ -1025,6 +1025,7 @@ class _StepRunner:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        pid_file: str | None = None,
     ) -> int:
         raise SshError("a cluster's node runs nothing detached outside its jobs")
 
