@@ -74,6 +74,12 @@ class SshUnreachable(SshError):
     ran there and failed or took too long. Callers back off dialling it (bot.app.hosts.remote)."""
 
 
+class SshLinkLost(SshUnreachable):
+    """A link the host had taken died (or stalled) under an operation. Unlike a refused or
+    silent dial it may be one dropped connection on a loaded host rather than a host
+    gone: bot.app.hosts.remote dials once more before it calls the host down."""
+
+
 @dataclass(frozen=True)
 class SshTarget:
     # Address or host name to dial.
@@ -519,7 +525,7 @@ class SshClient:
                     ) from exc
                 except TimeoutError as exc:
                     self._quiet_close(conn)
-                    raise SshUnreachable(f"{what} on {target.label} stalled; gave up") from exc
+                    raise SshLinkLost(f"{what} on {target.label} stalled; gave up") from exc
                 except _LINK_ERRORS as exc:
                     died = not conn.is_connected
                     if not died and isinstance(exc, OSError):
@@ -531,7 +537,7 @@ class SshClient:
                         log.info("ssh: link to %s dropped; redialing once", target.label)
                         continue
                     if died:
-                        raise SshUnreachable(
+                        raise SshLinkLost(
                             f"lost the connection to {target.label} during {what}"
                         ) from exc
                     raise SshError(
@@ -777,7 +783,7 @@ class SshClient:
             transport = conn.client.get_transport()
             if transport is None or not transport.is_active():
                 self._quiet_close(conn)
-                raise SshUnreachable(f"lost the connection to {target.label}")
+                raise SshLinkLost(f"lost the connection to {target.label}")
             try:
                 channel = transport.open_session(timeout=self.connect_timeout)
             except (paramiko.SSHException, OSError, EOFError) as exc:
@@ -788,12 +794,15 @@ class SshClient:
             deadline = time.monotonic() + timeout + self.command_timeout
             while not channel.status_event.wait(0.5):
                 if not transport.is_active() or channel.closed:
-                    raise SshUnreachable(f"lost the connection to {target.label} during a wait")
+                    raise SshLinkLost(f"lost the connection to {target.label} during a wait")
                 if time.monotonic() > deadline:
                     raise SshError(f"a wait on {target.label} did not end within {timeout:g}s")
-            return bool(channel.recv_exit_status() == 0)
+            status: int = channel.recv_exit_status()
+            if status == -1:  # closed with no exit status: the connection under it went
+                raise SshLinkLost(f"lost the connection to {target.label} during a wait")
+            return status == 0
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise SshUnreachable(f"lost the connection to {target.label} during a wait") from exc
+            raise SshLinkLost(f"lost the connection to {target.label} during a wait") from exc
         finally:
             with contextlib.suppress(Exception):
                 channel.close()

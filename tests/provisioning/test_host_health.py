@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from bot.faces.runtime import Runtime, build_runtime
 from db.models import Gpu, Host, Reservation
 from provisioning.base import ProvisioningError
 from provisioning.hostshell import HostShell
-from provisioning.ssh import SshClient, SshTarget
+from provisioning.ssh import SshClient, SshLinkLost, SshTarget
 from tests.isolated_hosts import Bootstrapped
 from tests.runtime_helpers import dms as _dms
 from tests.ssh_hosts import SshHost, SshLab, pip_env
@@ -427,4 +427,48 @@ def test_a_ready_host_that_stops_answering_is_dialled_only_by_its_checks(
     host = _host(rt, "gpu-b")
     assert (host.state, host.down_since) == ("ready", None)
     assert rt.service.runs.access.runner_for("gpu-b") is not None
+    rt.engine.dispose()
+
+
+def test_a_dropped_link_is_an_outage_only_when_a_fresh_dial_fails_too(
+    stranger_lab: SshLab,
+    stranger_b: SshHost,
+    client: SshClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's watcher waits on a channel of the host's one connection; a stalled read
+    elsewhere closes that connection under it. The host still answers, so it stays in use;
+    a host that went with its link (sshd killed, every connection with it) is marked."""
+    lab = stranger_lab
+    rt, clock, checker = _runtime(
+        monkeypatch, tmp_path, lab, _entry(lab, "gpu-b", "1xT4"), client, _no_bootstrap(tmp_path)
+    )
+    _check(checker)
+    assert rt.service.runs is not None
+    access = rt.service.runs.access
+    seat = access.runner_for("gpu-b")
+    assert seat is not None
+    log_path = str(stranger_b.root / "sleeper.log")  # the account's own home
+
+    def waits_while(cut: Callable[[], None]) -> None:
+        pid = seat.runner.start_detached(seat.target, "exec sleep 120", log_path)
+        timer = threading.Timer(0.5, cut)
+        timer.start()
+        try:
+            with pytest.raises(SshLinkLost):
+                seat.runner.wait_gone(seat.target, pid, 60)
+        finally:
+            timer.join()
+
+    waits_while(lambda: client.close(seat.target))  # the connection dropped, not the host
+    host = _host(rt, "gpu-b")
+    assert (host.state, host.down_since) == ("ready", None)
+    again = access.runner_for("gpu-b")
+    assert again is not None and again.runner.run(again.target, "true").ok
+
+    waits_while(stranger_b.stop)  # the host gone with its link
+    host = _host(rt, "gpu-b")
+    assert host.down_since == clock.now() and "lost the connection" in (host.down_reason or "")
+    assert access.runner_for("gpu-b") is None
     rt.engine.dispose()

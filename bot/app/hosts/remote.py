@@ -29,11 +29,22 @@ from db.session import transaction
 from provisioning.base import Instance, ProvisioningError
 from provisioning.bootstrap import DEFAULT_METADATA_URL, AgentInstall, bootstrap
 from provisioning.hostshell import HostShell
-from provisioning.ssh import Resolver, RunResult, SshError, SshTarget, SshUnreachable, UploadReport
+from provisioning.ssh import (
+    Resolver,
+    RunResult,
+    SshError,
+    SshLinkLost,
+    SshTarget,
+    SshUnreachable,
+    UploadReport,
+)
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+# The dial that tells a dropped link from a host gone (the host checks' own dial timeout).
+CONFIRM_DIAL_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -118,7 +129,8 @@ _ANSWERING = (HOST_READY, HOST_UNREACHABLE)
 class _Reporting:
     """A host's runner that reports a dial the host did not answer (SshUnreachable) to
     `failed` before raising it: every use of a seat (poll, start, upload, telemetry,
-    a run's watcher) then falls under the one backoff of the host checks."""
+    a run's watcher) then falls under the one backoff of the host checks. A link lost
+    under an operation (SshLinkLost) is reported only when a fresh dial fails too."""
 
     def __init__(self, inner: HostShell, failed: Callable[[SshUnreachable], None]) -> None:
         self.inner = inner
@@ -128,11 +140,23 @@ class _Reporting:
         try:
             return op(*args, **kwargs)
         except SshUnreachable as exc:
+            if isinstance(exc, SshLinkLost) and self._answers(args[0]):
+                # One dropped link (a stalled read on a loaded host closes the shared
+                # connection under every channel on it) is not an outage: the caller
+                # sees this operation fail, and the next one dials afresh.
+                log.info("%s; it answers a fresh dial, so it is not marked down", exc)
+                raise
             try:
                 self.failed(exc)
             except Exception:  # reporting must never hide the failure it reports
                 log.exception("could not record that a host did not answer")
             raise
+
+    def _answers(self, target: SshTarget) -> bool:
+        try:
+            return self.inner.run(target, "true", timeout=CONFIRM_DIAL_S).ok
+        except SshError:
+            return False
 
     def run(
         self,
