@@ -24,7 +24,8 @@ Sizes: 1k, 10k, 100k intervals at 100 hosts (and 1 and 10 hosts at 1k for the vi
 on SQLite and on PostgreSQL when it is reachable. 1M intervals only with
 GPUBOT_BENCH_HISTORY_1M=1 (its build: 45-100 s of wall clock per database on a shared
 2-core machine, as busy as that is);
-GPUBOT_BENCH_HISTORY_SIZES=1000,100000 measures only those sizes.
+GPUBOT_BENCH_HISTORY_SIZES=1000,100000 measures only those sizes;
+GPUBOT_BENCH_HISTORY_DBS=sqlite only that database.
 """
 
 from __future__ import annotations
@@ -74,7 +75,16 @@ from bot.faces.dispatch import handle_text
 from bot.faces.slack.home import home_view
 from bot.faces.worker import tick_job
 from db.migrate import upgrade
-from db.models import Gpu, Host, HostPeriod, RunTime, TrainingRun, UsageInterval, User
+from db.models import (
+    Gpu,
+    Host,
+    HostPeriod,
+    Reservation,
+    RunTime,
+    TrainingRun,
+    UsageInterval,
+    User,
+)
 from db.session import insert_rows, make_engine, transaction
 from provisioning.base import GpuDevice, Instance
 from provisioning.catalog import Catalog
@@ -91,6 +101,10 @@ SIZES = [1_000, 10_000, 100_000] + (
 )
 if os.environ.get("GPUBOT_BENCH_HISTORY_SIZES"):  # e.g. "1000,100000": a quicker look
     SIZES = [int(n) for n in os.environ["GPUBOT_BENCH_HISTORY_SIZES"].split(",")]
+# GPUBOT_BENCH_HISTORY_DBS=sqlite: one database only (a quicker look).
+DATABASES = tuple(
+    d for d in os.environ.get("GPUBOT_BENCH_HISTORY_DBS", "sqlite,postgresql").split(",") if d
+)
 GOALS_MS = {
     "idle_tick": 20,
     "cost_team_month": 50,
@@ -191,10 +205,14 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
     sql = engine.dialect.name == "sqlite"
     as_json: Callable[[Any], Any] = json.dumps if sql else (lambda v: v)
     run_ids = itertools.count(1)
+    res_ids = itertools.count(1)
     last_end: dict[int, datetime] = {}
     run_rows: list[tuple[object, ...]] = []  # finished runs' rows, inserted in chunks
     # and their times as the bot keeps them when a run ends (bot.app.runtimes)
     time_rows: list[tuple[object, ...]] = []
+    # Ended reservations, one per reservation item (a person's thousands over 90 days):
+    # what `/gpu status` and App Home search for the person's live ones.
+    res_rows: list[tuple[object, ...]] = []
 
     def one_lane(i: int, host_id: int, gpu_ids: tuple[int, ...]) -> Iterator[_Made]:
         rng = random.Random(seed * 1_000_003 + i)
@@ -207,8 +225,12 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
             if t + dur > end:
                 break
             if not run:
+                res_id = next(res_ids)
+                res_rows.append(
+                    _ended_reservation(rng, res_id, user, host_id, gpu_ids, t, dur, as_json)
+                )
                 for g in gpu_ids:
-                    yield t, t + dur, g, host_id, user, None
+                    yield t, t + dur, g, host_id, user, None, res_id
                 t += dur
             else:
                 run_id = next(run_ids)
@@ -222,12 +244,12 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
                     if resume + rest > end:
                         break
                     for g in gpu_ids:
-                        yield t, t + first, g, host_id, user, run_id
+                        yield t, t + first, g, host_id, user, run_id, None
                     seg, t = resume, resume + rest
                 else:
                     seg, t = t, t + dur
                 for g in gpu_ids:
-                    yield seg, t, g, host_id, user, run_id
+                    yield seg, t, g, host_id, user, run_id, None
                 host = host_names[host_id]
                 run_rows.append(
                     _finished_run(rng, run_id, user, len(gpu_ids), host, seg, t, first, as_json)
@@ -244,16 +266,20 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
         table = UsageInterval.__table__  # type: ignore[attr-defined]
         runs_table = TrainingRun.__table__  # type: ignore[attr-defined]
         times_table = RunTime.__table__  # type: ignore[attr-defined]
+        res_table = Reservation.__table__  # type: ignore[attr-defined]
 
         def hourly() -> Iterator[tuple[RollupKey, Sums]]:
             nonlocal made
             chunk: list[tuple[object, ...]] = []
             ends: list[tuple[datetime, datetime, int, int]] = []  # heap: end, start, GPU, user
             streams = [one_lane(i, h, g) for i, (h, g) in enumerate(lanes)]
-            for a, b, gpu_id, host_id, user_id, run_id in heapq.merge(*streams):
-                chunk.append((gpu_id, host_id, user_id, run_id, a, b, rate, "ondemand"))
+            for a, b, gpu_id, host_id, user_id, run_id, res_id in heapq.merge(*streams):
+                chunk.append((gpu_id, host_id, user_id, run_id, res_id, a, b, rate, "ondemand"))
                 made += 1
                 if len(chunk) >= _CHUNK:
+                    # A reservation's row before its intervals (their foreign key).
+                    insert(s, res_table, _RES_COLUMNS, list(res_rows))
+                    res_rows.clear()
                     insert(s, table, _INTERVAL_COLUMNS, chunk)
                     chunk = []
                 if len(run_rows) >= _RUN_CHUNK:
@@ -268,6 +294,8 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
                     fair.add(ended, started, who)
                 heapq.heappush(ends, (b, a, gpu_id, user_id))
                 yield from rollups.add(ClosedRow(a, b, user_id, host_id, "ondemand", run_id, rate))
+            insert(s, res_table, _RES_COLUMNS, list(res_rows))
+            res_rows.clear()
             insert(s, table, _INTERVAL_COLUMNS, chunk)
             insert(s, runs_table, _RUN_COLUMNS, list(run_rows))
             insert(s, times_table, _TIME_COLUMNS, list(time_rows))
@@ -280,14 +308,15 @@ def build_history(engine: Engine, hosts: int, intervals: int, seed: int = 7) -> 
 
         # write_rollups reads the counters only after the last hourly row.
         write_rollups(s, hourly(), fair.fair, insert)
-    if not sql:  # the runs came with their ids: the sequence goes on after them
+    if not sql:  # runs and reservations came with their ids: the sequences go on after them
         with engine.begin() as conn:
-            conn.execute(
-                text(
-                    "SELECT setval(pg_get_serial_sequence('trainingrun', 'id'),"
-                    " (SELECT coalesce(max(id), 0) + 1 FROM trainingrun), false)"
+            for name in ("trainingrun", "reservation"):
+                conn.execute(
+                    text(
+                        f"SELECT setval(pg_get_serial_sequence('{name}', 'id'),"
+                        f" (SELECT coalesce(max(id), 0) + 1 FROM {name}), false)"
+                    )
                 )
-            )
     _settle(engine)
     clock.set(NOW)
     _running(engine, lanes, last_end, users, host_names, seed)
@@ -505,12 +534,14 @@ _CHUNK = 10_000
 # Runs carry their metrics (a kilobyte of JSON each): fewer of them at a time, so that the
 # chunks waiting for the loader do not hold megabytes.
 _RUN_CHUNK = 1_000
-_Made = tuple[datetime, datetime, int, int, int, int | None]  # start, end, GPU, host, user, run
+# start, end, GPU, host, user, run, reservation
+_Made = tuple[datetime, datetime, int, int, int, int | None, int | None]
 _INTERVAL_COLUMNS = (
     "gpu_id",
     "host_id",
     "user_id",
     "run_id",
+    "reservation_id",
     "started_at",
     "ended_at",
     "usd_per_hour",
@@ -549,8 +580,55 @@ _LOADED = (
     "runrollupday",
     "trainingrun",
     "runtime",
+    "reservation",
 )
 _TIME_COLUMNS = ("run_id", "user_id", "gpus", "finished_at", "ran_s")
+_RES_COLUMNS = (
+    "id",
+    "user_id",
+    "gpu_model",
+    "gpu_count",
+    "duration_s",
+    "state",
+    "requested_at",
+    "granted_at",
+    "ends_at",
+    "ended_at",
+    "host_id",
+    "external",
+    "place",
+)
+
+
+def _ended_reservation(
+    rng: random.Random,
+    res_id: int,
+    user_id: int,
+    host_id: int,
+    gpu_ids: tuple[int, ...],
+    start: datetime,
+    held: timedelta,
+    as_json: Callable[[Any], Any],
+) -> tuple[object, ...]:
+    """An ended reservation's row as the bot leaves it: asked for a whole number of hours,
+    granted at once or after a wait, released early (most) or expired at its end."""
+    asked = timedelta(hours=max(1, -(-int(held.total_seconds()) // 3600)))
+    released = rng.random() < 0.8
+    return (
+        res_id,
+        user_id,
+        "A100",
+        len(gpu_ids),
+        int(asked.total_seconds()),
+        "released" if released else "expired",
+        start - timedelta(seconds=rng.uniform(1, 600)),
+        start,
+        start + asked,
+        start + held,
+        host_id,
+        as_json({}),
+        as_json({}),
+    )
 
 
 @contextmanager
@@ -786,6 +864,7 @@ def _shape(engine: Engine) -> dict[str, int]:
                 .select_from(TrainingRun)
                 .where(col(TrainingRun.finished_at) > since)
             ).one(),
+            "reservations": s.exec(select(func.count()).select_from(Reservation)).one(),
             "running": s.exec(
                 select(func.count()).select_from(TrainingRun).where(TrainingRun.state == "running")
             ).one(),
@@ -839,7 +918,7 @@ def _database(kind: str, tmp: Path) -> Iterator[Engine | None]:
 def run() -> dict[str, object]:
     figures: dict[str, object] = {"repeats": REPEATS, "goals_ms": GOALS_MS}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("sqlite", "postgresql"):
+        for kind in DATABASES:
             by_size: dict[str, object] = {}
             # The small cells first: measured right after a million-row schema is dropped,
             # PostgreSQL's checkpoint of the drop ran beside them and made 1 host read

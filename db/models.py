@@ -139,8 +139,15 @@ class Gpu(SQLModel, table=True):
 
 
 class Reservation(SQLModel, table=True):
+    __table_args__ = (
+        # A person's live reservations (status, App Home, a new reservation's checks) as
+        # one range of this index, not every reservation the person ever made; it serves
+        # the lookups by person alone as well.
+        Index("ix_reservation_user_state", "user_id", "state"),
+    )
+
     id: int | None = Field(default=None, primary_key=True)
-    user_id: int = Field(foreign_key="user.id", index=True)
+    user_id: int = Field(foreign_key="user.id")  # indexed with state (above)
     # What was asked for: a model (None = any) and a count, for how long.
     gpu_model: str | None = Field(default=None, max_length=32)
     gpu_count: int = 1
