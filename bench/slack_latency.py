@@ -271,6 +271,8 @@ def _first_command(port: int, tag: str) -> dict[str, object]:
     later one (whatever it needs beyond the answer waits until after the ack)."""
     users = [f"U0F{tag}{i:03d}" for i in range(FIRST_USERS)]
     waves = [users[i : i + FIRST_AT_ONCE] for i in range(0, len(users), FIRST_AT_ONCE)]
+    for _ in range(WARMUP // 4):  # the server's own first requests (imports, pools) apart
+        _command(port, f"U0W{tag}", "status", b"GPU status")
 
     def once(user: str) -> list[float]:
         return [_command(port, user, "status", b"GPU status")[0]]

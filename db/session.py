@@ -50,6 +50,7 @@ import random
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -136,13 +137,16 @@ def is_postgres(engine: Engine) -> bool:
 
 
 @contextmanager
-def transaction(engine: Engine, write: bool = True) -> Iterator[Session]:
+def transaction(engine: Engine, write: bool = True, *, seen: bool = True) -> Iterator[Session]:
     """One unit of work: commits on success, rolls back on any exception.
 
     `write=True` takes SQLite's write lock up front; reads pass `write=False`
-    so that `/gpu status` never queues behind a writer.
+    so that `/gpu status` never queues behind a writer. `seen=False`: a write that no
+    cached view shows (a new person's row), which leaves `write_generation` as it is.
     """
     bound = engine.execution_options(**{_WRITE: True}) if write else engine
+    queue = _writers(engine) if write else None
+    queued = queue is not None and queue.acquire(timeout=_WRITER_WAIT_S)
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         with Session(bound, expire_on_commit=False) as session:
@@ -153,10 +157,38 @@ def transaction(engine: Engine, write: bool = True) -> Iterator[Session]:
                 session.rollback()
                 raise
             finally:
-                if write:
+                if write and seen:
                     _bump_generation()
     finally:
         _local.depth -= 1
+        if queued:
+            assert queue is not None
+            queue.release()
+
+
+# SQLite lets one writer in at a time, and one that finds the lock taken sleeps in
+# SQLite's busy handler (1, 2, 5 … 100 ms) before it looks again: sixteen first commands
+# at once queued there for up to 300 ms each, most of it asleep with the lock free.
+# This process's writers queue on a lock of its own first, handed on the moment it is
+# free; SQLite's busy timeout is left for writers in other processes (the worker). An
+# RLock: a write nested in a write on one thread behaves as it did without this queue.
+# After as long as SQLite's own timeout a writer goes on to SQLite's lock regardless.
+_WRITER_WAIT_S = 30.0
+# Keyed by the engine's pool, the one under every execution_options() copy of it; gone
+# with the engine.
+_writer_queues: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_writer_queues_lock = threading.Lock()
+
+
+def _writers(engine: Engine) -> threading.RLock | None:
+    """The engine's writer queue on SQLite; None on PostgreSQL (writers run together)."""
+    if engine.dialect.name != "sqlite":
+        return None
+    with _writer_queues_lock:
+        found = _writer_queues.get(engine.pool)
+        if found is None:
+            found = _writer_queues[engine.pool] = threading.RLock()
+        return found
 
 
 def core(s: Session) -> Connection:

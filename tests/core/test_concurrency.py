@@ -44,6 +44,7 @@ from db.session import (
     lock_pool,
     retrying,
     transaction,
+    write_generation,
 )
 from tests.core.helpers import actor, host, make_service
 
@@ -526,3 +527,42 @@ def test_one_request_delivered_many_times_at_once_reserves_once(engine: Engine) 
     for reply in replies:
         assert not reply.error, reply.view.text
         assert f"#{made[0].id}" in reply.view.text
+
+
+def test_this_processs_sqlite_writers_queue_here_not_in_sqlites_busy_wait(tmp_path: Path) -> None:
+    """With no busy wait at all (timeout 0), sixteen threads writing at once meet no
+    "database is locked": they queue on the process's own writer lock, handed on the
+    moment it is free, instead of sleeping in SQLite's busy handler between looks."""
+    path = tmp_path / "queue.db"
+    sqlite3.connect(path).execute("CREATE TABLE t (x INTEGER)").connection.close()
+    eng = create_engine(f"sqlite:///{path}", connect_args={"timeout": 0})
+    failures: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(10):
+                with transaction(eng) as s:
+                    s.connection().exec_driver_sql(f"INSERT INTO t VALUES ({n * 100 + i})")
+                    time.sleep(0.001)  # the lock held a while: the others are at the door
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    with eng.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM t").scalar_one() == 160
+    eng.dispose()
+
+
+def test_a_write_no_view_shows_leaves_the_views_caches(engine: Engine) -> None:
+    before = write_generation()
+    with transaction(engine, seen=False) as s:
+        s.add(User(key="U0NEW0001", display_name="new", created_at=datetime.now(UTC)))
+    assert write_generation() == before
+    with transaction(engine) as s:
+        s.add(User(key="U0NEW0002", display_name="newer", created_at=datetime.now(UTC)))
+    assert write_generation() > before

@@ -276,6 +276,37 @@ def test_unknown_user_is_created_on_first_use_with_the_slack_name(stack: SlackSt
     wait_for(lambda: "Carol Danvers" in _text(stack.client.command("status", user=BOB).json()))
 
 
+def test_a_first_status_is_answered_before_the_person_is_written(stack: SlackStack) -> None:
+    """A command that only reads waits on no write: someone new is answered first, and
+    their row is made after the ack, with the name users.info gives (one write)."""
+    from sqlmodel import Session, select
+
+    from db.models import User
+
+    stack.fake.add_user("U0ERIN001", "Erin Hale")
+    hold = threading.Event()
+    busy = stack.face.background._max_workers
+
+    def held() -> None:
+        hold.wait(30)
+
+    for _ in range(busy):  # every after-the-ack worker busy: what follows the ack waits
+        stack.face.after(held)
+
+    def row() -> User | None:
+        with Session(stack.service.engine) as s:
+            return s.exec(select(User).where(User.key == "U0ERIN001")).first()
+
+    try:
+        body = stack.client.command("status", user="U0ERIN001").json()
+        assert body["blocks"][0]["text"]["text"] == "GPU status"
+        assert row() is None, "answered before anything was written"
+    finally:
+        hold.set()
+    wait_for(lambda: (made := row()) is not None and made.display_name == "Erin Hale")
+    assert len(stack.fake.calls_to("users.info")) == 1
+
+
 def test_redelivery_to_another_replica_still_reserves_once(
     fake_slack: FakeSlack, engine: Engine
 ) -> None:

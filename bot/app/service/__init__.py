@@ -204,11 +204,18 @@ class GpuService:
 
     @retrying
     def actor(
-        self, key: str, display_name: str | None = None, *, name_if_new: str | None = None
+        self,
+        key: str,
+        display_name: str | None = None,
+        *,
+        name_if_new: str | None = None,
+        create: bool = True,
     ) -> Actor:
         """Creates the user on first sight; admins come from configuration only.
         `display_name` renames a known user; `name_if_new` only names a new one (the
-        Slack face's payload name, until users.info answers after the ack)."""
+        Slack face's payload name, until users.info answers after the ack). `create=False`
+        (a command that only reads): someone new is answered as they will be named, and
+        their row is left for the caller to make after the answer, off its latency."""
         key = key.strip().lstrip("@")
         if not key:
             raise UserError("Who are you? A user name is needed.")
@@ -216,9 +223,16 @@ class GpuService:
         # not queue on SQLite's write lock or drop the status cache.
         with transaction(self.engine, write=False) as s:
             user = s.exec(_USER_BY_KEY, params={"key": key}).first()
+        if user is None and not create:
+            return Actor(
+                key=key, name=display_name or name_if_new or key, admin=self.settings.is_admin(key)
+            )
         if user is None or (display_name and user.display_name != display_name):
             name = display_name or (name_if_new if user is None else None)
-            with transaction(self.engine) as s:
+            # A new person's row alone changes no view another person has cached (they
+            # hold nothing yet): /gpu status's cache stays for the burst of first commands.
+            renames = user is not None
+            with transaction(self.engine, seen=renames) as s:
                 user = self.user_row(s, key, name, rename=bool(display_name))
         return Actor(key=user.key, name=user.display_name, admin=self._is_admin(user))
 

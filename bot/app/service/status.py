@@ -81,7 +81,10 @@ class StatusBoard:
         ttl = self.core.settings.status_cache_s
 
         def fresh(entry: tuple[int, float] | None) -> bool:
-            return entry is not None and entry[0] == generation and started - entry[1] < ttl
+            # Computed at this call's generation or a later one: it has every write this
+            # process committed before the call began (a burst of writes, each moving the
+            # generation, would otherwise have each waiting call compute it once more).
+            return entry is not None and entry[0] >= generation and started - entry[1] < ttl
 
         # The shared part is computed by one thread at a time: when it expires, the
         # burst of requests waiting on it reuses one result instead of stampeding.

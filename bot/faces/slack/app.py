@@ -130,43 +130,49 @@ class Identity:
     def display_name(self, user_id: str, fallback: str) -> str:
         return self._cached_name(user_id) or self._look_up(user_id) or fallback or user_id
 
-    def _rename_later(self, user_id: str) -> None:
+    def _rename_later(self, user_id: str, fallback_name: str = "") -> None:
         with self._lock:
             if user_id in self._looking:
                 return
             self._looking.add(user_id)
         assert self.later is not None
-        self.later(self._rename, user_id)
+        self.later(self._rename, user_id, fallback_name)
 
-    def _rename(self, user_id: str) -> None:
+    def _rename(self, user_id: str, fallback_name: str = "") -> None:
+        """After the ack: the name from users.info, then the person's row with it: made
+        (if a read-only first command left it unmade) or renamed, in one write."""
         try:
             name = self._look_up(user_id)
-            if name is not None:
-                self._service.actor(user_id, name)
+            self._service.actor(user_id, name, name_if_new=fallback_name or None)
         except Exception as exc:
             failure_message(exc, f"display name of {user_id}")
         finally:
             with self._lock:
                 self._looking.discard(user_id)
 
-    def actor(self, user_id: str, fallback_name: str = "") -> Actor:
+    def actor(self, user_id: str, fallback_name: str = "", *, reads_only: bool = False) -> Actor:
         """Creates the user on first sight (service.actor); the Actor is then cached for a
-        minute so a burst of `/gpu status` does not queue on the database's write lock."""
+        minute so a burst of `/gpu status` does not queue on the database's write lock.
+        `reads_only` (a command that only reads, with `later` set): someone new is answered
+        first and their row made after the ack, with the name lookup, so a first command
+        waits on no write (sixteen first commands at once queued on SQLite's one writer)."""
         name = self._cached_name(user_id)
         if name is None:
             if self.later is None:
                 name = self.display_name(user_id, fallback_name)
             else:
-                self._rename_later(user_id)
+                self._rename_later(user_id, fallback_name)
         now = time.monotonic()
         key = (user_id, name or "")
         with self._lock:
             hit = self._actors.get(key)
         if hit is not None and now - hit[0] < 60.0:
             return hit[1]
-        actor = self._service.actor(user_id, name, name_if_new=fallback_name or None)
-        with self._lock:
-            self._actors[key] = (now, actor)
+        create = not (reads_only and self.later is not None)
+        actor = self._service.actor(user_id, name, name_if_new=fallback_name or None, create=create)
+        if create:  # an actor of a row not made yet is not kept: the next command makes it
+            with self._lock:
+                self._actors[key] = (now, actor)
         return actor
 
 
@@ -237,7 +243,8 @@ class SlackFace:
         if not user_id:
             return views.error("Slack did not say who sent this; nothing was changed.")
         try:
-            actor = self.identity.actor(user_id, fallback_name)
+            reads_only = _verb(line) in self.inline_verbs
+            actor = self.identity.actor(user_id, fallback_name, reads_only=reads_only)
         except UserError as exc:
             return views.error(exc.text)
         except Exception as exc:
