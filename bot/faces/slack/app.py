@@ -98,6 +98,8 @@ class Identity:
         self._names: dict[str, tuple[float, str]] = {}
         self._actors: dict[tuple[str, str], tuple[float, Actor]] = {}
         self._looking: set[str] = set()
+        # Users whose row this process made or found (one per person of the team).
+        self._made: set[str] = set()
         self._lock = threading.Lock()
         self.later: Callable[..., None] | None = None
 
@@ -144,6 +146,8 @@ class Identity:
         try:
             name = self._look_up(user_id)
             self._service.actor(user_id, name, name_if_new=fallback_name or None)
+            with self._lock:
+                self._made.add(user_id)
         except Exception as exc:
             failure_message(exc, f"display name of {user_id}")
         finally:
@@ -168,11 +172,17 @@ class Identity:
             hit = self._actors.get(key)
         if hit is not None and now - hit[0] < 60.0:
             return hit[1]
-        create = not (reads_only and self.later is not None)
+        with self._lock:
+            made = user_id in self._made
+        # Someone whose row this process has not seen made is answered without making it
+        # when the command only reads (the row follows after the ack, in `_rename`), and
+        # that actor is not kept: the next command looks again.
+        create = made or not (reads_only and self.later is not None)
         actor = self._service.actor(user_id, name, name_if_new=fallback_name or None, create=create)
-        if create:  # an actor of a row not made yet is not kept: the next command makes it
+        if create:
             with self._lock:
                 self._actors[key] = (now, actor)
+                self._made.add(user_id)
         return actor
 
 
