@@ -26,6 +26,7 @@ BENCHES: list[str] = [
     "host_bootstrap",
     "multinode",
     "run_end",
+    "live_runs",
     "slurm",
 ]
 
