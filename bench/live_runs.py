@@ -31,9 +31,9 @@ from typing import Any
 from sqlmodel import Session, select
 
 from bench import environment
+from bench.run_end import ResultDms
 from bot.app.config import load_settings
 from bot.app.hosts.remote import PreparedHost
-from bot.app.service.common import OutboxItem
 from bot.faces.dispatch import handle_text
 from bot.faces.runtime import Runtime, build_runtime
 from bot.faces.worker import Worker, tick_job
@@ -53,21 +53,6 @@ SIZES = tuple(int(n) for n in os.environ.get("GPUBOT_BENCH_LIVE_SIZES", "0,20,50
 TICKS = 9
 GUARD_S = 300.0  # a hang, not a figure
 GOALS = {"tick_p99_s": 1.0, "rss_mb": 300.0, "exit_to_dm_s": 5.0}
-
-
-class _Notifier:
-    """Records when each run's result DM was sent."""
-
-    def __init__(self) -> None:
-        self.arrived: dict[int, float] = {}
-        self.lock = threading.Lock()
-
-    def send(self, item: OutboxItem) -> None:
-        text = item.view.text
-        if item.edit_of is None and text.startswith("Run #") and " finished" in text:
-            run_id = int(text.split("#", 1)[1].split(" ", 1)[0])
-            with self.lock:
-                self.arrived[run_id] = time.time()
 
 
 def _rss_mb() -> float:
@@ -101,14 +86,14 @@ def _live(rt: Runtime) -> list[TrainingRun]:
         return list(s.exec(select(TrainingRun).where(TrainingRun.state == "running")))
 
 
-def _tick(rt: Runtime, notifier: _Notifier) -> float:
+def _tick(rt: Runtime, notifier: ResultDms) -> float:
     t0 = time.perf_counter()
     tick_job(rt.service, notifier)
     return time.perf_counter() - t0
 
 
 def _measure(rt: Runtime, client: SshClient, tmp: Path) -> dict[str, Any]:
-    notifier = _Notifier()
+    notifier = ResultDms()
     actor = rt.service.actor("bench")
     out: dict[str, Any] = {}
     submitted = 0
