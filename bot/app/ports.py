@@ -57,6 +57,14 @@ class Actor:
     admin: bool = False
 
 
+# A cluster's run before its queue has said anything of it: handed over by dispatch, or
+# submitted with no read of the queue since. The bursting offer waits for more (the
+# cluster's own reason and expected start), and the plan never quotes these.
+STAGE_HANDED = "handed to the cluster"
+STAGE_SUBMITTED = "submitted to Slurm"
+STAGES_UNREAD = frozenset({STAGE_HANDED, STAGE_SUBMITTED})
+
+
 @dataclass(frozen=True)
 class Interpreter:
     """The python that runs `training` on a host, and the directory holding that code when

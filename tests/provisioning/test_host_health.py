@@ -12,7 +12,10 @@ the bootstrap one, on an isolated host with only the system python3.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -35,7 +38,7 @@ from provisioning.hostshell import HostShell
 from provisioning.ssh import SshClient, SshLinkLost, SshTarget
 from tests.isolated_hosts import Bootstrapped
 from tests.runtime_helpers import dms as _dms
-from tests.ssh_hosts import SshHost, SshLab, pip_env
+from tests.ssh_hosts import SshHost, SshLab, _descendants_of, pip_env
 
 START = datetime(2026, 12, 7, 9, 0, tzinfo=UTC)
 
@@ -467,7 +470,21 @@ def test_a_dropped_link_is_an_outage_only_when_a_fresh_dial_fails_too(
     again = access.runner_for("gpu-b")
     assert again is not None and again.runner.run(again.target, "true").ok
 
-    waits_while(stranger_b.stop)  # the host gone with its link
+    def host_gone() -> None:
+        """The listener first, then every live connection, as when a host's network goes:
+        stop() kills them the other way round, and a fresh dial between the two found
+        the listener still there (a race a loaded machine lost)."""
+        daemon = stranger_b.process
+        assert daemon is not None
+        sessions = _descendants_of(daemon.pid)
+        daemon.kill()
+        daemon.wait(timeout=10)
+        for pid in sessions:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stranger_b.stop()
+
+    waits_while(host_gone)  # the host gone with its link
     host = _host(rt, "gpu-b")
     assert host.down_since == clock.now() and "lost the connection" in (host.down_reason or "")
     assert access.runner_for("gpu-b") is None

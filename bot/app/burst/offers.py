@@ -42,7 +42,7 @@ from sqlmodel import Session, col, select
 from bot.app.access import audit
 from bot.app.burst import state as st
 from bot.app.money.budgets import check_budget
-from bot.app.ports import Actor, Core, Provisioner
+from bot.app.ports import STAGES_UNREAD, Actor, Core, Provisioner
 from bot.app.runs.records import back_in_line
 from bot.domain import views
 from bot.domain.durations import format_seconds
@@ -312,6 +312,9 @@ class Bursts:
             if (ask.kind, ask.id) not in offered
             and ask.waits
             and consent(ask) != "never"
+            # A cluster's run is offered once its queue has been read: the plan quotes the
+            # cluster's reason (and its expected start may make the offer at once).
+            and not (ask.kind == "run" and ask.stage in STAGES_UNREAD)
             # What the cloud cannot hold on one machine is not offered: it waits.
             and plan_for(self.catalog, ask.model, ask.gpus, ask.spot, None) is not None
         ]
@@ -762,7 +765,7 @@ def offer_view(offer: BurstOffer, ask: Ask, head: str, stage: str, cloud: str) -
         )
     else:
         length = f"its --max of {format_seconds(offer.hours * 3600)}"
-    if stage and stage != "handed to the cluster":
+    if stage and stage not in STAGES_UNREAD:
         head = f"{head} Their queue says: {stage}."
     verb = "run" if ask.kind == "run" else "be held"
     plan = (

@@ -25,6 +25,7 @@ from sqlmodel import Session, col, select
 from bot.app.burst import state as burst_state
 from bot.app.hosts import sources
 from bot.app.money import budgets
+from bot.app.ports import STAGE_HANDED
 from bot.app.runs.context import RunContext
 from bot.app.runs.executor import (
     GroupStarts,
@@ -385,7 +386,7 @@ class Dispatcher:
             placement = {k: v for k, v in node.items() if k not in ("host", "gpu_indexes", "cpu")}
             if run.placement.get("resume_from"):  # bot.app.hosts.agentwatch: its saved checkpoint
                 placement["resume_from"] = run.placement["resume_from"]
-            placement["stage"] = "handed to the cluster"
+            placement["stage"] = STAGE_HANDED
             if place:
                 placement[AT] = place
             run.placement = placement

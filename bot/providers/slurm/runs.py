@@ -33,7 +33,7 @@ from typing import Any
 
 from bot.app.hosts.agentwatch import download_checkpoints, upload_checkpoints
 from bot.app.hosts.remote import PreparedHost
-from bot.app.ports import HostSeat, Interpreter, PlaceRequest
+from bot.app.ports import STAGE_SUBMITTED, HostSeat, Interpreter, PlaceRequest
 from bot.app.runs.command import runner_command
 from bot.app.runs.executor import Look, PrepareCode, StartFailed, Unavailable
 from bot.domain.clock import Clock
@@ -233,7 +233,7 @@ class SlurmExecutor:
         job_id = self._submit(spec)
         return {
             "job": int(job_id),
-            "stage": "submitted to Slurm",
+            "stage": STAGE_SUBMITTED,
             "as": plan.person,
             "partition": fit.partition,
             "slurm_nodes": fit.nodes,
@@ -328,7 +328,7 @@ class SlurmExecutor:
                 "array_task": i,
                 "array_size": len(runs),
                 "array_running": throttle,
-                "stage": "submitted to Slurm",
+                "stage": STAGE_SUBMITTED,
                 "as": plan.person,
                 "partition": fit.partition,
                 "slurm_nodes": 1,
@@ -571,7 +571,7 @@ class SlurmExecutor:
         else:
             job = self._newest(job_id, snap)
         if job is None and line is None and _after(placement.get("submitted"), snap.taken):
-            return Look(alive=True, status=None, waiting="submitted to Slurm")
+            return Look(alive=True, status=None, waiting=STAGE_SUBMITTED)
         # The files are newer than the shared read when they say it started (and the read
         # has it pending, or not yet) or ended (and the read has it running): one read of
         # the job confirms it. A job Slurm no longer lists has ended.
