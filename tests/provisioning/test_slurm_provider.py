@@ -365,9 +365,10 @@ def test_a_run_slurm_preempts_saves_resumes_and_its_wait_is_not_billed(
     finishes as one run; its owner is told; the time it waited is not billed."""
     svc = slurm_rt.service
     runs = svc.runs
-    # 300 epochs: ~6,600 steps, about a minute alone and several under the suite's load;
-    # the preemption comes within seconds of its first steps.
-    ask = Run(recipe="digits", model="A100", options=(("epochs", 300.0),))
+    # 120 epochs: ~2,600 steps, about 25 s alone and a few minutes under the suite's load
+    # (300 ran, once resumed, past the 240-s guard in two fresh-clone runs); the preemption
+    # comes within seconds of its first steps, long before it could finish.
+    ask = Run(recipe="digits", model="A100", options=(("epochs", 120.0),))
     rid = int(runs.submit(svc.actor("alice"), ask).extra["run_id"])
     step = _step(slurm_rt)
 
