@@ -30,17 +30,14 @@ from typing import Any
 
 from sqlmodel import Session, select
 
-from bench import environment
-from bench.run_end import ResultDms
-from bot.app.config import load_settings
+from bench.run_end import ResultDms, ssh_runtime
 from bot.app.hosts.remote import PreparedHost
 from bot.faces.dispatch import handle_text
-from bot.faces.runtime import Runtime, build_runtime
+from bot.faces.runtime import Runtime
 from bot.faces.worker import Worker, tick_job
 from db.models import TrainingRun
 from provisioning.hostshell import HostShell
 from provisioning.ssh import SshClient, SshTarget
-from tests.runtime_helpers import checked
 from tests.ssh_hosts import SshdUnavailable, start_lab
 
 HOSTS = int(os.environ.get("GPUBOT_BENCH_LIVE_HOSTS", "25"))
@@ -183,13 +180,7 @@ def run() -> dict[str, object]:
                 f"{name}={lab.user}@{h.address}:{h.port}/{GPUS_PER_HOST}xT4"
                 for name, h in lab.hosts.items()
             )
-            with environment(
-                GPUBOT_PROVIDER="ssh",
-                GPUBOT_HOME=str(tmp / "home"),
-                GPUBOT_SSH_KEY=str(lab.client_key),
-                GPUBOT_SSH_HOSTS=entries,
-            ):
-                rt = checked(build_runtime(load_settings(), ssh=client, prepare=prepare))
+            rt = ssh_runtime(lab, entries, tmp / "home", client, prepare)
             out.update(_measure(rt, client, tmp))
         finally:
             if rt is not None:

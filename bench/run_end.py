@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench import environment
 from bot.app.config import load_settings
-from bot.app.hosts.remote import PreparedHost
+from bot.app.hosts.remote import Prepare, PreparedHost
 from bot.app.service.common import OutboxItem
 from bot.faces.dispatch import handle_text
 from bot.faces.runtime import Runtime, build_runtime
@@ -28,7 +28,7 @@ from bot.faces.worker import Worker
 from provisioning.hostshell import HostShell
 from provisioning.ssh import SshClient, SshTarget
 from tests.runtime_helpers import checked
-from tests.ssh_hosts import SshdUnavailable, start_lab
+from tests.ssh_hosts import SshdUnavailable, SshLab, start_lab
 
 RUNS = 7
 GOAL_S = 2.0
@@ -97,13 +97,7 @@ def _ssh(tmp: Path) -> list[float]:
 
     try:
         entry = f"gpu-a={lab.user}@{host.address}:{host.port}/1xcpu"
-        with environment(
-            GPUBOT_PROVIDER="ssh",
-            GPUBOT_HOME=str(tmp / "home-ssh"),
-            GPUBOT_SSH_KEY=str(lab.client_key),
-            GPUBOT_SSH_HOSTS=entry,
-        ):
-            rt = checked(build_runtime(load_settings(), ssh=client, prepare=prepare))
+        rt = ssh_runtime(lab, entry, tmp / "home-ssh", client, prepare)
         try:
             return _measure(rt, tmp)
         finally:
@@ -111,6 +105,20 @@ def _ssh(tmp: Path) -> list[float]:
     finally:
         client.close()
         lab.stop()
+
+
+def ssh_runtime(
+    lab: SshLab, hosts: str, home: Path, client: SshClient, prepare: Prepare
+) -> Runtime:
+    """The bot over these loopback hosts (`GPUBOT_SSH_HOSTS` entries), each prepared by
+    `prepare` instead of the bootstrap (bench.live_runs builds its runtime here too)."""
+    with environment(
+        GPUBOT_PROVIDER="ssh",
+        GPUBOT_HOME=str(home),
+        GPUBOT_SSH_KEY=str(lab.client_key),
+        GPUBOT_SSH_HOSTS=hosts,
+    ):
+        return checked(build_runtime(load_settings(), ssh=client, prepare=prepare))
 
 
 def _figures(gaps: list[float]) -> dict[str, object]:
