@@ -307,3 +307,20 @@ class AmpMonitor:
         )
         self._new_window()
         return report
+
+
+def _probe(requested: str, device_wanted: str) -> dict[str, str]:
+    """What `python -m training.precision REQUESTED DEVICE` prints (training.launching
+    `probe_precision`): the choice for this host's device and the device's name."""
+    cuda = device_wanted != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    choice = choose_precision(requested, device)
+    name = f"cuda ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
+    return {"precision": choice.precision, "reason": choice.reason, "device": name}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(_probe(sys.argv[1], sys.argv[2])), flush=True)

@@ -287,7 +287,7 @@ def _child_env(args: argparse.Namespace, precision: str, reason: str) -> dict[st
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if args.nnodes > 1:
-        from training.ddp import interface_towards
+        from training.launching import interface_towards
 
         host, _, port = str(args.rdzv_endpoint).rpartition(":")
         interface = interface_towards(host.strip("[]"), int(port))
@@ -299,15 +299,11 @@ def _child_env(args: argparse.Namespace, precision: str, reason: str) -> dict[st
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Supervise a child: the user's command, or torchrun for several processes."""
-    import torch
-
-    from training.ddp import torchrun_command
-    from training.precision import choose_precision
+    # No torch here: this process supervises the whole run (training.launching).
+    from training.launching import probe_precision, torchrun_command
     from training.supervise import SupervisorConfig, supervise
 
-    cuda = args.device != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    choice = choose_precision(args.precision, device)
+    choice = probe_precision(args.precision, args.device)
     world = args.gpus * args.nnodes
     rdzv_id = args.run_id or f"gpubot-{uuid.uuid4().hex[:8]}"
     kind = "recipe" if args.recipe else "command"
@@ -344,7 +340,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         precision=choice.precision,
         precision_reason=choice.reason,
         world_size=world,
-        device=f"cuda ({torch.cuda.get_device_name(0)})" if cuda else "cpu",
+        device=choice.device,
     )
     recipe_mode = bool(args.recipe)
     return supervise(
@@ -364,7 +360,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from training.ddp import under_torchrun
+    from training.launching import under_torchrun
 
     if args.recipe and (under_torchrun() or args.gpus * args.nnodes == 1):
         return _run_recipe(args)

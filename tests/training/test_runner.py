@@ -212,6 +212,27 @@ def test_user_command_reports_through_the_runner(tmp_path: Path, user_script: Pa
     assert status.log_tail[-1] == "finished"
 
 
+def test_a_command_runs_supervisor_never_loads_torch(tmp_path: Path) -> None:
+    """The supervisor lives as long as the run: with torch loaded it held about 200 MB a
+    run, and a host with many command runs live ran out of memory (issue 39). The
+    precision is chosen in a short-lived probe instead, and still said."""
+    seen = tmp_path / "parent_maps"
+    probe = (
+        "import os, sys; open(sys.argv[1], 'w').write(open(f'/proc/{os.getppid()}/maps').read())"
+    )
+    path = tmp_path / "status.json"
+    done = run_runner(
+        "--status-file", path, "--", sys.executable, "-c", probe, seen, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == EXIT_DONE, done.stderr
+    maps = seen.read_text()
+    assert "python" in maps  # it was the supervisor's map that was read
+    assert "libtorch" not in maps and "torch/lib" not in maps
+    status = _final(path)
+    assert status.precision == "fp32" and status.device == "cpu"
+    assert status.precision_reason is not None and status.precision_reason.startswith("auto: ")
+
+
 def test_user_command_failure_is_reported_with_its_log(tmp_path: Path, user_script: Path) -> None:
     path = tmp_path / "status.json"
     done = run_runner(
