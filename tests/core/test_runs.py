@@ -4,17 +4,22 @@ a failing command; dispatch exactly once with two workers racing."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from bot.app.runs import LocalAccess, RunService
+from bot.app.runs import poll as poll_module
 from bot.app.runs.inputs import scheduler_inputs
 from bot.app.service import GpuService
 from bot.domain.commands import Cancel, Logs, Queue, Reserve, Run
@@ -83,6 +88,62 @@ def test_a_user_command_runs_reports_and_finishes_with_a_dm(
         ivs = s.exec(select(UsageInterval).where(UsageInterval.run_id == rid)).all()
     assert len(ivs) == 1 and ivs[0].ended_at is not None, (
         "the run's GPU-time is on record and closed"
+    )
+
+
+def test_watched_runs_are_read_within_a_budget_and_an_end_is_read_at_once(
+    sqlite_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With many runs live, a poll reads the status of at most LOOK_BUDGET of those a
+    watcher waits on, the longest unread first (200 SSH reads a tick took 14 s: issue
+    39); a run whose watcher saw it end is read at the next poll all the same."""
+    monkeypatch.setattr(poll_module, "LOOK_BUDGET", 2)
+    svc, _ = make_service(sqlite_engine, [local_host(5)], places=runs_here(tmp_path / "runs"))
+    runs = svc.runs
+    a = actor(svc, "alice")
+    sleep = (sys.executable, "-c", "import time; time.sleep(600)")
+    rids = [runs.submit(a, Run(command=sleep)).extra["run_id"] for _ in range(5)]
+    run_until(runs, lambda: all(state(sqlite_engine, r).state == "running" for r in rids))
+    executor = runs.ctx.executor
+    placements = {r: dict(state(sqlite_engine, r).placement) for r in rids}
+    deadline = time.monotonic() + 60
+    while not all(executor.watched(r, placements[r]) for r in rids):
+        assert time.monotonic() < deadline, "the runs were never watched"
+        runs.poll()
+        time.sleep(0.1)
+    looked: list[int] = []
+    real_look = executor.look
+
+    def counting(placement: dict[str, Any]) -> Any:
+        looked.append(int(placement["pgid"]))
+        return real_look(placement)
+
+    monkeypatch.setattr(executor, "look", counting)
+    by_pgid = {int(p["pgid"]): r for r, p in placements.items()}
+    seen: list[set[int]] = []
+    for _ in range(3):
+        looked.clear()
+        assert runs.poll() == 0
+        seen.append({by_pgid[g] for g in looked})
+    assert [len(s) for s in seen] == [2, 2, 2]
+    assert seen[0] | seen[1] | seen[2] == set(rids)  # round robin: each read in turn
+
+    # One ends: its watcher asks for a tick, and that poll reads and finishes it.
+    unread = next(r for r in rids if r not in seen[2])
+    os.killpg(int(placements[unread]["pgid"]), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while executor.ended_at(unread, placements[unread]) is None:
+        assert time.monotonic() < deadline, "the watcher never saw the end"
+        time.sleep(0.05)
+    looked.clear()
+    assert runs.poll() == 1
+    assert state(sqlite_engine, unread).state == "failed"
+    assert unread in {by_pgid[g] for g in looked}
+    for r in rids:
+        if r != unread:
+            runs.cancel(a, Cancel(r))
+    run_until(
+        runs, lambda: all(state(sqlite_engine, r).state == "cancelled" for r in rids if r != unread)
     )
 
 
@@ -263,7 +324,6 @@ def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
     """The scheduler's Preempt through the worker: SIGTERM via the real local runner, the
     run requeued (not failed) with a DM saying why, the claimant started, and the
     preempted run back on the GPU once the claimant is done."""
-    from datetime import timedelta
 
     svc, clock = make_service(engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
     runs = svc.runs
@@ -300,7 +360,6 @@ def test_a_hog_is_preempted_with_a_checkpoint_and_resumes_after(
 
 
 def test_runs_that_cannot_resume_are_never_preempted(sqlite_engine: Engine, tmp_path: Path) -> None:
-    from datetime import timedelta
 
     svc, clock = make_service(sqlite_engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
     runs = svc.runs
@@ -325,7 +384,6 @@ def test_a_run_whose_owner_says_it_checkpoints_is_preempted_and_requeued(
 ) -> None:
     """`--checkpoints`: a user's own command that saves on SIGTERM is movable like a
     recipe; it is requeued to resume, not failed."""
-    from datetime import timedelta
 
     engine = sqlite_engine
     svc, clock = make_service(engine, [local_host(1)], places=runs_here(tmp_path / "runs"))
@@ -358,7 +416,6 @@ def test_the_worker_predicts_run_times_from_the_teams_finished_runs(
 ) -> None:
     """No --max: the scheduler's estimates come from finished runs of the same user and
     size (`RunHistory`), as in `gpubot simulate --estimates none`, not from nothing."""
-    from datetime import timedelta
 
     from db.session import transaction
 
@@ -403,7 +460,6 @@ def test_a_run_sent_back_in_line_carries_how_long_it_ran_to_the_scheduler(
     behind ones that never ran and is not moved again before it has run that long once
     more); production keeps the same figure: each segment's length, summed as the run is
     requeued, and given to the scheduler for the waiting run."""
-    from datetime import timedelta
 
     from bot.domain import views
     from db.session import transaction
@@ -448,7 +504,6 @@ def test_a_run_stopped_at_its_limit_keeps_its_checkpoint_and_resume_goes_on_from
     keeps that checkpoint, its DM says the step and `/gpu run --resume ID`; the resumed
     run is run ID again (same recipe and settings) and starts from that step. Only its
     owner may resume it, only once it has ended, only from a checkpoint."""
-    from datetime import timedelta
 
     from training.status import parse_status
 

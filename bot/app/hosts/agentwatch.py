@@ -27,7 +27,9 @@ import logging
 import os
 import posixpath
 import shutil
+import threading
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path, PurePosixPath
@@ -37,7 +39,8 @@ from sqlmodel import col, select
 
 from bot.app.hosts.hostagent import (
     AgentReport,
-    host_holds,
+    HostHolds,
+    holds_by_host,
     node_hosts,
     read_agent_report,
     renew_lease,
@@ -114,10 +117,49 @@ class WatchReport:
 # --- the pass over the hosts ------------------------------------------------------------
 
 
-def watch_hosts(runs: WatchedRuns, providers: Collection[str]) -> WatchReport:
+# A lease whose holds have not changed is written again after this long (the agent stops
+# a host only after `AgentInstall.lease_s`, 900 s by default, without one); a change of
+# holds is written at the next poll. Written every poll, 50 hosts' leases were 50 SSH
+# writes every 15 s for nothing new.
+RENEW_EVERY_S = 60.0
+# Hosts watched in parallel in one pass.
+WATCH_THREADS = 8
+
+
+class Leases:
+    """The leases this worker wrote, by host: what they held and when (the bot's clock,
+    the lease's own `renewed_at`)."""
+
+    def __init__(self, every_s: float = RENEW_EVERY_S) -> None:
+        self.every_s = every_s
+        self._written: dict[str, tuple[HostHolds, datetime]] = {}
+        self._lock = threading.Lock()
+
+    def due(self, host: str, holds: HostHolds, now: datetime) -> bool:
+        with self._lock:
+            last = self._written.get(host)
+        if last is None or last[0] != holds:
+            return True
+        age = (now - last[1]).total_seconds()
+        return age >= self.every_s or age < 0
+
+    def wrote(self, host: str, holds: HostHolds, now: datetime) -> None:
+        with self._lock:
+            self._written[host] = (holds, now)
+
+    def forget(self, host: str) -> None:
+        with self._lock:
+            self._written.pop(host, None)
+
+
+def watch_hosts(
+    runs: WatchedRuns, providers: Collection[str], leases: Leases | None = None
+) -> WatchReport:
     """Renew the lease of every host of these providers (those whose hosts run the agent)
     and act on its agent's report; never raises SSH errors (each is logged and counted),
-    so a dead host cannot stop the poll."""
+    so a dead host cannot stop the poll. With `leases`, a lease is written only when its
+    holds changed or it is `RENEW_EVERY_S` old; without, on every pass. Hosts are
+    watched in parallel (`WATCH_THREADS`), each on its own connection."""
     report = WatchReport()
     now = runs.core.clock.now()
     with transaction(runs.engine, write=False) as s:
@@ -145,31 +187,53 @@ def watch_hosts(runs: WatchedRuns, providers: Collection[str]) -> WatchReport:
             )
             if state == HOST_READY or host_id in holding or name in nodes_on
         ]
-    for host_id, name in hosts:
+        holds = holds_by_host(s, [host_id for host_id, _ in hosts])
+
+    def one(host: tuple[int, str]) -> None:
+        host_id, name = host
         try:
-            _watch_host(runs, host_id, name, now, report)
+            _watch_host(runs, host_id, name, holds[host_id], now, report, leases)
         except SshError as exc:
             log.warning("host agent on %s: %s", name, exc)
             report.errors.append(f"{name}: {exc}")
+        except Exception as exc:  # one host's failure must not hide the others' reports
+            log.exception("host agent on %s", name)
+            report.errors.append(f"{name}: {exc}")
+
+    if len(hosts) < 2:
+        for host in hosts:
+            one(host)
+    else:
+        with ThreadPoolExecutor(min(WATCH_THREADS, len(hosts)), "agent-watch") as pool:
+            list(pool.map(one, hosts))
     return report
 
 
 def _watch_host(
-    runs: WatchedRuns, host_id: int, name: str, now: datetime, report: WatchReport
+    runs: WatchedRuns,
+    host_id: int,
+    name: str,
+    holds: HostHolds,
+    now: datetime,
+    report: WatchReport,
+    leases: Leases | None,
 ) -> None:
     seat = runs.access.runner_for(name)
     if seat is None:
         return
     runner, target, runs_dir = seat.runner, seat.target, seat.runs_dir
     agent_dir = str(runs_dir.parent / "agent")  # bootstrap puts both under one root
-    with transaction(runs.engine, write=False) as s:
-        holds = host_holds(s, host_id)
-    try:
-        renew_lease(runner, target, holds, now, agent_dir=agent_dir)
-        report.renewed.append(name)
-    except SshError as exc:  # the report may still be readable; the next poll renews
-        log.warning("could not renew the lease on %s: %s", name, exc)
-        report.errors.append(f"{name}: lease: {exc}")
+    if leases is None or leases.due(name, holds, now):
+        try:
+            renew_lease(runner, target, holds, now, agent_dir=agent_dir)
+            report.renewed.append(name)
+            if leases is not None:
+                leases.wrote(name, holds, now)
+        except SshError as exc:  # the report may still be readable; the next poll renews
+            if leases is not None:
+                leases.forget(name)
+            log.warning("could not renew the lease on %s: %s", name, exc)
+            report.errors.append(f"{name}: lease: {exc}")
     agent = read_agent_report(runner, target, now, agent_dir=agent_dir)
     if agent.heartbeat_age_s is not None and agent.heartbeat_age_s > STALE_HEARTBEAT_S:
         log.warning(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -51,6 +51,7 @@ __all__ = [
     "LostRun",
     "ReservationHold",
     "RunHold",
+    "holds_by_host",
     "host_holds",
     "read_agent_report",
     "renew_lease",
@@ -71,30 +72,55 @@ class HostHolds:
 
 def host_holds(s: Session, host_id: int) -> HostHolds:
     """What the database says the bot holds on a host: active reservations, live runs."""
-    reservations = tuple(
-        ReservationHold(str(r.id), r.ends_at.timestamp() if r.ends_at is not None else None)
-        for r in s.exec(
-            select(Reservation)
-            .where(Reservation.host_id == host_id, Reservation.state == RES_ACTIVE)
-            .order_by(col(Reservation.id))
-        )
-    )
+    return holds_by_host(s, [host_id]).get(host_id, HostHolds())
+
+
+def holds_by_host(s: Session, host_ids: Collection[int]) -> dict[int, HostHolds]:
+    """`host_holds` of each of these hosts, read in one pass: one host at a time read every
+    live run once a host, 10,000 rows a poll with 200 runs on 50 hosts (issue 39)."""
+    wanted = set(host_ids)
+    if not wanted:
+        return {}
+    names = {
+        host_id: name
+        for host_id, name in s.exec(
+            select(Host.id, Host.name).where(col(Host.id).in_(list(wanted)))
+        ).all()
+        if host_id is not None
+    }
+    by_name = {name: host_id for host_id, name in names.items()}
+    reservations: dict[int, list[ReservationHold]] = {}
+    for r in s.exec(
+        select(Reservation)
+        .where(col(Reservation.host_id).in_(list(wanted)), Reservation.state == RES_ACTIVE)
+        .order_by(col(Reservation.id))
+    ):
+        assert r.host_id is not None
+        until = r.ends_at.timestamp() if r.ends_at is not None else None
+        reservations.setdefault(r.host_id, []).append(ReservationHold(str(r.id), until))
     # A run over several hosts is held on each of them (its row names node 0's host; the
     # other nodes are in its placement), each with that node's own process group.
-    host = s.get(Host, host_id)
-    name = host.name if host is not None else None
-    runs = []
-    for r in s.exec(
+    runs: dict[int, list[RunHold]] = {}
+    for run in s.exec(
         select(TrainingRun)
         .where(col(TrainingRun.state).in_(RUN_ON_HOST))
         .order_by(col(TrainingRun.id))
     ):
-        node = next((n for n in r.placement.get("nodes", [])[1:] if n.get("host") == name), None)
-        if r.host_id != host_id and node is None:
-            continue
-        pgid = (node or r.placement).get("pgid")
-        runs.append(RunHold(str(r.id), int(pgid) if pgid is not None else None))
-    return HostHolds(reservations=reservations, runs=tuple(runs))
+        nodes = run.placement.get("nodes", [])[1:]
+        on = {run.host_id} | {by_name.get(str(n.get("host"))) for n in nodes}
+        for host_id in sorted(h for h in on if h is not None and h in wanted):
+            node = next((n for n in nodes if n.get("host") == names.get(host_id)), None)
+            pgid = (node or run.placement).get("pgid")
+            runs.setdefault(host_id, []).append(
+                RunHold(str(run.id), int(pgid) if pgid is not None else None)
+            )
+    return {
+        host_id: HostHolds(
+            reservations=tuple(reservations.get(host_id, ())),
+            runs=tuple(runs.get(host_id, ())),
+        )
+        for host_id in wanted
+    }
 
 
 def node_hosts(placement: Mapping[str, Any]) -> set[str]:

@@ -164,6 +164,12 @@ class RunExecutor(Protocol):
         """When its end was seen (the bot's clock), or None."""
         ...
 
+    def watched(self, run_id: int, placement: dict[str, Any]) -> bool:
+        """Whether a watcher is waiting on the run's end now, and will ask for a tick when
+        it ends: the poll may then read its status less often than every tick
+        (bot.app.runs.poll's look budget). False where nothing watches it that way."""
+        ...
+
 
 @runtime_checkable
 class GroupStarts(Protocol):

@@ -17,7 +17,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bot.app.hosts.agentwatch import download_checkpoints, upload_checkpoints, watch_hosts
+from bot.app.hosts.agentwatch import (
+    Leases,
+    download_checkpoints,
+    upload_checkpoints,
+    watch_hosts,
+)
 from bot.app.ports import HostAccess, HostSeat, PlaceRequest, refuse_place_options
 from bot.app.runs.command import runner_command
 from bot.app.runs.executor import Look, PrepareCode, StartFailed
@@ -58,6 +63,7 @@ class ProcessExecutor:
         self.access = access
         self.agents = agents
         self.watchers = ExitWatchers(access, clock, nudge)
+        self.leases = Leases()
 
     # --- where runs go ------------------------------------------------------------------
 
@@ -199,6 +205,7 @@ class ProcessExecutor:
         # and was failed instead of finished.
         alive = seat.runner.is_alive(seat.target, int(placement["pgid"]))
         raw = seat.runner.read_file(seat.target, placement["status"])
+        self.watchers.read(str(placement.get("host", "")), int(placement["pgid"]))
         status = parse_status(raw.decode("utf-8", "replace")) if raw else None
         return Look(alive=alive, status=status)
 
@@ -275,7 +282,7 @@ class ProcessExecutor:
         if not self.agents:
             return
         try:
-            watched = watch_hosts(records, self.agents)
+            watched = watch_hosts(records, self.agents, self.leases)
             if watched.interrupted or watched.requeued or watched.draining:
                 log.info("host agents: %s", watched)
         except Exception:  # never fatal: the runs are still polled
@@ -290,6 +297,13 @@ class ProcessExecutor:
 
     def keep_watching(self, run_ids: Iterable[int]) -> None:
         self.watchers.keep_only(run_ids)
+
+    def watched(self, run_id: int, placement: dict[str, Any]) -> bool:
+        # One watcher per node; a run over several hosts is looked at every tick (its
+        # other nodes' ends are read there, `failed_node`).
+        if "pgid" not in placement or placement.get("nodes"):
+            return False
+        return self.watchers.waiting(run_id, str(placement["host"]), int(placement["pgid"]))
 
     def ended_at(self, run_id: int, placement: dict[str, Any]) -> datetime | None:
         if "pgid" not in placement:

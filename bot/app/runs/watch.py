@@ -59,6 +59,9 @@ class _Watch:
     # Node 0's status file while its first figures are awaited; None once seen (or
     # for another node, whose status is not the run's).
     status: str | None = None
+    # It is in a wait on the host (set as each wait starts, cleared on an SSH error): only
+    # then does it stand in for the poll's look.
+    waiting: bool = False
 
 
 class ExitWatchers:
@@ -80,6 +83,8 @@ class ExitWatchers:
         self.retry_s = retry_s
         self._watches: dict[Key, _Watch] = {}
         self._exited: dict[Key, datetime] = {}
+        # Runs whose first figures a watcher saw and the poll has not read yet.
+        self._figured: set[Key] = set()
         self._lock = threading.Lock()
 
     def ensure(self, run_id: int, host: str, pgid: int, status: str | None = None) -> None:
@@ -107,6 +112,28 @@ class ExitWatchers:
         with self._lock:
             return self._exited.get((run_id, host, pgid))
 
+    def waiting(self, run_id: int, host: str, pgid: int) -> bool:
+        """Whether a watcher is waiting on this process now (its thread alive, the host
+        answering: a watcher retrying an unreachable host is not waiting) and has nothing
+        for the poll: it has not seen it gone, nor its first figures unread."""
+        key = (run_id, host, pgid)
+        with self._lock:
+            if key in self._exited or key in self._figured:
+                return False
+            found = self._watches.get(key)
+            return (
+                found is not None
+                and found.thread is not None
+                and found.thread.is_alive()
+                and found.waiting
+            )
+
+    def read(self, host: str, pgid: int) -> None:
+        """The poll read this process's status: its first figures, if a watcher saw
+        them, are read."""
+        with self._lock:
+            self._figured = {k for k in self._figured if k[1:] != (host, pgid)}
+
     def keep_only(self, run_ids: Iterable[int]) -> None:
         """Stops the watchers of every run but these (the poll's running runs) and forgets
         the others' exit times."""
@@ -116,6 +143,7 @@ class ExitWatchers:
                 self._watches.pop(k).stop.set()
             for k in [k for k in self._exited if k[0] not in wanted]:
                 del self._exited[k]
+            self._figured = {k for k in self._figured if k[0] in wanted}
 
     def watching(self) -> list[Key]:
         with self._lock:
@@ -141,6 +169,7 @@ class ExitWatchers:
                     stop.wait(self.retry_s)
                     continue
                 early = watch.status is not None and time.monotonic() < early_until
+                watch.waiting = True
                 gone = seat.runner.wait_gone(
                     seat.target, pgid, EARLY_WAIT_S if early else self.wait_s
                 )
@@ -149,9 +178,12 @@ class ExitWatchers:
                     status = parse_status(raw.decode("utf-8", "replace")) if raw else None
                     if status is not None and has_figures(status):
                         watch.status = None
+                        with self._lock:
+                            self._figured.add(key)
                         log.info("run %s has its first figures; asking for a tick", run_id)
                         self.nudge()
             except SshError as exc:
+                watch.waiting = False
                 log.info("watching run %s on %s: %s; looking again soon", run_id, host, exc)
                 stop.wait(self.retry_s)
                 continue

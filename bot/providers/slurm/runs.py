@@ -845,6 +845,11 @@ class SlurmExecutor:
             for rid in [r for r in self._watched if r not in wanted]:
                 del self._watched[rid]
 
+    def watched(self, run_id: int, placement: dict[str, Any]) -> bool:
+        # Its look is one cached squeue read for all jobs (not one SSH read a run): the
+        # poll looks at every job each tick.
+        return False
+
     def ended_at(self, run_id: int, placement: dict[str, Any]) -> datetime | None:
         """Slurm's own end of the job (accounting, else squeue): what its GPUs are billed
         to, also when the bot was down across it."""
