@@ -334,6 +334,10 @@ class Settings(BaseSettings):
     status_cache_s: Annotated[
         float, Env("GPUBOT_STATUS_CACHE_SECONDS"), _number(0.0, 60.0, "seconds")
     ] = 1.0
+    # A run that fails on a host with less free disk than this where runs live there
+    # fails "disk full on HOST", and the host takes nothing new until a check finds
+    # this much free again (bot.app.hosts.room).
+    min_free_mb: Annotated[float, Env("GPUBOT_MIN_FREE_MB"), _number(0.0, 1e9, "MB")] = 256.0
     # The team's time zone, for the digest and for "today"/"this week".
     timezone: Annotated[str, Env("GPUBOT_TIMEZONE"), _rule(_timezone)] = "UTC"
     # --- the fleet (EC2) -----------------------------------------------------------

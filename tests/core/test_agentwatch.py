@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +32,7 @@ from sqlmodel import Session, col, select
 from bot.app.config import load_settings
 from bot.app.hosts import agentwatch
 from bot.app.hosts.hostagent import host_holds
+from bot.app.hosts.hostcheck import HostChecker
 from bot.app.hosts.remote import PreparedHost
 from bot.app.runs.processes import ProcessExecutor
 from bot.domain.commands import Cancel, Reserve, Run
@@ -350,3 +352,74 @@ def test_a_run_that_always_asks_to_resume_fails_after_the_cap(
     assert run.state == "failed" and run.exit_code == 75
     assert len([d for d in _dms(local_rt, "alice") if "back in line" in d]) == 2
     assert "starts again from step 0: it had no checkpoint yet" in _dms(local_rt, "alice")[1]
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, size: str) -> Iterator[None]:
+    """A filesystem of `size` of its own at `path` (a tmpfs: needs root, as CI has)."""
+    path.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {made.stderr.strip()}")
+    try:
+        yield
+    finally:
+        _kill_run_processes(path)
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_disk_fails_the_run_by_name_and_the_host_takes_nothing_until_it_has_room(
+    bench_for: Callable[..., Bench], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39: a run that fills its host's disk fails with "disk full on HOST" (not a
+    run that vanished without a status), its owner is told so, and the host is taken out
+    of placements while its SSH still serves the runs on it, until a check finds room."""
+    monkeypatch.setenv("GPUBOT_MIN_FREE_MB", "1")
+    bench = bench_for(gpu_a="2xcpu")
+    runs_dir = bench.roots["gpu-a"] / "runs"
+    with _small_disk(runs_dir, "4m"):
+        alice = bench.rt.service.actor("alice")
+        fill = "open('fill', 'wb').write(b'x' * (8 << 20))"  # twice the disk, in its run dir
+        rid = bench.runs.submit(alice, Run(command=(sys.executable, "-c", fill), model="cpu"))
+        run_id = rid.extra["run_id"]
+        assert bench.runs.dispatch() == 1
+        deadline = time.monotonic() + 90
+        while bench.run(run_id).state not in ("failed", "succeeded"):
+            assert time.monotonic() < deadline, bench.run(run_id)
+            bench.runs.poll()
+            time.sleep(0.2)
+        run = bench.run(run_id)
+        assert run.state == "failed"
+        error = str(run.metrics.get("summary", {}).get("error") or "")
+        assert error.startswith("disk full on gpu-a: "), run.metrics
+        assert any("disk full on gpu-a" in text for text in bench.dms("alice"))
+        with Session(bench.rt.engine) as s:
+            host = s.exec(select(Host).where(Host.name == "gpu-a")).one()
+        assert host.state == "unreachable" and host.down_since is None
+        assert (host.down_reason or "").startswith("disk full on gpu-a")
+
+        # Nothing new goes there while it is full; a check that still finds it full keeps it so.
+        queued = bench.runs.submit(alice, Run(command=("true",), model="cpu")).extra["run_id"]
+        assert bench.runs.dispatch() == 0
+        (checker,) = bench.rt.service.places.checkers
+        assert isinstance(checker, HostChecker)
+        assert not checker.check("gpu-a").ok
+        assert bench.run(queued).state == "queued"
+
+        # Room again (the owner cleaned up): the next check brings it back, the run starts.
+        for filler in runs_dir.rglob("fill"):
+            filler.unlink()
+        assert checker.check("gpu-a").ok
+        with Session(bench.rt.engine) as s:
+            host = s.exec(select(Host).where(Host.name == "gpu-a")).one()
+        assert host.state == "ready" and host.down_reason is None
+        assert bench.runs.dispatch() == 1
+        deadline = time.monotonic() + 90
+        while bench.run(queued).state != "succeeded":
+            assert time.monotonic() < deadline, bench.run(queued)
+            bench.runs.poll()
+            time.sleep(0.2)

@@ -32,6 +32,7 @@ backoff (the fleet stops one that never answers, `BOOT_TIMEOUT`). A failed setup
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
+from bot.app.hosts import room
 from bot.app.hosts.remote import RemoteAccess
 from bot.app.money.billing import note_host_state
 from bot.app.service import GpuService
@@ -61,7 +63,7 @@ from db.models import (
 from db.session import transaction
 from provisioning.base import GpuDevice, Instance, ProvisioningError
 from provisioning.hosts import StaticHost, parse_inventory
-from provisioning.ssh import SshError
+from provisioning.ssh import SshError, SshTarget
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,9 @@ class CheckResult:
     # A cloud instance still booting (or gone meanwhile): nothing failed, nothing changes
     # but the time of its next check.
     booting: bool = False
+    # It answers, but has less free disk than `min_free_mb` where runs live (bot.app.hosts.room):
+    # out of the pool at once, its SSH still used for the runs on it.
+    full: bool = False
 
 
 def cpu_only(gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
@@ -202,7 +207,7 @@ class HostChecker:
         elif result.ok:
             self._up(result) if static else self._ready(result)
         else:
-            self._failed(result, at_once=result.reason.startswith("setup failed"))
+            self._failed(result, at_once=result.reason.startswith("setup failed") or result.full)
         return result
 
     def _probe(self, name: str) -> CheckResult:
@@ -223,6 +228,9 @@ class HostChecker:
             return CheckResult(name, ok=False, reason=f"unreachable: {exc}")
         except ProvisioningError as exc:
             return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
+        full = self._room(name, target, prepared.root)
+        if full is not None:
+            return full
         if static.gpus:
             return CheckResult(name, ok=True, gpus=static.gpus)
         python = prepared.interpreter()  # the host's own venv and code
@@ -260,12 +268,25 @@ class HostChecker:
                 name, ok=False, reason=f"unreachable: `true` exited {alive.exit_code}"
             )
         try:
-            self.access.prepare_now(name, target)
+            prepared = self.access.prepare_now(name, target)
         except SshError as exc:
             return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
         except ProvisioningError as exc:
             return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
-        return CheckResult(name, ok=True)
+        return self._room(name, target, prepared.root) or CheckResult(name, ok=True)
+
+    def _room(self, name: str, target: SshTarget, root: str) -> CheckResult | None:
+        """A failed check when the disk where runs live has less than `min_free_mb` free;
+        None when it has room, or cannot tell."""
+        runs = posixpath.join(root, "runs")
+        try:
+            free = room.free_mb(self.access.runner, target, runs)
+        except SshError as exc:
+            return CheckResult(name, ok=False, reason=f"unreachable: {exc}")
+        if not room.is_full(free, self.service.settings):
+            return None
+        assert free is not None
+        return CheckResult(name, ok=False, reason=room.full_reason(name, runs, free), full=True)
 
     # --- what a check changes ---------------------------------------------------------------
 
@@ -334,6 +355,7 @@ class HostChecker:
             )
         wanted = sorted((g.index, g.model) for g in result.gpus)
         was_down = host is not None and host.state == HOST_UNREACHABLE
+        was_full = was_down and host is not None and room.FULL_PREFIX in (host.down_reason or "")
         if host is None or host.state != HOST_READY or present != wanted:
             self.service.sync_hosts([self._instance(result.host, result.gpus, HOST_READY)])
         with transaction(self.service.engine) as s:
@@ -345,8 +367,9 @@ class HostChecker:
             s.add(row)
         if was_down:
             log.warning("host %s answers again; it is ready", result.host)
+            again = "has room on its disk again" if was_full else "answers again"
             self.service.notify_channel(
-                _text(f"Host {result.host} answers again and is back in the pool."),
+                _text(f"Host {result.host} {again} and is back in the pool."),
                 dedupe=f"host-up:{result.host}:{now.isoformat()}",
             )
 
@@ -365,7 +388,8 @@ class HostChecker:
             if row.state in (HOST_STOPPED, HOST_TERMINATED):
                 return  # stopped or ended while it was checked: nothing is down
             row.check_failures += 1
-            row.down_since = row.down_since or now
+            # A full host answers: its runs are still read through it (runner_for).
+            row.down_since = None if result.full else row.down_since or now
             row.down_reason = result.reason[:300]
             row.next_check_at = now + backoff(row.check_failures)
             failures = row.check_failures
@@ -377,9 +401,15 @@ class HostChecker:
                 s.add(row)
                 s.flush()
                 note_host_state(s, row, now, self.service.settings)
-                announce = self._tell_waiting(s, row, now)
+                if result.full:
+                    announce = (
+                        f"Host {row.name}: {result.reason}. Nothing new is granted or started "
+                        "there until it has room; the runs on it go on."
+                    )
+                else:
+                    announce = self._tell_waiting(s, row, now)
             s.add(row)
-            dedupe = f"host-down:{row.name}:{row.down_since.isoformat()}"
+            dedupe = f"host-down:{row.name}:{(row.down_since or now).isoformat()}"
         if announce is not None:
             self.service.notify_channel(_text(announce), dedupe=dedupe)
         log.warning(

@@ -164,6 +164,12 @@ class RunExecutor(Protocol):
         """When its end was seen (the bot's clock), or None."""
         ...
 
+    def free_mb(self, placement: dict[str, Any]) -> float | None:
+        """Free megabytes on the disk where the run's directory is (node 0's host), read
+        when a run ends failed (bot.app.hosts.room); None where the place cannot tell or
+        keeps its disks itself (a cluster). Raises SshError when it cannot be asked."""
+        ...
+
     def watched(self, run_id: int, placement: dict[str, Any]) -> bool:
         """Whether a watcher is waiting on the run's end now, and will ask for a tick when
         it ends: the poll may then read its status less often than every tick

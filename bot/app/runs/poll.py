@@ -14,6 +14,7 @@ from typing import Any
 from sqlmodel import col, select
 
 from bot.app.burst import state as burst_state
+from bot.app.hosts import room
 from bot.app.hosts.agentwatch import (
     checkpoint_dir,
     requeue_resumable,
@@ -306,6 +307,12 @@ class Poller:
             if node_failed is not None and state == RUN_FAILED:
                 summary["error"] = node_failed
                 exit_code = exit_code or EXIT_FAILED
+            full = self._disk_full(placement) if state == RUN_FAILED and not several else None
+            if full is not None:
+                # Said first: whatever the program made of its ENOSPC comes after.
+                said = summary.get("error")
+                summary["error"] = f"{full}; {said}" if said else full
+                exit_code = exit_code or EXIT_FAILED
             # Out of GPU memory (exit 77): once more with half the batch; then the advice.
             if state == RUN_FAILED and exit_code == EXIT_OOM and node_failed is None:
                 if self._retry_oom(run.id, status, placement):
@@ -326,6 +333,24 @@ class Poller:
             self.records.finish(run.id, state, exit_code, summary, tail, status, ended)
             finished += 1
         return finished
+
+    def _disk_full(self, placement: dict[str, Any]) -> str | None:
+        """ "disk full on HOST: …" when the failed run's host has less room than
+        `min_free_mb` where the run lived, and the host marked full (bot.app.hosts.room);
+        None when it has room or cannot tell."""
+        settings = self.ctx.core.settings
+        try:
+            free = self.ctx.executor.free_mb(placement)
+        except SshError as exc:
+            log.info("could not read the free disk on %s: %s", placement.get("host"), exc)
+            return None
+        if not room.is_full(free, settings):
+            return None
+        assert free is not None
+        host = str(placement.get("host", ""))
+        reason = room.full_reason(host, str(placement.get("dir", "")), free)
+        room.mark_full(self.ctx.engine, settings, host, reason, self.ctx.core.clock.now())
+        return reason
 
     def _watch(self, rows: list[TrainingRun]) -> None:
         """Every started run watched (bot.app.runs.executor), nothing else: after a restart,

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bot.app.hosts import room
 from bot.app.hosts.agentwatch import (
     Leases,
     download_checkpoints,
@@ -297,6 +298,10 @@ class ProcessExecutor:
 
     def keep_watching(self, run_ids: Iterable[int]) -> None:
         self.watchers.keep_only(run_ids)
+
+    def free_mb(self, placement: dict[str, Any]) -> float | None:
+        seat = self._seat(placement)
+        return room.free_mb(seat.runner, seat.target, str(placement.get("dir") or seat.runs_dir))
 
     def watched(self, run_id: int, placement: dict[str, Any]) -> bool:
         # One watcher per node; a run over several hosts is looked at every tick (its

@@ -148,6 +148,9 @@ class RoutedExecutor:
     def ended_at(self, run_id: int, placement: dict[str, Any]) -> datetime | None:
         return self.of(placement).ended_at(run_id, placement)
 
+    def free_mb(self, placement: dict[str, Any]) -> float | None:
+        return self.of(placement).free_mb(placement)
+
     def watched(self, run_id: int, placement: dict[str, Any]) -> bool:
         return self.of(placement).watched(run_id, placement)
 

@@ -845,6 +845,9 @@ class SlurmExecutor:
             for rid in [r for r in self._watched if r not in wanted]:
                 del self._watched[rid]
 
+    def free_mb(self, placement: dict[str, Any]) -> float | None:
+        return None  # the cluster's disks are its admins' (a job's own error says)
+
     def watched(self, run_id: int, placement: dict[str, Any]) -> bool:
         # Its look is one cached squeue read for all jobs (not one SSH read a run): the
         # poll looks at every job each tick.
