@@ -44,7 +44,7 @@ from tests.ssh_hosts import SshdUnavailable, start_lab
 HOSTS = int(os.environ.get("GPUBOT_BENCH_LIVE_HOSTS", "50"))
 GPUS_PER_HOST = 8
 # The 0, 50 and 200 on 50 hosts. Every run's own processes are on this machine too
-# (`runs_rss_mb`): about 17 MB a run since the runner's supervisor stopped importing torch
+# (`runs_rss_mb`): about 19 MB a run since the runner's supervisor stopped importing torch
 # (about 200 MB before, when 200 runs did not fit this machine's 24 GB).
 # GPUBOT_BENCH_LIVE_SIZES=0,10,20 (and GPUBOT_BENCH_LIVE_HOSTS=5): a smaller look.
 SIZES = tuple(int(n) for n in os.environ.get("GPUBOT_BENCH_LIVE_SIZES", "0,50,200").split(","))
