@@ -86,6 +86,14 @@ class Poller:
         optional.sort(key=lambda r: (self._looked.get(r.id or 0, -1), r.id or 0))
         return must | {r.id for r in optional[:LOOK_BUDGET] if r.id is not None}
 
+    def _places_itself(self, placement: dict[str, Any]) -> bool:
+        """A run on a place whose own scheduler places runs (a cluster): its looks share
+        one read of the controller, which must not be asked from eight threads at once."""
+        executor = self.ctx.executor
+        if isinstance(executor, RoutedExecutor):
+            return executor.of(placement).places
+        return executor.places
+
     def _look_ahead(self, rows: list[TrainingRun]) -> dict[int, Look | SshError]:
         """Reads the runs' statuses on their hosts in parallel, a host's runs in turn:
         one by one, 200 live runs' reads took about 70 ms each. Only runs the poll will
@@ -185,6 +193,7 @@ class Poller:
                 and "interrupted" not in r.placement
                 and not r.placement.get("nodes")
                 and executor.started(r.placement)
+                and not self._places_itself(r.placement)
             ]
         )
         for run in rows:
