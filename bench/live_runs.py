@@ -48,7 +48,7 @@ GPUS_PER_HOST = 8
 # (about 200 MB before, when 200 runs did not fit this machine's 24 GB).
 # GPUBOT_BENCH_LIVE_SIZES=0,10,20 (and GPUBOT_BENCH_LIVE_HOSTS=5): a smaller look.
 SIZES = tuple(int(n) for n in os.environ.get("GPUBOT_BENCH_LIVE_SIZES", "0,50,200").split(","))
-TICKS = 9
+TICKS = 20
 GUARD_S = 300.0  # a hang, not a figure
 GOALS = {"tick_p99_s": 1.0, "rss_mb": 300.0, "exit_to_dm_s": 5.0}
 
@@ -123,7 +123,15 @@ def _measure(rt: Runtime, client: SshClient, tmp: Path) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {len(_live(rt))} of {size} runs started")
             _tick(rt, notifier)
-        for _ in range(2):  # settled: the watchers made, the first figures read
+        # Settled: every runner past its precision probe (its status file written), so
+        # the ticks measured are not sharing the two cores with 200 torch imports (on a
+        # deployment each host has its own); then the watchers made.
+        while not all(Path(r.placement["status"]).exists() for r in _live(rt)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the runs' status files were never all written")
+            _tick(rt, notifier)
+            time.sleep(0.5)
+        for _ in range(2):
             _tick(rt, notifier)
         ticks = sorted(_tick(rt, notifier) for _ in range(TICKS))
         out[str(size)] = {
