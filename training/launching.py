@@ -1,8 +1,8 @@
 """Starting processes for several-process runs, without torch.
 
 The runner's supervisor (training.runner `_launch`) lives for the whole run next to the
-user's command; importing torch there cost about 200 MB a run for nothing it uses, and a
-host with many command runs live ran out of memory on it (issue 39). What the
+user's command; importing torch there cost about 200 MB a run for nothing it uses (200
+command runs did not fit 24 GB: bench `live_runs`, issue 39). What the
 supervisor needs from DDP, the torchrun command line, whether this process is a
 torchrun worker and the interface towards node 0, is here; training.ddp keeps the parts
 that need torch and re-exports these.

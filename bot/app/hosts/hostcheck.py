@@ -32,7 +32,6 @@ backoff (the fleet stops one that never answers, `BOOT_TIMEOUT`). A failed setup
 from __future__ import annotations
 
 import logging
-import posixpath
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -228,7 +227,7 @@ class HostChecker:
             return CheckResult(name, ok=False, reason=f"unreachable: {exc}")
         except ProvisioningError as exc:
             return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
-        full = self._room(name, target, prepared.root)
+        full = self._room(name, target, prepared.runs_dir)
         if full is not None:
             return full
         if static.gpus:
@@ -273,12 +272,11 @@ class HostChecker:
             return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
         except ProvisioningError as exc:
             return CheckResult(name, ok=False, reason=f"setup failed: {exc}")
-        return self._room(name, target, prepared.root) or CheckResult(name, ok=True)
+        return self._room(name, target, prepared.runs_dir) or CheckResult(name, ok=True)
 
-    def _room(self, name: str, target: SshTarget, root: str) -> CheckResult | None:
+    def _room(self, name: str, target: SshTarget, runs: str) -> CheckResult | None:
         """A failed check when the disk where runs live has less than `min_free_mb` free;
         None when it has room, or cannot tell."""
-        runs = posixpath.join(root, "runs")
         try:
             free = room.free_mb(self.access.runner, target, runs)
         except SshError as exc:
@@ -355,7 +353,9 @@ class HostChecker:
             )
         wanted = sorted((g.index, g.model) for g in result.gpus)
         was_down = host is not None and host.state == HOST_UNREACHABLE
-        was_full = was_down and host is not None and room.FULL_PREFIX in (host.down_reason or "")
+        was_full = (
+            was_down and host is not None and (host.down_reason or "").startswith(room.FULL_PREFIX)
+        )
         if host is None or host.state != HOST_READY or present != wanted:
             self.service.sync_hosts([self._instance(result.host, result.gpus, HOST_READY)])
         with transaction(self.service.engine) as s:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -59,6 +60,11 @@ class PreparedHost:
     def interpreter(self) -> Interpreter:
         """What starts `python -m training.…` there (bot.app.ports.HostSeat hands it out)."""
         return Interpreter(self.python, self.code_dir)
+
+    @property
+    def runs_dir(self) -> str:
+        """Where runs live there (the seat's `runs_dir`; the checks read its free disk)."""
+        return posixpath.join(self.root, "runs")
 
 
 # (runner, target) -> the prepared host; raises ProvisioningError when it cannot be.
@@ -320,7 +326,7 @@ class RemoteAccess:
         if prepared is None:
             return None
         runner = _Reporting(self.runner, lambda exc: self.not_answering(host_name, str(exc)))
-        return HostSeat(runner, target, Path(prepared.root) / "runs", prepared.interpreter)
+        return HostSeat(runner, target, Path(prepared.runs_dir), prepared.interpreter)
 
     def not_answering(self, host_name: str, reason: str) -> None:
         """A dial to a ready host failed: no more dials to it but the checks' until one

@@ -64,13 +64,13 @@ def is_full(free: float | None, settings: Settings) -> bool:
     return free is not None and free < settings.min_free_mb
 
 
-def mark_full(engine: Engine, settings: Settings, host: str, reason: str, now: datetime) -> bool:
+def mark_full(engine: Engine, settings: Settings, host: str, reason: str, now: datetime) -> None:
     """Takes a host that answers out of placements and grants until a host check finds
-    room; True when it was ready until now (the caller announces it)."""
+    room (`down_reason` says so in `/gpu status`; the channel hears when it is back)."""
     with transaction(engine) as s:
         row = s.exec(select(Host).where(Host.name == host)).first()
         if row is None or row.state not in (HOST_READY, HOST_UNREACHABLE):
-            return False
+            return
         was_ready = row.state == HOST_READY
         row.state = HOST_UNREACHABLE
         row.down_reason = reason[:300]
@@ -83,4 +83,3 @@ def mark_full(engine: Engine, settings: Settings, host: str, reason: str, now: d
             note_host_state(s, row, now, settings)
     if was_ready:
         log.warning("host %s: %s; nothing new is placed there until it has room", host, reason)
-    return was_ready
